@@ -1,0 +1,96 @@
+"""`genie-daemon` command line: parse flags, pick devices, serve until signalled."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+import torch
+
+from .server import DaemonServer
+
+log = logging.getLogger("genie.daemon")
+
+READY_LINE = "GENIE_DAEMON_READY"
+
+
+def pick_devices(spec: str) -> list[torch.device]:
+    """`auto`: every CUDA GPU, else the CPU. Otherwise a comma list such as `cuda:0,cuda:1` or `cpu`."""
+    if spec == "auto":
+        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+            return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+        return [torch.device("cpu")]
+    devices = [torch.device(part.strip()) for part in spec.split(",") if part.strip()]
+    for d in devices:
+        if d.type == "cuda":
+            if not torch.cuda.is_available():
+                raise SystemExit(f"genie-daemon: {d} requested but CUDA is not available here")
+            if d.index is None:
+                raise SystemExit("genie-daemon: name CUDA devices with an index, e.g. cuda:0")
+        elif d.type != "cpu":
+            raise SystemExit(f"genie-daemon: unsupported device {d}")
+    return devices
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="genie-daemon", description="Execute Genie clients' tensor work on this node.")
+    p.add_argument("--listen", default=os.environ.get("GENIE_LISTEN", "tcp://127.0.0.1:5555"),
+                   help="ZeroMQ endpoint to bind: tcp://HOST:PORT (port 0 picks a free one) or ipc:///path")
+    p.add_argument("--device", default=os.environ.get("GENIE_DEVICE", "auto"),
+                   help="auto (all GPUs, else cpu), cpu, or a list such as cuda:0,cuda:1")
+    p.add_argument("--client-lease", type=float, default=60.0,
+                   help="seconds without a message after which a silent client's tensors are freed")
+    p.add_argument("--exit-with-parent", type=int, default=0, metavar="PID",
+                   help="exit when process PID is gone (used by the embedded daemon)")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--log-level", default=os.environ.get("GENIE_LOG_LEVEL", "INFO"))
+    return p.parse_args(argv)
+
+
+async def _watch_parent(pid: int, server: DaemonServer) -> None:
+    while True:
+        await asyncio.sleep(0.5)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            log.info("parent %d is gone; stopping", pid)
+            server.stop()
+            return
+        except PermissionError:
+            pass
+
+
+async def _run(args: argparse.Namespace) -> None:
+    devices = pick_devices(args.device)
+    server = DaemonServer(args.listen, devices, client_lease_s=args.client_lease)
+    endpoint = server.bind()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, server.stop)
+    watcher = asyncio.create_task(_watch_parent(args.exit_with_parent, server)) if args.exit_with_parent else None
+    log.info("serving %s on %s", ", ".join(map(str, devices)), endpoint)
+    print(f"{READY_LINE} {endpoint}", flush=True)
+    await server.serve()
+    if watcher:
+        watcher.cancel()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s genie-daemon[%(process)d] %(levelname)s %(message)s")
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    try:
+        import uvloop
+
+        uvloop.run(_run(args))
+    except ImportError:
+        asyncio.run(_run(args))
+
+
+if __name__ == "__main__":
+    main()

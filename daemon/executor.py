@@ -1,0 +1,191 @@
+"""Runs one client's `exec` request on a device: ops in order, on real tensors.
+
+Because ops are replayed in program order on real tensors, views alias and
+in-place writes land exactly as they would have in the client's program.
+A failing op poisons its outputs and the tensors it writes (see `handles`).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from genie.transport import protocol
+from genie.transport.errors import ProtocolError
+from genie.transport.protocol import DeviceRef, Exec, HandleRef, InlineTensor, OpCall
+from genie.transport.tensors import buffer_to_tensor, dtype_name, tensor_to_buffer
+
+from . import ops as op_table
+from .handles import ClientState, Poison
+
+log = logging.getLogger("genie.daemon")
+
+SEED_OP = "genie::manual_seed"
+
+
+class _Poisoned(Exception):
+    def __init__(self, poison: Poison) -> None:
+        self.poison = poison
+
+
+class Executor:
+    """Executes requests for all clients on this daemon's devices (one thread calls it)."""
+
+    def __init__(self, devices: list[torch.device]) -> None:
+        self.devices = devices
+
+    # ------------------------------------------------------------ exec
+
+    def run(self, client: ClientState, request: Exec, frames: list) -> tuple[dict, list]:
+        if request.device >= len(self.devices):
+            raise ProtocolError(f"device index {request.device} out of range ({len(self.devices)} devices)")
+        device = self.devices[request.device]
+        reported = None
+        for i, call in enumerate(request.ops):
+            last = request.report and i == len(request.ops) - 1
+            result = self._run_op(client, call, frames, device, raise_errors=last)
+            if last:
+                reported = self._describe(call.outs, result)
+        for handle in request.frees:
+            client.free(handle)
+        out_frames: list = []
+        fetched = [self._fetch(client, h, out_frames) for h in request.fetch]
+        return {"fetched": fetched, "report": reported}, out_frames
+
+    def _run_op(self, client: ClientState, call: OpCall, frames: list, device: torch.device, raise_errors: bool):
+        try:
+            if call.name == SEED_OP:
+                return self._seed(client, call, device)
+            op = op_table.resolve(call.name)
+            args = [self._resolve(client, a, frames, device, 0) for a in call.args]
+            kwargs = {k: self._resolve(client, v, frames, device, 0) for k, v in call.kwargs.items()}
+            if op_table.takes_generator(op) and kwargs.get("generator") is None:
+                kwargs["generator"] = client.generator(device)
+            result = op(*args, **kwargs)
+            self._store(client, call.outs, result, call.name)
+            return result
+        except _Poisoned as p:
+            # An input already failed: carry the original error forward.
+            self._poison(client, call, p.poison)
+            if raise_errors:
+                raise _RemoteOpError(p.poison) from None
+            return None
+        except ProtocolError:
+            raise
+        except Exception as e:  # the op itself failed: record it where the client will look
+            poison = Poison(call.name, type(e).__name__, str(e).strip())
+            log.debug("op %s failed: %s", call.name, e)
+            self._poison(client, call, poison)
+            if raise_errors:
+                raise _RemoteOpError(poison) from None
+            return None
+
+    def _seed(self, client: ClientState, call: OpCall, device: torch.device):
+        if len(call.args) != 1 or type(call.args[0]) is not int:
+            raise ProtocolError(f"{SEED_OP} takes one integer")
+        client.generator(device).manual_seed(call.args[0] & ((1 << 64) - 1))
+        return None
+
+    def _resolve(self, client: ClientState, value, frames: list, device: torch.device, depth: int):
+        if isinstance(value, HandleRef):
+            found = client.get(value.id)
+            if isinstance(found, Poison):
+                raise _Poisoned(found)
+            return found
+        if isinstance(value, list):
+            if depth >= protocol.MAX_NESTING:
+                raise ProtocolError("arguments nested too deeply")
+            return [self._resolve(client, v, frames, device, depth + 1) for v in value]
+        if isinstance(value, InlineTensor):
+            if value.frame >= len(frames):
+                raise ProtocolError(f"inline tensor refers to frame {value.frame}, message has {len(frames)}")
+            t = buffer_to_tensor(frames[value.frame].buffer, value.dtype, value.shape)
+            return t.to(device) if device.type != "cpu" else t
+        if isinstance(value, DeviceRef):
+            return device if value.type == "remote" else torch.device("cpu")
+        if isinstance(value, dict):
+            raise ProtocolError("maps are not valid operator arguments")
+        return value
+
+    def _store(self, client: ClientState, outs, result, name: str) -> None:
+        if outs is None:
+            return
+        if isinstance(outs, int):
+            if result is None:
+                return
+            if not isinstance(result, torch.Tensor):
+                raise ProtocolError(f"{name} returned {type(result).__name__}, client expected a tensor")
+            client.put(outs, result)
+            return
+        if not isinstance(result, (list, tuple)) or len(result) > len(outs):
+            raise ProtocolError(f"{name}: returned more outputs than the client has handles for ({len(outs)})")
+        for o, r in zip(outs, result):
+            self._store(client, o, r, name)
+
+    def _poison(self, client: ClientState, call: OpCall, poison: Poison) -> None:
+        for handle in _handles_in(call.outs):
+            client.put(handle, poison)
+        try:
+            op = op_table.resolve(call.name)
+        except ProtocolError:
+            return
+        for position, name in op_table.written_arguments(op):
+            target = call.args[position] if position < len(call.args) else call.kwargs.get(name)
+            for ref in _refs_in(target):
+                if ref.id in client.tensors:
+                    client.put(ref.id, poison)
+
+    def _describe(self, outs, result):
+        """The reported op's outputs as plain values (tensors as metadata, kept under their handles)."""
+        if isinstance(result, torch.Tensor):
+            if not isinstance(outs, int):
+                raise ProtocolError("a reported tensor needs a handle id")
+            return {"tensor": [outs, dtype_name(result.dtype), list(result.shape), list(result.stride()),
+                               result.storage_offset(), result.untyped_storage().nbytes()]}
+        if isinstance(result, (list, tuple)):
+            sub = outs if isinstance(outs, list) and len(outs) >= len(result) else [None] * len(result)
+            return [self._describe(o, r) for o, r in zip(sub, result)]
+        if isinstance(result, complex):
+            return protocol.encode_complex(result)
+        if isinstance(result, (bool, int, float)) or result is None:
+            return result
+        if isinstance(result, torch.dtype):
+            return protocol.encode_dtype(result)
+        raise ProtocolError(f"cannot report a {type(result).__name__}")
+
+    def _fetch(self, client: ClientState, handle: int, out_frames: list):
+        try:
+            found = client.get(handle)
+        except KeyError as e:
+            return {"error": protocol.error_body(e)}
+        if isinstance(found, Poison):
+            return {"error": found.describe()}
+        out_frames.append(tensor_to_buffer(found.detach()))
+        return [len(out_frames) - 1, dtype_name(found.dtype), list(found.shape)]
+
+
+class _RemoteOpError(Exception):
+    """The reported op failed; the server answers the request with this error."""
+
+    def __init__(self, poison: Poison) -> None:
+        super().__init__(poison.message)
+        self.poison = poison
+
+
+RemoteOpError = _RemoteOpError
+
+
+def _handles_in(outs):
+    if isinstance(outs, int):
+        yield outs
+    elif isinstance(outs, list):
+        for o in outs:
+            yield from _handles_in(o)
+
+
+def _refs_in(value):
+    if isinstance(value, HandleRef):
+        yield value
+    elif isinstance(value, list):
+        for v in value:
+            yield from _refs_in(v)

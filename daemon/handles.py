@@ -1,0 +1,102 @@
+"""Per-client handle tables and the accounting of resident memory.
+
+A handle is a client-chosen integer naming a tensor the daemon keeps for that
+client. Tables are strictly per client: ids are never looked up across clients.
+A handle can instead hold a `Poison`, the error of the op that should have
+produced it, so that failures surface when (and only if) the client uses it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Poison:
+    op: str
+    type: str
+    message: str
+
+    def describe(self) -> dict:
+        return {"type": self.type, "message": self.message, "op": self.op}
+
+
+class MemoryAccount:
+    """Bytes of distinct storages held through handles, with the peak."""
+
+    def __init__(self) -> None:
+        self._storages: dict[int, list[int]] = {}  # storage key -> [nbytes, refs]
+        self.allocated = 0
+        self.peak = 0
+
+    @staticmethod
+    def key_of(t: torch.Tensor) -> tuple[int, int]:
+        s = t.untyped_storage()
+        return s.data_ptr() or id(s), s.nbytes()
+
+    def add(self, key: int, nbytes: int) -> None:
+        entry = self._storages.get(key)
+        if entry is None:
+            self._storages[key] = [nbytes, 1]
+            self.allocated += nbytes
+            self.peak = max(self.peak, self.allocated)
+        else:
+            entry[1] += 1
+
+    def remove(self, key: int) -> None:
+        entry = self._storages.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._storages[key]
+            self.allocated -= entry[0]
+
+
+class ClientState:
+    """Everything the daemon holds for one connected client."""
+
+    def __init__(self, identity: bytes, account: MemoryAccount) -> None:
+        self.identity = identity
+        self.tensors: dict[int, torch.Tensor | Poison] = {}
+        self._keys: dict[int, int] = {}
+        self._account = account
+        self.generators: dict[str, torch.Generator] = {}
+        self.last_seen = time.monotonic()
+
+    def get(self, handle: int) -> torch.Tensor | Poison:
+        try:
+            return self.tensors[handle]
+        except KeyError:
+            raise KeyError(f"handle {handle} does not exist for this client") from None
+
+    def put(self, handle: int, value: torch.Tensor | Poison) -> None:
+        if handle in self.tensors:
+            self.free(handle)
+        self.tensors[handle] = value
+        if isinstance(value, torch.Tensor):
+            key, nbytes = MemoryAccount.key_of(value)
+            self._keys[handle] = key
+            self._account.add(key, nbytes)
+
+    def free(self, handle: int) -> None:
+        self.tensors.pop(handle, None)
+        key = self._keys.pop(handle, None)
+        if key is not None:
+            self._account.remove(key)
+
+    def free_all(self) -> None:
+        for handle in list(self.tensors):
+            self.free(handle)
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """This client's own RNG on `device`, so one client's seed never moves another's stream."""
+        key = str(device)
+        gen = self.generators.get(key)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.seed()
+            self.generators[key] = gen
+        return gen

@@ -1,0 +1,65 @@
+"""Which operators a client may run, resolved from their ATen overload names.
+
+Only the `aten` namespace is reachable, looked up by name on `torch.ops.aten`
+(no eval, no import). Ops that touch the file system or the process, or that
+skip bounds checks (and so could read another client's memory), are refused.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from genie.transport.errors import ProtocolError
+
+DENIED = frozenset({
+    "aten::from_file",          # reads files on the daemon host
+    "aten::_print",             # writes to the daemon's stdout
+    "aten::_assert_scalar",     # aborts on purpose
+    "aten::set_",               # can point a tensor at arbitrary storage
+    "aten::_unsafe_index",      # no bounds checks
+    "aten::_unsafe_index_put",
+    "aten::_unsafe_masked_index",
+    "aten::_unsafe_masked_index_put_accumulate",
+    "aten::_cpu_cuda_sync",
+})
+
+
+class OpRefused(ProtocolError):
+    """The op name is unknown or not allowed on a daemon."""
+
+
+@functools.lru_cache(maxsize=4096)
+def resolve(name: str) -> torch._ops.OpOverload:
+    namespace, _, rest = name.partition("::")
+    packet_name, _, overload = rest.partition(".")
+    if namespace != "aten":
+        raise OpRefused(f"operator {name} is not allowed: only aten operators run on a daemon")
+    if f"{namespace}::{packet_name}" in DENIED:
+        raise OpRefused(f"operator {name} is not allowed on a daemon")
+    try:
+        packet = getattr(torch.ops.aten, packet_name)
+        op = getattr(packet, overload or "default")
+    except (AttributeError, RuntimeError):
+        raise OpRefused(f"unknown operator {name}") from None
+    if not isinstance(op, torch._ops.OpOverload):
+        raise OpRefused(f"unknown operator {name}")
+    for arg in op._schema.arguments:
+        if "Storage" in str(arg.type):
+            raise OpRefused(f"operator {name} takes a Storage and is not allowed on a daemon")
+    return op
+
+
+@functools.lru_cache(maxsize=4096)
+def written_arguments(op: torch._ops.OpOverload) -> tuple[tuple[int, str], ...]:
+    """(position, name) of each argument the op writes to (in-place and out= ops)."""
+    return tuple(
+        (i, a.name)
+        for i, a in enumerate(op._schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def takes_generator(op: torch._ops.OpOverload) -> bool:
+    return any(a.name == "generator" for a in op._schema.arguments)

@@ -1,0 +1,220 @@
+"""The daemon's server loop: a ZeroMQ ROUTER socket on asyncio.
+
+The receive loop never runs tensor work itself: `exec`, `stats` and `bye` go,
+in arrival order, to one worker thread that owns all tensors (so each client's
+ops run in program order), and their replies are sent when that work is done.
+`hello` and `ping` are answered at once. Any malformed message gets an error
+reply; nothing a client sends can stop the loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+
+import torch
+import zmq
+import zmq.asyncio
+
+from genie.transport import protocol
+from genie.transport.errors import ProtocolError
+
+from .executor import Executor, RemoteOpError
+from .handles import ClientState, MemoryAccount
+
+log = logging.getLogger("genie.daemon")
+
+
+def describe_device(device: torch.device) -> dict:
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return {"name": props.name, "type": "cuda", "total_memory": props.total_memory}
+    import platform
+
+    try:
+        import os
+
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 0
+    return {"name": f"cpu ({platform.machine() or 'unknown'})", "type": "cpu", "total_memory": total}
+
+
+class DaemonServer:
+    def __init__(self, endpoint: str, devices: list[torch.device], client_lease_s: float = 60.0) -> None:
+        self.endpoint = endpoint
+        self.devices = devices
+        self.client_lease_s = client_lease_s
+        self.account = MemoryAccount()
+        self.executor = Executor(devices)
+        self.clients: dict[bytes, ClientState] = {}
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="genie-exec")
+        self._ctx = zmq.asyncio.Context()
+        self._socket: zmq.asyncio.Socket | None = None
+        self._stopping = asyncio.Event()
+        self.bound_endpoint: str | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    def bind(self) -> str:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        sock.bind(self.endpoint)
+        self._socket = sock
+        self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        return self.bound_endpoint
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def serve(self) -> None:
+        if self._socket is None:
+            self.bind()
+        sweeper = asyncio.create_task(self._sweep_idle_clients())
+        receiver = asyncio.create_task(self._receive_loop())
+        await self._stopping.wait()
+        receiver.cancel()
+        sweeper.cancel()
+        # Let work already handed to the worker finish before closing.
+        await asyncio.get_running_loop().run_in_executor(None, self._worker.shutdown, True)
+        self._socket.close(linger=0)
+        self._ctx.term()
+        log.info("daemon stopped")
+
+    # ------------------------------------------------------------ receive
+
+    async def _receive_loop(self) -> None:
+        sock = self._socket
+        while True:
+            try:
+                parts = await sock.recv_multipart(copy=False)
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError as e:
+                log.warning("receive failed: %s", e)
+                continue
+            try:
+                self._handle(parts)
+            except Exception:  # a bug here must not stop the daemon
+                log.exception("unexpected error handling a message")
+
+    def _handle(self, parts: list) -> None:
+        if len(parts) < 2:
+            return  # no identity + header: nothing to answer
+        identity = parts[0].bytes
+        header_raw, payload = parts[1], parts[2:]
+        header = None
+        try:
+            if len(payload) > protocol.MAX_FRAMES:
+                raise ProtocolError(f"{len(payload)} frames exceed the limit of {protocol.MAX_FRAMES}")
+            header = protocol.unpack_header(header_raw.buffer)
+            request = protocol.parse_request(header)
+        except ProtocolError as e:
+            self._reply_error(identity, protocol.request_id_of(header), e)
+            return
+        client = self.clients.get(identity)
+        if client is None:
+            client = self.clients[identity] = ClientState(identity, self.account)
+            log.info("client %s connected", identity.hex())
+        client.last_seen = time.monotonic()
+        rid = request.request_id
+        if request.kind == "ping":
+            self._reply(identity, rid, {})
+        elif request.kind == "hello":
+            self._reply(identity, rid, {
+                "version": protocol.VERSION,
+                "devices": [describe_device(d) for d in self.devices],
+            })
+        elif request.kind == "exec":
+            try:
+                parsed = protocol.parse_exec(request.body)
+            except ProtocolError as e:
+                self._reply_error(identity, rid, e)
+                return
+            self._submit(identity, rid, self.executor.run, client, parsed, payload)
+        elif request.kind == "stats":
+            self._submit(identity, rid, self._stats, request.body)
+        elif request.kind == "bye":
+            self._submit(identity, rid, self._drop_client, identity)
+
+    def _submit(self, identity: bytes, rid: int, fn, *args) -> None:
+        future = self._worker.submit(fn, *args)
+        loop = asyncio.get_running_loop()
+        future.add_done_callback(
+            lambda f: loop.call_soon_threadsafe(self._finish, identity, rid, f)
+        )
+
+    def _finish(self, identity: bytes, rid: int, future: concurrent.futures.Future) -> None:
+        try:
+            result = future.result()
+        except RemoteOpError as e:
+            self._send(identity, [rid, False, e.poison.describe()], [])
+            return
+        except Exception as e:
+            if not isinstance(e, (ProtocolError, KeyError)):
+                log.exception("request %d failed", rid)
+            self._reply_error(identity, rid, e)
+            return
+        body, frames = result if isinstance(result, tuple) else (result, [])
+        self._reply(identity, rid, body, frames)
+
+    # ------------------------------------------------------------ worker-side requests
+
+    def _stats(self, body: dict) -> dict:
+        dev = body.get("dev", 0)
+        if type(dev) is not int or not 0 <= dev < len(self.devices):
+            raise ProtocolError(f"bad device index {dev!r}")
+        device = self.devices[dev]
+        stats = {
+            "resident": self.account.allocated,
+            "resident_peak": self.account.peak,
+            "handles": sum(len(c.tensors) for c in self.clients.values()),
+            "clients": len(self.clients),
+        }
+        if device.type == "cuda":
+            stats.update(
+                allocated=torch.cuda.memory_allocated(device),
+                reserved=torch.cuda.memory_reserved(device),
+                peak=torch.cuda.max_memory_allocated(device),
+            )
+        else:
+            stats.update(allocated=self.account.allocated, reserved=self.account.allocated, peak=self.account.peak)
+        return stats
+
+    def _drop_client(self, identity: bytes) -> dict:
+        client = self.clients.pop(identity, None)
+        if client is not None:
+            client.free_all()
+            log.info("client %s left", identity.hex())
+        return {}
+
+    async def _sweep_idle_clients(self) -> None:
+        while True:
+            await asyncio.sleep(max(self.client_lease_s / 4, 0.05))
+            now = time.monotonic()
+            for identity, client in list(self.clients.items()):
+                if now - client.last_seen > self.client_lease_s:
+                    log.info("client %s lease expired; freeing its memory", identity.hex())
+                    self._worker.submit(self._drop_client, identity)
+
+    # ------------------------------------------------------------ send
+
+    def _reply(self, identity: bytes, rid: int, body: dict, frames: list | None = None) -> None:
+        self._send(identity, [rid, True, body], frames or [])
+
+    def _reply_error(self, identity: bytes, rid: int, exc: BaseException) -> None:
+        self._send(identity, [rid, False, protocol.error_body(exc)], [])
+
+    def _send(self, identity: bytes, header: list, frames: list) -> None:
+        parts = [identity, protocol.pack(header), *frames]
+        copy = all(memoryview(f).nbytes < COPY_THRESHOLD for f in frames)
+        try:
+            self._socket.send_multipart(parts, copy=copy)
+        except zmq.ZMQError as e:
+            log.warning("reply to %s failed: %s", identity.hex(), e)
+
+
+# Below this size a copying send is cheaper than pinning the buffer for zero-copy.
+COPY_THRESHOLD = 64 * 1024

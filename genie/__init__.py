@@ -1,0 +1,77 @@
+"""Genie: remote GPUs as a PyTorch device.
+
+``import genie`` registers the ``remote_accelerator`` device. Tensors created on
+it (or moved to it) are captured lazily, shipped to genie-daemon processes and
+executed there; reading a value (``.cpu()``, ``.item()``, ``print``) or
+``await genie.materialize(t)`` brings results back.
+
+    import torch, genie
+    x = torch.randn(1024, 1024, device="remote_accelerator:0")
+    print(torch.relu(x @ x + 1).sum().item())
+
+Daemons come from ``genie.init("tcp://gpu1:5555,tcp://gpu2:5555")`` or
+``GENIE_SERVER_URL``; with neither, a local daemon is started on first use.
+"""
+from __future__ import annotations
+
+from .errors import GenieConnectionError, GenieError, RemoteExecutionError, UnsupportedOperationError
+from .frontend import device as _device
+from .frontend.lazy_tensor import LazyTensor
+from .runtime import get_runtime
+
+__version__ = "0.1.0"
+
+remote_accelerator = _device.register()
+
+
+def init(urls: str | list[str] | None = None) -> None:
+    """Connect to daemons: "tcp://a:5555,ipc:///tmp/b" or a list. None: GENIE_SERVER_URL, else a local daemon."""
+    get_runtime().init(urls)
+
+
+def shutdown() -> None:
+    """Free everything this process holds on its daemons and disconnect (stops an embedded daemon)."""
+    get_runtime().shutdown()
+
+
+async def materialize(tensor_or_tensors):
+    """The async form of ``.cpu()``: a tensor gives a CPU tensor; a list or tuple gives a list."""
+    from .frontend.materialize import materialize_many
+
+    if isinstance(tensor_or_tensors, (list, tuple)):
+        return await materialize_many(list(tensor_or_tensors))
+    return (await materialize_many([tensor_or_tensors]))[0]
+
+
+def materialize_sync(tensor_or_tensors):
+    """Blocking batch form: fetch several remote tensors in one round trip per daemon."""
+    from .frontend.materialize import to_cpu_many
+
+    if isinstance(tensor_or_tensors, (list, tuple)):
+        return to_cpu_many(list(tensor_or_tensors))
+    return to_cpu_many([tensor_or_tensors])[0]
+
+
+def synchronize() -> None:
+    """Wait until every remote device has run everything queued so far."""
+    for stream in get_runtime().streams:
+        stream.synchronize()
+
+
+def transport_stats() -> dict:
+    """Bytes and messages sent to / received from each daemon by this process."""
+    return get_runtime().transport_stats()
+
+
+def capture_stats() -> dict:
+    """Metadata-cache statistics of the op capture (hits, misses, bypasses)."""
+    from .frontend.capture import meta_cache
+
+    return meta_cache.info()
+
+
+__all__ = [
+    "init", "shutdown", "materialize", "materialize_sync", "synchronize", "transport_stats", "capture_stats",
+    "LazyTensor", "GenieError", "GenieConnectionError", "RemoteExecutionError", "UnsupportedOperationError",
+    "remote_accelerator",
+]

@@ -1,0 +1,53 @@
+"""Every GENIE_* environment variable is read here, and only here.
+
+GENIE_SERVER_URL      comma-separated daemon endpoints (tcp://host:port or ipc:///path);
+                      unset: start an embedded local daemon on first use.
+GENIE_CONNECT_TIMEOUT seconds to wait for a daemon's hello (default 60: an embedded
+                      daemon has to import torch first).
+GENIE_REQUEST_TIMEOUT seconds a blocking materialization may wait (default 600).
+GENIE_BATCH_OPS       ops queued per device before a batch is sent without waiting
+                      for a materialization (default 256).
+GENIE_BATCH_BYTES     inline payload bytes queued before such a send (default 8 MiB).
+GENIE_HEARTBEAT       seconds between keep-alive pings to each daemon (default 10).
+GENIE_DAEMON_THREADS  torch threads for the embedded daemon (default: torch's choice).
+GENIE_LOG_INTERCEPTS  1: log every captured op at DEBUG level on logger "genie.capture".
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+def _float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {raw!r}") from None
+
+
+@dataclass(frozen=True)
+class Config:
+    server_url: str | None
+    connect_timeout: float
+    request_timeout: float
+    batch_ops: int
+    batch_bytes: int
+    heartbeat: float
+    daemon_threads: int
+    log_intercepts: bool
+
+
+def load() -> Config:
+    return Config(
+        server_url=os.environ.get("GENIE_SERVER_URL") or None,
+        connect_timeout=_float("GENIE_CONNECT_TIMEOUT", 60.0),
+        request_timeout=_float("GENIE_REQUEST_TIMEOUT", 600.0),
+        batch_ops=int(_float("GENIE_BATCH_OPS", 256)),
+        batch_bytes=int(_float("GENIE_BATCH_BYTES", 8 << 20)),
+        heartbeat=_float("GENIE_HEARTBEAT", 10.0),
+        daemon_threads=int(_float("GENIE_DAEMON_THREADS", 0)),
+        log_intercepts=os.environ.get("GENIE_LOG_INTERCEPTS", "") == "1",
+    )

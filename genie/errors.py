@@ -1,0 +1,30 @@
+"""Genie's exception types, in one place. Each carries what a user needs to act."""
+from __future__ import annotations
+
+
+class GenieError(RuntimeError):
+    """Base class of everything Genie raises."""
+
+
+class GenieConnectionError(GenieError):
+    """A daemon could not be reached, or stopped answering; says which one."""
+
+
+class RemoteExecutionError(GenieError):
+    """An op failed on the daemon. `op` is the ATen overload that failed."""
+
+    def __init__(self, op: str | None, message: str, error_type: str = "RuntimeError", daemon: str = "") -> None:
+        self.op = op
+        self.remote_message = message
+        self.error_type = error_type
+        self.daemon = daemon
+        where = f" on {daemon}" if daemon else ""
+        super().__init__(f"{op or 'request'} failed{where}: {error_type}: {message}")
+
+
+class UnsupportedOperationError(GenieError):
+    """An op that Genie cannot run on a remote device (named in the message)."""
+
+    def __init__(self, op: str, reason: str) -> None:
+        self.op = op
+        super().__init__(f"{op} is not supported on remote_accelerator: {reason}")

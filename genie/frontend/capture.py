@@ -1,0 +1,284 @@
+"""Capture: turn each ATen op on LazyTensors into an entry of a device's op stream.
+
+For every op: walk the arguments once (find the device, collect tensors, build
+the metadata-cache key), get the output plan (cache, else meta execution),
+create the output LazyTensors, and append ``[name, args, kwargs, outs]`` to the
+device's stream. Nothing runs locally and no shape is guessed. Ops that need
+real data for their output metadata run on the daemon right away; moves to
+the CPU or between remote devices materialize.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from genie import config as config_module
+from genie.errors import UnsupportedOperationError
+from genie.runtime import get_runtime
+from genie.transport import protocol
+from genie.transport.tensors import DTYPE_NAMES, parse_dtype, tensor_to_buffer
+
+from . import meta
+from .lazy_tensor import LazyTensor
+
+log = logging.getLogger("genie.capture")
+_LOG_INTERCEPTS = config_module.load().log_intercepts
+
+REMOTE = "remote_accelerator"
+meta_cache = meta.MetaCache()
+
+_INT64_MIN, _UINT64_MAX = -(1 << 63), (1 << 64) - 1
+_names: dict = {}
+
+
+def op_name(func) -> str:
+    name = _names.get(func)
+    if name is None:
+        overload = func._overloadname
+        name = func._schema.name + ("" if overload == "default" else "." + overload)
+        _names[func] = name
+    return name
+
+
+# ---------------------------------------------------------------- argument walk
+
+
+class _Walk:
+    """Result of one pass over an op's arguments."""
+
+    __slots__ = ("tensors", "sizes", "stream", "foreign_device", "key")
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.sizes: list[int] = []
+        self.stream = None
+        self.foreign_device = False  # an explicit non-remote device argument (e.g. device="cpu")
+
+
+def _walk(value, w: _Walk, seen: dict):
+    """Returns the cache-key part of `value`, recording tensors and the device in `w`."""
+    if isinstance(value, torch.Tensor):
+        idx = seen.get(id(value))
+        if idx is None:
+            idx = seen[id(value)] = len(w.tensors)
+            w.tensors.append(value)
+            if type(value) is LazyTensor:
+                ref = value._genie
+                w.sizes.append(ref.storage_nbytes)
+                if w.stream is None:
+                    w.stream = ref.stream
+                elif ref.stream is not w.stream:
+                    raise RuntimeError(
+                        "Expected all tensors to be on the same device, but found at least two devices, "
+                        f"{w.stream.device} and {ref.stream.device}!"
+                    )
+            else:
+                if value.device.type == "meta" or value.is_sparse:
+                    raise UnsupportedOperationError("argument", f"{value.device.type}/{value.layout} tensors cannot be sent")
+                w.sizes.append(value.untyped_storage().nbytes())
+        return (type(value) is LazyTensor, idx, value.dtype, value.shape, value.stride(), value.storage_offset(),
+                w.sizes[idx])
+    if isinstance(value, (list, tuple)):
+        return (type(value), *(_walk(v, w, seen) for v in value))
+    if isinstance(value, torch.device):
+        if value.type != REMOTE:
+            w.foreign_device = True
+        return value
+    return (type(value), value)
+
+
+# ---------------------------------------------------------------- wire encoding (stream lock held)
+
+
+def _encode(value, stream):
+    if isinstance(value, torch.Tensor):
+        if type(value) is LazyTensor:
+            return protocol.encode_handle(value._genie.id)
+        if value.device.type != "cpu":
+            value = value.cpu()
+        frame = stream.add_frame(tensor_to_buffer(value.detach()))
+        return protocol.encode_inline(frame, DTYPE_NAMES[value.dtype], value.shape)
+    if isinstance(value, (list, tuple)):
+        return [_encode(v, stream) for v in value]
+    if value is None or isinstance(value, (bool, float, str)):
+        return value
+    if isinstance(value, int):
+        if not _INT64_MIN <= value <= _UINT64_MAX:
+            raise OverflowError(f"integer argument {value} does not fit in 64 bits")
+        return value
+    if isinstance(value, torch.dtype):
+        return protocol.encode_dtype(value)
+    if isinstance(value, torch.device):
+        return protocol.encode_device("remote" if value.type == REMOTE else "cpu", value.index or 0)
+    if isinstance(value, torch.memory_format):
+        return protocol.encode_memory_format(value)
+    if isinstance(value, torch.layout):
+        return protocol.encode_layout(value)
+    if isinstance(value, complex):
+        return protocol.encode_complex(value)
+    if isinstance(value, torch.Generator):
+        raise UnsupportedOperationError("generator", "a local torch.Generator cannot drive a remote device; "
+                                        "seed with torch.manual_seed instead")
+    raise UnsupportedOperationError(type(value).__name__, f"cannot send an argument of type {type(value).__name__}")
+
+
+# ---------------------------------------------------------------- outputs
+
+
+def _build_outputs(plan_out, stream, inputs):
+    """Output objects and the matching wire `outs` structure."""
+    if type(plan_out) is meta.NewTensor:
+        h = stream.new_handle()
+        t = LazyTensor(stream, h, plan_out.shape, plan_out.stride, plan_out.offset, plan_out.dtype,
+                       plan_out.storage_nbytes)
+        return t, h
+    if type(plan_out) is meta.SameAsInput:
+        return inputs[plan_out.index], None
+    if type(plan_out) is meta.Value:
+        return plan_out.value, None
+    pairs = [_build_outputs(p, stream, inputs) for p in plan_out]
+    return type(plan_out)(p[0] for p in pairs), [p[1] for p in pairs]
+
+
+def _apply_mutations(mutations, inputs) -> None:
+    from torch.utils._mode_utils import no_dispatch
+
+    for index, shape, stride, offset in mutations:
+        t = inputs[index]
+        if type(t) is not LazyTensor:
+            continue
+        with no_dispatch():
+            # As return_and_correct_aliasing does: run the metadata change on the wrapper itself.
+            prev = torch._C._meta_in_tls_dispatch_include()
+            torch._C._set_meta_in_tls_dispatch_include(True)
+            try:
+                torch.ops.aten.as_strided_.default(t, shape, stride, offset)
+            except RuntimeError as e:
+                raise UnsupportedOperationError(
+                    "resize", f"growing a remote tensor beyond its storage is not supported ({e})") from None
+            finally:
+                torch._C._set_meta_in_tls_dispatch_include(prev)
+
+
+# ---------------------------------------------------------------- dispatch
+
+
+def dispatch(func, args: tuple, kwargs: dict):
+    special = _SPECIAL.get(func)
+    if special is not None:
+        return special(func, args, kwargs)
+    return capture(func, args, kwargs)
+
+
+def capture(func, args: tuple, kwargs: dict):
+    w = _Walk()
+    seen: dict = {}
+    key = (func, _walk(args, w, seen), _walk(tuple(kwargs.items()), w, seen) if kwargs else None)
+    if w.stream is None:
+        raise UnsupportedOperationError(op_name(func), "no remote tensor among its arguments")
+    if w.foreign_device:
+        return run_locally(func, args, kwargs)
+    try:
+        plan = meta_cache.get(key)
+    except TypeError:  # an unhashable argument: plan without caching
+        plan, key = None, None
+    if plan is None:
+        try:
+            plan = meta.plan_op(func, args, kwargs, w.tensors, w.sizes)
+        except meta.NeedsRemoteExecution:
+            meta_cache.bypasses += 1
+            return run_reported(func, args, kwargs, w.stream)
+        if key is not None:
+            meta_cache.put(key, plan)
+    stream = w.stream
+    with stream.lock:
+        outputs, outs = _build_outputs(plan.outputs, stream, w.tensors)
+        entry = [op_name(func), _encode(args, stream), {k: _encode(v, stream) for k, v in kwargs.items()}, outs]
+        stream.append(entry)
+    if plan.mutations:
+        _apply_mutations(plan.mutations, w.tensors)
+    if _LOG_INTERCEPTS:
+        log.debug("captured %s on %s", entry[0], stream.device)
+    return outputs
+
+
+def run_reported(func, args, kwargs, stream):
+    """Run one op on the daemon now and build its outputs from what the daemon reports."""
+    with stream.lock:
+        outs = [_report_slots(str(r.type), stream) for r in func._schema.returns]
+        if len(outs) == 1:
+            outs = outs[0]
+        entry = [op_name(func), _encode(args, stream), {k: _encode(v, stream) for k, v in kwargs.items()}, outs]
+    return _from_report(stream.run_reported(entry), stream)
+
+
+# Ops that return a list of tensors of data-dependent length get this many handle slots.
+_LIST_SLOTS = 64
+
+
+def _report_slots(return_type: str, stream):
+    if return_type in ("Tensor", "Tensor?"):
+        return stream.new_handle()
+    if return_type in ("Tensor[]", "Tensor?[]"):
+        return [stream.new_handle() for _ in range(_LIST_SLOTS)]
+    return None
+
+
+def _from_report(value, stream):
+    if isinstance(value, dict):
+        handle, dtype, shape, stride, offset, nbytes = value["tensor"]
+        return LazyTensor(stream, handle, shape, stride, offset, parse_dtype(dtype), nbytes)
+    if isinstance(value, list):
+        return tuple(_from_report(v, stream) for v in value)
+    if isinstance(value, protocol.msgpack.ExtType):
+        return protocol.decode_ext(value.code, value.data)
+    return value
+
+
+
+
+def run_locally(func, args, kwargs):
+    """Materialize every remote argument and run the op on the CPU (explicit device='cpu' and the like)."""
+    from .materialize import replace_lazy
+
+    cpu_args, cpu_kwargs = replace_lazy((args, kwargs))
+    return func(*cpu_args, **cpu_kwargs)
+
+
+# ---------------------------------------------------------------- special cases
+
+
+def _to_copy(func, args, kwargs):
+    src = args[0]
+    target = kwargs.get("device")
+    if target is None or (target.type == REMOTE and (target.index is None or target.index == src.device.index)):
+        return capture(func, args, kwargs)
+    from .materialize import to_cpu
+
+    rest = {k: v for k, v in kwargs.items() if k != "device"}
+    cpu = to_cpu(src)
+    local = torch.ops.aten._to_copy.default(cpu, **rest) if rest else cpu
+    if target.type == "cpu":
+        return local
+    return torch.ops.aten._to_copy.default(local, device=target)
+
+
+def _copy_(func, args, kwargs):
+    dst, src = args[0], args[1]
+    if type(dst) is not LazyTensor:
+        from .materialize import to_cpu
+
+        return dst.copy_(to_cpu(src), *args[2:], **kwargs)
+    if type(src) is LazyTensor and src._genie.stream is not dst._genie.stream:
+        from .materialize import to_cpu
+
+        src = to_cpu(src)
+        return capture(func, (dst, src, *args[2:]), kwargs)
+    return capture(func, args, kwargs)
+
+
+_SPECIAL = {
+    torch.ops.aten._to_copy.default: _to_copy,
+    torch.ops.aten.copy_.default: _copy_,
+}

@@ -1,0 +1,204 @@
+"""The `remote_accelerator` device: PrivateUse1 renamed, and `torch.remote_accelerator`.
+
+`torch.remote_accelerator` mirrors `torch.cuda`'s module API. Every figure
+comes from the connected daemons (device count, names, memory); nothing is
+hard-coded. `device_count()` never raises: it is 0 when no daemon is reachable.
+"""
+from __future__ import annotations
+
+import contextlib
+import random
+import sys
+import types
+
+import torch
+
+from genie.runtime import get_runtime
+
+from . import capture
+
+NAME = "remote_accelerator"
+SEED_OP = "genie::manual_seed"
+
+_state = {"seed": None, "initial_seed": None}
+
+
+def _index(device) -> int | None:
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return device
+    d = torch.device(device)
+    if d.type != NAME:
+        raise ValueError(f"expected a {NAME} device, got {d}")
+    return d.index
+
+
+def _stream(device=None):
+    return get_runtime().stream(_index(device))
+
+
+# ------------------------------------------------------------------ availability
+
+
+def device_count() -> int:
+    return get_runtime().device_count()
+
+
+def is_available() -> bool:
+    return device_count() > 0
+
+
+def is_initialized() -> bool:
+    return get_runtime().started
+
+
+def _is_in_bad_fork() -> bool:
+    return False
+
+
+def _lazy_init() -> None:
+    get_runtime().ensure_started()
+
+
+def current_device() -> int:
+    return get_runtime().current_device
+
+
+def set_device(device) -> None:
+    index = _index(device)
+    if index is None:
+        return
+    rt = get_runtime()
+    rt.stream(index)  # validates the index
+    rt.current_device = index
+
+
+@contextlib.contextmanager
+def device(device):
+    """Like torch.cuda.device: make `device` current inside the block, restore it after."""
+    rt = get_runtime()
+    previous = rt.current_device
+    set_device(device)
+    try:
+        yield
+    finally:
+        rt.current_device = previous
+
+
+def get_device_name(device=None) -> str:
+    s = _stream(device)
+    info = s.link.devices[s.local_index]
+    return f"{info.get('name', 'unknown')} @ {s.link.endpoint}"
+
+
+def get_device_properties(device=None) -> types.SimpleNamespace:
+    s = _stream(device)
+    info = dict(s.link.devices[s.local_index])
+    return types.SimpleNamespace(endpoint=s.link.endpoint, **info)
+
+
+def synchronize(device=None) -> None:
+    """Wait for all work queued on the device (all devices when None... like CUDA, the current one)."""
+    _stream(device).synchronize()
+
+
+# ------------------------------------------------------------------ memory
+
+
+def memory_stats(device=None) -> dict:
+    s = _stream(device)
+    s.synchronize()  # send queued frees first, so the figures reflect this program's state
+    body = s.link.request("stats", {"dev": s.local_index}).body
+    return {
+        "allocated_bytes.all.current": body["allocated"],
+        "allocated_bytes.all.peak": body["peak"],
+        "reserved_bytes.all.current": body["reserved"],
+        "resident_bytes.all.current": body["resident"],
+        "resident_bytes.all.peak": body["resident_peak"],
+        "num_handles": body["handles"],
+        "num_clients": body["clients"],
+    }
+
+
+def memory_allocated(device=None) -> int:
+    return memory_stats(device)["allocated_bytes.all.current"]
+
+
+def max_memory_allocated(device=None) -> int:
+    return memory_stats(device)["allocated_bytes.all.peak"]
+
+
+def memory_reserved(device=None) -> int:
+    return memory_stats(device)["reserved_bytes.all.current"]
+
+
+# ------------------------------------------------------------------ random numbers
+
+
+def _send_seed(seed: int) -> None:
+    for s in get_runtime().streams:
+        with s.lock:
+            s.append([SEED_OP, [seed], {}, None])
+
+
+def manual_seed_all(seed: int) -> None:
+    """Seed this client's generator on every remote device (each client has its own on a daemon)."""
+    seed = int(seed) & ((1 << 64) - 1)
+    _state["seed"] = _state["initial_seed"] = seed
+    if get_runtime().started:
+        _send_seed(seed)
+
+
+def manual_seed(seed: int) -> None:
+    manual_seed_all(seed)
+
+
+def seed_all() -> None:
+    manual_seed_all(random.getrandbits(63))
+
+
+def seed() -> None:
+    seed_all()
+
+
+def initial_seed() -> int:
+    if _state["initial_seed"] is None:
+        seed_all()
+    return _state["initial_seed"]
+
+
+def _apply_pending_seed() -> None:
+    if _state["seed"] is not None:
+        _send_seed(_state["seed"])
+
+
+# ------------------------------------------------------------------ registration
+
+_registered = False
+
+
+def register() -> types.ModuleType:
+    """Rename PrivateUse1, install `torch.remote_accelerator`, register the factory kernels. Idempotent."""
+    global _registered
+    module = sys.modules[__name__]
+    if _registered:
+        return module
+    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+    if torch._C._get_privateuse1_backend_name() != NAME:
+        _setup_privateuseone_for_python_backend(NAME, backend_module=module)
+    from . import factories
+
+    factories.register()
+    get_runtime().on_start.append(_apply_pending_seed)
+    _registered = True
+    return module
+
+
+__all__ = [
+    "device_count", "is_available", "is_initialized", "current_device", "set_device", "device",
+    "get_device_name", "get_device_properties", "synchronize", "memory_stats", "memory_allocated",
+    "max_memory_allocated", "memory_reserved", "manual_seed", "manual_seed_all", "seed", "seed_all",
+    "initial_seed", "register", "capture",
+]

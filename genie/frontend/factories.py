@@ -1,0 +1,87 @@
+"""PrivateUse1 kernels: how tensors come into being on `remote_accelerator`.
+
+Factory calls with `device="remote_accelerator"` reach these kernels (there is
+no tensor yet for __torch_dispatch__ to see): `empty` creates a LazyTensor and
+queues the allocation; composite factories (randn = empty + normal_, zeros =
+empty + zero_, arange, eye, ...) then continue on the LazyTensor and are
+captured. `_copy_from` is how `torch.tensor(data, device=...)` uploads.
+"""
+from __future__ import annotations
+
+import torch
+
+from genie.runtime import get_runtime
+
+from . import capture
+from .lazy_tensor import LazyTensor
+
+_lib: torch.library.Library | None = None
+
+
+def _stream_for(device) -> object:
+    index = None
+    if device is not None:
+        index = torch.device(device).index
+    return get_runtime().stream(index)
+
+
+def _new_empty(op: str, size, stride, dtype, device, memory_format=None):
+    dtype = dtype or torch.get_default_dtype()
+    stream = _stream_for(device)
+    if stride is None:
+        probe = torch.empty(size, dtype=dtype, device="meta", memory_format=memory_format or torch.contiguous_format)
+    else:
+        probe = torch.empty_strided(size, stride, dtype=dtype, device="meta")
+    with stream.lock:
+        handle = stream.new_handle()
+        t = LazyTensor(stream, handle, probe.shape, probe.stride(), 0, dtype, probe.untyped_storage().nbytes())
+        kwargs = {"dtype": dtype, "device": stream.device}
+        if stride is None:
+            kwargs["memory_format"] = memory_format or torch.contiguous_format
+            args = [list(size)]
+        else:
+            args = [list(size), list(stride)]
+        stream.append([op, capture._encode(args, stream),
+                       {k: capture._encode(v, stream) for k, v in kwargs.items()}, handle])
+    return t
+
+
+def empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return _new_empty("aten::empty.memory_format", size, None, dtype, device, memory_format)
+
+
+def empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
+    return _new_empty("aten::empty_strided", size, stride, dtype, device)
+
+
+def copy_from(self, dst, non_blocking=False):
+    if type(dst) is LazyTensor:
+        return capture.dispatch(torch.ops.aten.copy_.default, (dst, self), {})
+    from .materialize import to_cpu
+
+    return dst.copy_(to_cpu(self))
+
+
+def copy_from_and_resize(self, dst):
+    if tuple(dst.shape) != tuple(self.shape):
+        torch.ops.aten.resize_.default(dst, self.shape)
+    return copy_from(self, dst)
+
+
+def local_scalar_dense(self):
+    from .materialize import to_cpu
+
+    return to_cpu(self).item()
+
+
+def register() -> None:
+    global _lib
+    if _lib is not None:
+        return
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("empty.memory_format", empty_memory_format, "PrivateUse1")
+    lib.impl("empty_strided", empty_strided, "PrivateUse1")
+    lib.impl("_copy_from", copy_from, "PrivateUse1")
+    lib.impl("_copy_from_and_resize", copy_from_and_resize, "PrivateUse1")
+    lib.impl("_local_scalar_dense", local_scalar_dense, "PrivateUse1")
+    _lib = lib

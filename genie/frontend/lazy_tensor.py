@@ -1,0 +1,70 @@
+"""LazyTensor: a `torch.Tensor` wrapper subclass living on `remote_accelerator:N`.
+
+It holds no data, only metadata (shape, stride, offset, dtype) and a `HandleRef`
+naming the real tensor on a daemon. Every ATen op on it reaches
+`__torch_dispatch__` and is captured (see `capture`); reading its values
+(`.cpu()`, `.item()`, `print`, `bool`, `.numpy()`, `.tolist()`) materializes.
+"""
+from __future__ import annotations
+
+import torch
+
+from genie.runtime.stream import DeviceStream, HandleRef
+
+
+class LazyTensor(torch.Tensor):
+    _genie: HandleRef
+
+    @staticmethod
+    def __new__(cls, stream: DeviceStream, handle_id: int, shape, stride, offset: int,
+                dtype: torch.dtype, storage_nbytes: int, requires_grad: bool = False):
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, shape, strides=stride, storage_offset=offset, dtype=dtype, device=stream.device,
+            requires_grad=requires_grad, storage_size=storage_nbytes,
+        )
+        t._genie = HandleRef(stream, handle_id, storage_nbytes)
+        return t
+
+    # The default __torch_function__ costs far more than the op capture itself.
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from .capture import dispatch
+
+        return dispatch(func, args, kwargs or {})
+
+    # ---------------------------------------------------------- materialization triggers
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        from .materialize import to_cpu
+
+        text = repr(to_cpu(self))
+        suffix = f", device='{self.device}'"
+        if self.requires_grad:
+            suffix += ", requires_grad=True"
+        return text[:-1] + suffix + ")"
+
+    def numpy(self, *, force: bool = False):
+        from .materialize import to_cpu
+
+        return to_cpu(self).numpy()
+
+    def tolist(self):
+        from .materialize import to_cpu
+
+        return to_cpu(self).tolist()
+
+    def __array__(self, dtype=None, copy=None):
+        arr = self.numpy()
+        return arr.astype(dtype, copy=False) if dtype is not None else arr
+
+    def __reduce_ex__(self, protocol):
+        # torch.save / pickling of a remote tensor stores its values, fetched now.
+        from .materialize import to_cpu
+
+        return to_cpu(self).__reduce_ex__(protocol)
+
+    @property
+    def genie_handle(self) -> int:
+        return self._genie.id

@@ -1,0 +1,87 @@
+"""Materialization: bring remote values to the CPU, blocking or async.
+
+The blocking forms (`to_cpu`, used by .cpu()/.item()/print/...) wrap the same
+per-device fetch that `await genie.materialize(...)` awaits. Fetches for tensors
+on different devices are issued together and awaited together.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from .lazy_tensor import LazyTensor
+
+
+def _check(t) -> LazyTensor:
+    if type(t) is not LazyTensor:
+        raise TypeError(f"expected a remote_accelerator tensor, got {type(t).__name__} on {getattr(t, 'device', '?')}")
+    return t
+
+
+def _group(tensors: list[LazyTensor]) -> dict:
+    groups: dict = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t._genie.stream, []).append(i)
+    return groups
+
+
+def to_cpu_many(tensors: list) -> list[torch.Tensor]:
+    tensors = [_check(t) for t in tensors]
+    out: list = [None] * len(tensors)
+    groups = _group(tensors)
+    futures = [(s, idx, s.fetch_async([tensors[i]._genie.id for i in idx])) for s, idx in groups.items()]
+    for stream, idx, future in futures:
+        reply = stream.link.wait(future)
+        stream._raise_async_error()
+        for i, value in zip(idx, stream.decode_fetched(reply)):
+            out[i] = value
+    return out
+
+
+def to_cpu(t) -> torch.Tensor:
+    return to_cpu_many([t])[0]
+
+
+async def materialize_many(tensors: list) -> list[torch.Tensor]:
+    """Async form: awaits the daemons without blocking the caller's event loop."""
+    tensors = [_check(t) for t in tensors]
+    out: list = [None] * len(tensors)
+    groups = _group(tensors)
+    pending = [(s, idx, asyncio.wrap_future(s.fetch_async([tensors[i]._genie.id for i in idx])))
+               for s, idx in groups.items()]
+    replies = await asyncio.gather(*(f for _, _, f in pending))
+    for (stream, idx, _), reply in zip(pending, replies):
+        stream._raise_async_error()
+        for i, value in zip(idx, stream.decode_fetched(reply)):
+            out[i] = value
+    return out
+
+
+def replace_lazy(tree):
+    """Every LazyTensor inside `tree` (lists, tuples, dicts) replaced by its CPU value, fetched in one go."""
+    found: list = []
+
+    def collect(v):
+        if type(v) is LazyTensor:
+            found.append(v)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                collect(x)
+        elif isinstance(v, dict):
+            for x in v.values():
+                collect(x)
+
+    collect(tree)
+    values = {id(t): c for t, c in zip(found, to_cpu_many(found))} if found else {}
+
+    def rebuild(v):
+        if type(v) is LazyTensor:
+            return values[id(v)]
+        if isinstance(v, (list, tuple)):
+            return type(v)(rebuild(x) for x in v)
+        if isinstance(v, dict):
+            return {k: rebuild(x) for k, x in v.items()}
+        return v
+
+    return rebuild(tree)

@@ -1,0 +1,141 @@
+"""Output metadata of an op, from meta-tensor execution behind a cache.
+
+The cache is keyed by (op, every tensor argument's dtype/shape/stride/offset/
+storage size, every other argument's type and value). A hit costs one dict
+lookup; a miss runs the op on meta tensors once. The plan it stores says, for
+each output, whether it is a new tensor (with its metadata), one of the inputs
+returned again (in-place and out= ops), or a plain value; and which inputs had
+their metadata changed (inplace_view ops such as `t_`, resizes of out=).
+An op whose output depends on data (nonzero, item, ...) or that has no meta
+kernel raises `NeedsRemoteExecution` and is run on the daemon synchronously.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_REMOTE_TYPE = "remote_accelerator"
+META = torch.device("meta")
+
+# Ops whose non-tensor results depend only on metadata, so meta execution answers them.
+METADATA_ONLY_RESULTS = frozenset({
+    "is_same_size", "is_contiguous", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset",
+    "size", "stride", "numel", "dim", "is_complex", "is_floating_point", "is_signed",
+    "_has_compatible_shallow_copy_type", "is_strides_like_format", "is_non_overlapping_and_dense",
+})
+
+
+class NeedsRemoteExecution(Exception):
+    """Output metadata can only come from running the op on real data."""
+
+
+@dataclass(frozen=True, slots=True)
+class NewTensor:
+    dtype: torch.dtype
+    shape: tuple
+    stride: tuple
+    offset: int
+    storage_nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class SameAsInput:
+    index: int  # position in the flat list of tensor arguments
+
+
+@dataclass(frozen=True, slots=True)
+class Value:
+    value: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    outputs: Any  # NewTensor | SameAsInput | Value | tuple/list of those
+    mutations: tuple  # (input index, shape, stride, offset)
+
+
+class MetaCache:
+    def __init__(self, maxsize: int = 65536) -> None:
+        self._plans: dict = {}
+        self.maxsize = maxsize
+        self.hits = 0
+        self.misses = 0
+        self.bypasses = 0
+
+    def get(self, key):
+        plan = self._plans.get(key)
+        if plan is not None:
+            self.hits += 1
+        return plan
+
+    def put(self, key, plan: Plan) -> None:
+        self.misses += 1
+        if len(self._plans) >= self.maxsize:
+            self._plans.clear()
+        self._plans[key] = plan
+
+    def info(self) -> dict:
+        return {"hits": self.hits, "misses": self.misses, "bypasses": self.bypasses, "size": len(self._plans)}
+
+
+def meta_like(t: torch.Tensor, storage_nbytes: int) -> torch.Tensor:
+    """A meta tensor with t's dtype, shape, stride, offset and storage size."""
+    needed = 0
+    if t.numel() > 0:
+        needed = (t.storage_offset() + sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+    storage = torch.UntypedStorage(max(storage_nbytes, needed), device=META)
+    return torch.empty(0, dtype=t.dtype, device=META).set_(storage, t.storage_offset(), t.shape, t.stride())
+
+
+def plan_op(func, args, kwargs, flat_tensors: list[torch.Tensor], storage_sizes: list[int]) -> Plan:
+    """Run `func` on meta stand-ins of the arguments and describe its outputs."""
+    metas = [meta_like(t, n) for t, n in zip(flat_tensors, storage_sizes)]
+    by_id = {id(t): i for i, t in enumerate(flat_tensors)}
+    meta_index = {id(m): i for i, m in enumerate(metas)}
+
+    def convert(v):
+        if isinstance(v, torch.Tensor):
+            return metas[by_id[id(v)]]
+        if isinstance(v, (list, tuple)):
+            return type(v)(convert(x) for x in v)
+        if isinstance(v, torch.device) and v.type == _REMOTE_TYPE:
+            return META
+        return v
+
+    before = [(m.shape, m.stride(), m.storage_offset()) for m in metas]
+    meta_args = convert(args)
+    meta_kwargs = {k: convert(v) for k, v in kwargs.items()}
+    try:
+        out = func(*meta_args, **meta_kwargs)
+    except NotImplementedError as e:
+        raise NeedsRemoteExecution(str(e)) from None
+    except RuntimeError as e:
+        msg = str(e)
+        if "meta" in msg.lower() or "data-dependent" in msg or "data dependent" in msg:
+            raise NeedsRemoteExecution(msg) from None
+        raise
+
+    def describe(o):
+        if isinstance(o, torch.Tensor):
+            idx = meta_index.get(id(o))
+            if idx is not None:
+                return SameAsInput(idx)
+            if o.device.type != "meta":
+                raise NeedsRemoteExecution("op produced a non-meta tensor")
+            return NewTensor(o.dtype, tuple(o.shape), tuple(o.stride()), o.storage_offset(),
+                             o.untyped_storage().nbytes())
+        if isinstance(o, (list, tuple)):
+            return type(o)(describe(x) for x in o)
+        if o is None or func._schema.name.split("::")[-1] in METADATA_ONLY_RESULTS:
+            return Value(o)
+        raise NeedsRemoteExecution("op returns a value that depends on data")
+
+    outputs = describe(out)
+    mutations = tuple(
+        (i, tuple(m.shape), tuple(m.stride()), m.storage_offset())
+        for i, (m, b) in enumerate(zip(metas, before))
+        if (m.shape, m.stride(), m.storage_offset()) != b
+    )
+    return Plan(outputs, mutations)

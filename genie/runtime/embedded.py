@@ -1,0 +1,84 @@
+"""The embedded default: a local genie-daemon process for this Python process.
+
+Started on first use when no daemon is configured, bound to a private ipc path
+(tcp on loopback where ipc is unavailable), told to exit if this process dies,
+and stopped at interpreter exit.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+log = logging.getLogger("genie.runtime")
+
+READY_LINE = "GENIE_DAEMON_READY"
+
+
+class LocalDaemon:
+    """A genie-daemon child process; `endpoint` is where it listens once started."""
+
+    def __init__(self, listen: str | None = None, threads: int = 0, extra_args: list[str] | None = None) -> None:
+        if listen is None:
+            if sys.platform.startswith("win"):
+                listen = "tcp://127.0.0.1:0"
+            else:
+                self._dir = tempfile.mkdtemp(prefix="genie-")
+                listen = f"ipc://{self._dir}/daemon.sock"
+        self.listen = listen
+        self.threads = threads
+        self.extra_args = extra_args or []
+        self.process: subprocess.Popen | None = None
+        self.endpoint: str | None = None
+        self._stderr_tail: list[str] = []
+
+    def start(self, timeout: float = 60.0) -> str:
+        cmd = [sys.executable, "-m", "genie_daemon", "--listen", self.listen,
+               "--exit-with-parent", str(os.getpid()), *self.extra_args]
+        if self.threads:
+            cmd += ["--threads", str(self.threads)]
+        self.process = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+        )
+        threading.Thread(target=self._drain_stderr, daemon=True).start()
+        deadline = time.monotonic() + timeout
+        result: list[str] = []
+
+        def read_ready() -> None:
+            for line in self.process.stdout:
+                if line.startswith(READY_LINE):
+                    result.append(line.split(None, 1)[1].strip())
+                    return
+
+        reader = threading.Thread(target=read_ready, daemon=True)
+        reader.start()
+        reader.join(max(deadline - time.monotonic(), 0))
+        if not result:
+            self.stop()
+            tail = "".join(self._stderr_tail[-20:])
+            raise RuntimeError(f"local genie-daemon did not start within {timeout:.0f}s:\n{tail}")
+        self.endpoint = result[0]
+        log.info("started local genie-daemon (pid %d) on %s", self.process.pid, self.endpoint)
+        return self.endpoint
+
+    def _drain_stderr(self) -> None:
+        # Keep the last lines for error messages, and never let the pipe fill up.
+        for line in self.process.stderr:
+            self._stderr_tail.append(line)
+            if len(self._stderr_tail) > 200:
+                del self._stderr_tail[:100]
+
+    def stop(self, timeout: float = 5.0) -> None:
+        proc = self.process
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout)

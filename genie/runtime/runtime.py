@@ -1,0 +1,249 @@
+"""The registry of daemons and devices, and the process-wide runtime.
+
+Device indices enumerate the devices of each connected daemon, daemon by daemon,
+in the order their endpoints were given. With no endpoint configured, the first
+use starts an embedded local daemon.
+"""
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import itertools
+import logging
+import threading
+import time
+
+import zmq.asyncio
+
+from genie import config as config_module
+from genie.errors import GenieConnectionError, GenieError
+from genie.transport.channel import Channel, RemoteError
+
+from .embedded import LocalDaemon
+from .loop import LoopThread
+from .stream import DeviceStream, await_exec, remote_error
+
+log = logging.getLogger("genie.runtime")
+
+
+class DaemonLink:
+    """One connected daemon: its channel, its devices, and this client's handle ids on it."""
+
+    def __init__(self, runtime: "Runtime", endpoint: str) -> None:
+        self.runtime = runtime
+        self.endpoint = endpoint
+        self.channel: Channel | None = None
+        self.devices: list[dict] = []
+        self.handle_ids = itertools.count(1)
+        self._heartbeat: asyncio.Task | None = None
+        self.measured_rtt_s: float | None = None
+
+    async def connect(self, timeout: float, heartbeat: float) -> None:
+        self.channel = Channel(self.endpoint, self.runtime.zmq_context)
+        await self.channel.open()
+        start = time.perf_counter()
+        try:
+            reply = await asyncio.wait_for(self.channel.post("hello", {}), timeout)
+        except asyncio.TimeoutError:
+            await self.channel.close()
+            raise GenieConnectionError(f"no answer from genie-daemon at {self.endpoint} within {timeout:.0f}s") from None
+        except RemoteError as e:
+            await self.channel.close()
+            raise GenieConnectionError(f"genie-daemon at {self.endpoint} refused hello: {e}") from None
+        self.measured_rtt_s = time.perf_counter() - start
+        devices = reply.body.get("devices")
+        if not isinstance(devices, list) or not devices:
+            raise GenieConnectionError(f"genie-daemon at {self.endpoint} reported no devices")
+        self.devices = devices
+        if heartbeat > 0:
+            self._heartbeat = asyncio.create_task(self._beat(heartbeat))
+
+    async def _beat(self, period: float) -> None:
+        while True:
+            await asyncio.sleep(period)
+            try:
+                self.channel.post("ping", {})
+            except Exception:
+                return
+
+    def submit_exec(self, body: dict, frames: list, on_error: DeviceStream | None) -> concurrent.futures.Future:
+        """Post an exec in order. With `on_error`, nobody waits: failures are kept on that stream."""
+        future = self.runtime.loop.submit(await_exec(self.channel, body, frames, self.endpoint))
+        if on_error is not None:
+            def record(f: concurrent.futures.Future) -> None:
+                if not f.cancelled() and f.exception() is not None:
+                    on_error.record_async_error(f.exception())
+            future.add_done_callback(record)
+        return future
+
+    def request(self, kind: str, body: dict, timeout: float | None = None):
+        async def go():
+            try:
+                return await self.channel.post(kind, body)
+            except RemoteError as e:
+                raise remote_error(e, self.endpoint) from None
+        return self.wait(self.runtime.loop.submit(go()), timeout)
+
+    def wait(self, future: concurrent.futures.Future, timeout: float | None = None):
+        if self.runtime.loop.in_loop_thread():
+            raise GenieError("blocking materialization called from Genie's own event loop thread")
+        timeout = self.runtime.config.request_timeout if timeout is None else timeout
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise GenieConnectionError(f"genie-daemon at {self.endpoint} did not answer within {timeout:.0f}s") from None
+
+    async def close(self, say_bye: bool) -> None:
+        if self._heartbeat:
+            self._heartbeat.cancel()
+        if self.channel is None:
+            return
+        if say_bye and not self.channel.closed:
+            try:
+                await asyncio.wait_for(self.channel.post("bye", {}), 2.0)
+            except Exception:
+                pass
+        await self.channel.close()
+
+
+class Runtime:
+    def __init__(self) -> None:
+        self.config = config_module.load()
+        self._lock = threading.RLock()
+        self._loop: LoopThread | None = None
+        self.zmq_context: zmq.asyncio.Context | None = None
+        self.links: list[DaemonLink] = []
+        self.streams: list[DeviceStream] = []
+        self.local_daemon: LocalDaemon | None = None
+        self._started = False
+        self.current_device = 0
+        self._atexit_registered = False
+        self.on_start: list = []  # callbacks run after each (re)connection, e.g. to replay a seed
+
+    @property
+    def loop(self) -> LoopThread:
+        if self._loop is None:
+            self._loop = LoopThread()
+            self.zmq_context = zmq.asyncio.Context()
+        return self._loop
+
+    # ------------------------------------------------------------ connecting
+
+    def init(self, urls: str | list[str] | None = None) -> None:
+        """Connect to the given daemons (comma-separated string or list); None: config or embedded."""
+        with self._lock:
+            if self._started:
+                self.shutdown()
+            if urls is None:
+                urls = self.config.server_url
+            endpoints = _split(urls) if urls else []
+            if not endpoints:
+                self.local_daemon = LocalDaemon(threads=self.config.daemon_threads)
+                endpoints = [self.local_daemon.start(self.config.connect_timeout)]
+            links = [DaemonLink(self, ep) for ep in endpoints]
+            futures = [self.loop.submit(l.connect(self.config.connect_timeout, self.config.heartbeat)) for l in links]
+            try:
+                for f in futures:
+                    f.result(self.config.connect_timeout + 5)
+            except BaseException:
+                for link in links:
+                    self.loop.submit(link.close(say_bye=False))
+                if self.local_daemon:
+                    self.local_daemon.stop()
+                    self.local_daemon = None
+                raise
+            self.links = links
+            self.streams = []
+            for link in links:
+                for local_index in range(len(link.devices)):
+                    self.streams.append(DeviceStream(
+                        link, local_index, len(self.streams), self.config.batch_ops, self.config.batch_bytes,
+                    ))
+            self._started = True
+            self.current_device = 0
+            if not self._atexit_registered:
+                atexit.register(self.shutdown)
+                self._atexit_registered = True
+            for callback in self.on_start:
+                callback()
+            log.info("genie connected to %s (%d devices)", ", ".join(endpoints), len(self.streams))
+
+    def ensure_started(self) -> None:
+        if not self._started:
+            with self._lock:
+                if not self._started:
+                    self.init()
+
+    @property
+    def started(self) -> bool:
+        return self._started
+
+    def stream(self, index: int | None) -> DeviceStream:
+        self.ensure_started()
+        if index is None:
+            index = self.current_device
+        if not 0 <= index < len(self.streams):
+            raise GenieError(
+                f"remote_accelerator:{index} does not exist: {len(self.streams)} remote device(s) connected"
+            )
+        return self.streams[index]
+
+    def device_count(self) -> int:
+        try:
+            self.ensure_started()
+        except Exception as e:  # device_count never throws, like torch.cuda.device_count
+            log.warning("no remote devices reachable: %s", e)
+            return 0
+        return len(self.streams)
+
+    # ------------------------------------------------------------ stats and teardown
+
+    def transport_stats(self) -> dict[str, dict]:
+        stats = {}
+        for link in self.links:
+            ch = link.channel
+            stats[link.endpoint] = {
+                "bytes_sent": ch.bytes_sent, "bytes_received": ch.bytes_received,
+                "messages_sent": ch.messages_sent, "hello_rtt_s": link.measured_rtt_s,
+            }
+        return stats
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._started and self._loop is not None:
+                for stream in self.streams:
+                    try:
+                        stream.flush()
+                    except Exception:
+                        pass
+                closes = [self._loop.submit(link.close(say_bye=True)) for link in self.links]
+                for f in closes:
+                    try:
+                        f.result(3.0)
+                    except Exception:
+                        pass
+            self.links, self.streams = [], []
+            self._started = False
+            if self.local_daemon is not None:
+                self.local_daemon.stop()
+                self.local_daemon = None
+
+
+def _split(urls: str | list[str]) -> list[str]:
+    if isinstance(urls, str):
+        urls = urls.split(",")
+    return [u.strip() for u in urls if u and u.strip()]
+
+
+_runtime: Runtime | None = None
+_runtime_lock = threading.Lock()
+
+
+def get_runtime() -> Runtime:
+    global _runtime
+    if _runtime is None:
+        with _runtime_lock:
+            if _runtime is None:
+                _runtime = Runtime()
+    return _runtime

@@ -1,0 +1,163 @@
+"""One remote device as an ordered stream of ops, batched until someone needs a result.
+
+The frontend appends encoded ops under `lock` (the hot path touches nothing
+else); a batch goes out when a materialization needs it, or when it grows past
+the configured op/byte bounds. Batches are posted to the loop in the order they
+were taken, so the daemon sees exactly the program order. Handles freed by
+dying tensors are queued on the stream of their device and sent after the ops
+of the next batch, so a free never overtakes an op that still reads it.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from genie.errors import GenieConnectionError, RemoteExecutionError
+from genie.transport import protocol
+from genie.transport.channel import ChannelClosed, RemoteError
+from genie.transport.tensors import buffer_to_tensor, parse_dtype
+
+if TYPE_CHECKING:
+    from .runtime import DaemonLink
+
+log = logging.getLogger("genie.runtime")
+
+
+class HandleRef:
+    """Owns one remote handle; when the last Python reference dies, the handle is freed (batched)."""
+
+    __slots__ = ("stream", "id", "storage_nbytes", "__weakref__")
+
+    def __init__(self, stream: "DeviceStream", handle_id: int, storage_nbytes: int) -> None:
+        self.stream = stream
+        self.id = handle_id
+        self.storage_nbytes = storage_nbytes
+
+    def __del__(self) -> None:
+        # deque.append is atomic: safe from any thread, and from GC inside a locked section.
+        self.stream.frees.append(self.id)
+
+
+class DeviceStream:
+    def __init__(self, link: "DaemonLink", local_index: int, global_index: int, batch_ops: int, batch_bytes: int) -> None:
+        self.link = link
+        self.local_index = local_index
+        self.global_index = global_index
+        self.device = torch.device("remote_accelerator", global_index)
+        self.lock = threading.RLock()
+        self.ops: list[list] = []
+        self.frames: list = []
+        self.inline_bytes = 0
+        self.frees: collections.deque[int] = collections.deque()
+        self.batch_ops = batch_ops
+        self.batch_bytes = batch_bytes
+        self._async_error: BaseException | None = None
+        self.ops_captured = 0
+
+    # ------------------------------------------------------------ building batches (lock held by caller)
+
+    def new_handle(self) -> int:
+        return next(self.link.handle_ids)
+
+    def add_frame(self, buffer) -> int:
+        """Attach an inline payload to the current batch; returns its frame index."""
+        self.frames.append(buffer)
+        self.inline_bytes += memoryview(buffer).nbytes
+        return len(self.frames) - 1
+
+    def append(self, entry: list) -> None:
+        self.ops.append(entry)
+        self.ops_captured += 1
+        if len(self.ops) >= self.batch_ops or self.inline_bytes >= self.batch_bytes:
+            self._post(self._take(fetch=[], report=False), wait=False)
+
+    def _take(self, fetch: list[int], report: bool) -> tuple[dict, list]:
+        frees = []
+        while self.frees:
+            frees.append(self.frees.popleft())
+        body = {"dev": self.local_index, "ops": self.ops, "frees": frees, "fetch": fetch, "report": report}
+        frames = self.frames
+        self.ops, self.frames, self.inline_bytes = [], [], 0
+        return body, frames
+
+    def _post(self, batch: tuple[dict, list], wait: bool) -> concurrent.futures.Future:
+        body, frames = batch
+        return self.link.submit_exec(body, frames, self if not wait else None)
+
+    # ------------------------------------------------------------ errors from batches nobody waited for
+
+    def record_async_error(self, exc: BaseException) -> None:
+        if self._async_error is None:
+            self._async_error = exc
+
+    def _raise_async_error(self) -> None:
+        exc, self._async_error = self._async_error, None
+        if exc is not None:
+            raise exc
+
+    # ------------------------------------------------------------ synchronisation points
+
+    def flush(self) -> concurrent.futures.Future | None:
+        with self.lock:
+            if not self.ops and not self.frees:
+                return None
+            return self._post(self._take(fetch=[], report=False), wait=True)
+
+    def synchronize(self) -> None:
+        """Wait until every op queued so far has run on the daemon."""
+        with self.lock:
+            future = self._post(self._take(fetch=[], report=False), wait=True)
+        self.link.wait(future)
+        self._raise_async_error()
+
+    def fetch_async(self, handles: list[int]) -> concurrent.futures.Future:
+        with self.lock:
+            return self._post(self._take(fetch=handles, report=False), wait=True)
+
+    def fetch(self, handles: list[int]) -> list[torch.Tensor]:
+        reply = self.link.wait(self.fetch_async(handles))
+        self._raise_async_error()
+        return self.decode_fetched(reply)
+
+    def decode_fetched(self, reply) -> list[torch.Tensor]:
+        out = []
+        for desc in reply.body["fetched"]:
+            if isinstance(desc, dict):
+                err = desc.get("error") or {}
+                raise RemoteExecutionError(err.get("op"), err.get("message", ""), err.get("type", "RuntimeError"),
+                                           daemon=self.link.endpoint)
+            frame, dtype, shape = desc
+            out.append(buffer_to_tensor(reply.frames[frame].buffer, parse_dtype(dtype), tuple(shape)))
+        return out
+
+    def run_reported(self, entry: list) -> Any:
+        """Queue `entry` last and run the batch now, returning its outputs described by the daemon."""
+        with self.lock:
+            self.ops.append(entry)
+            self.ops_captured += 1
+            future = self._post(self._take(fetch=[], report=True), wait=True)
+        reply = self.link.wait(future)
+        self._raise_async_error()
+        return reply.body["report"]
+
+
+def remote_error(exc: RemoteError, endpoint: str) -> RemoteExecutionError:
+    return RemoteExecutionError(exc.op, exc.message, exc.error_type, daemon=endpoint)
+
+
+async def await_exec(channel, body: dict, frames: list, endpoint: str):
+    try:
+        return await channel.post("exec", body, frames)
+    except RemoteError as e:
+        raise remote_error(e, endpoint) from None
+    except (ChannelClosed, asyncio.CancelledError) as e:
+        raise GenieConnectionError(f"connection to {endpoint} closed: {e}") from None
+
+
+__all__ = ["DeviceStream", "HandleRef", "await_exec", "protocol"]

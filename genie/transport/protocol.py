@@ -1,0 +1,301 @@
+"""Genie wire protocol, version 1. This docstring is the specification.
+
+A message is a ZeroMQ multipart message: frame 0 is a msgpack header, frames
+1..n are raw tensor payloads (see `tensors`). Nothing is pickled.
+
+Client -> daemon header: ``[kind, request_id, body]``
+
+  hello  {}                                   -> {version, devices: [{name, type, total_memory}]}
+  exec   {dev, ops, frees, fetch, report}     -> {fetched: [...], report: value | None}
+  stats  {dev}                                -> {allocated, reserved, peak, handles, clients}
+  ping   {}                                   -> {}
+  bye    {}                                   -> {}   (frees everything the client holds)
+
+Daemon -> client header: ``[request_id, ok, body]``; when ok is false, body is
+``{type, message, op}`` describing the failure.
+
+An op is ``[name, args, kwargs, outs]``: `name` is an ATen overload name such
+as ``"aten::add.Tensor"``; `args`/`kwargs` are msgpack values in which these
+extension types stand for what msgpack cannot say:
+
+  1 HANDLE  int64 little-endian: a tensor resident on the daemon (client-scoped id)
+  2 TENSOR  msgpack [frame, dtype, shape]: an inline tensor carried in a frame
+  3 DTYPE   dtype name (`tensors.DTYPES`)
+  4 DEVICE  msgpack [type, index]: "remote" means the exec's device, else "cpu"
+  5 MEMFMT  memory format name
+  6 LAYOUT  layout name
+  7 COMPLEX msgpack [real, imag]
+
+`outs` mirrors the op's return value: an int is the handle id under which the
+daemon keeps that tensor, null means "do not keep". Ops run in order; when one
+fails, its outputs and the tensors it writes become poisoned with the error, and
+everything computed from them is poisoned in turn. Fetching a poisoned handle
+returns that error, naming the op that failed. `fetch` returns each handle as a
+C-contiguous descriptor ``[frame, dtype, shape]``. `report` asks for the last
+op's outputs described as values: tensors as ``[handle, dtype, shape, stride,
+offset, storage_nbytes]`` (for ops whose output shape depends on data).
+"""
+from __future__ import annotations
+
+import re
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import torch
+
+from .errors import ProtocolError
+from .tensors import DTYPES, check_shape, parse_dtype
+
+VERSION = 1
+
+EXT_HANDLE, EXT_TENSOR, EXT_DTYPE, EXT_DEVICE, EXT_MEMFMT, EXT_LAYOUT, EXT_COMPLEX = range(1, 8)
+
+MEMORY_FORMATS = {
+    "contiguous_format": torch.contiguous_format,
+    "channels_last": torch.channels_last,
+    "channels_last_3d": torch.channels_last_3d,
+    "preserve_format": torch.preserve_format,
+}
+MEMORY_FORMAT_NAMES = {v: k for k, v in MEMORY_FORMATS.items()}
+LAYOUTS = {"strided": torch.strided}
+LAYOUT_NAMES = {v: k for k, v in LAYOUTS.items()}
+
+# Limits on what one message may ask for; named, not literals in the code below.
+MAX_HEADER_BYTES = 64 << 20
+MAX_OPS_PER_EXEC = 1 << 20
+MAX_FRAMES = 1 << 16
+MAX_NESTING = 16
+
+_OP_NAME = re.compile(r"^[a-z_][a-z0-9_]*::[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?$")
+_HANDLE = struct.Struct("<q")
+
+KINDS = ("hello", "exec", "stats", "ping", "bye")
+
+
+# ---------------------------------------------------------------- value markers
+
+
+@dataclass(frozen=True, slots=True)
+class HandleRef:
+    id: int
+
+
+@dataclass(frozen=True, slots=True)
+class InlineTensor:
+    frame: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceRef:
+    type: str  # "remote" (the exec's device) or "cpu"
+    index: int
+
+
+def encode_handle(handle_id: int) -> msgpack.ExtType:
+    return msgpack.ExtType(EXT_HANDLE, _HANDLE.pack(handle_id))
+
+
+def encode_inline(frame: int, dtype_name: str, shape) -> msgpack.ExtType:
+    return msgpack.ExtType(EXT_TENSOR, msgpack.packb([frame, dtype_name, list(shape)]))
+
+
+def encode_dtype(dtype: torch.dtype) -> msgpack.ExtType:
+    from .tensors import dtype_name
+
+    return msgpack.ExtType(EXT_DTYPE, dtype_name(dtype).encode())
+
+
+def encode_device(kind: str, index: int = 0) -> msgpack.ExtType:
+    return msgpack.ExtType(EXT_DEVICE, msgpack.packb([kind, index]))
+
+
+def encode_memory_format(fmt: torch.memory_format) -> msgpack.ExtType:
+    return msgpack.ExtType(EXT_MEMFMT, MEMORY_FORMAT_NAMES[fmt].encode())
+
+
+def encode_layout(layout: torch.layout) -> msgpack.ExtType:
+    if layout not in LAYOUT_NAMES:
+        raise ProtocolError(f"layout {layout} cannot be sent over the wire")
+    return msgpack.ExtType(EXT_LAYOUT, LAYOUT_NAMES[layout].encode())
+
+
+def encode_complex(z: complex) -> msgpack.ExtType:
+    return msgpack.ExtType(EXT_COMPLEX, msgpack.packb([z.real, z.imag]))
+
+
+def decode_ext(code: int, data: bytes) -> Any:
+    """msgpack ext_hook on the receiving side: every payload is checked."""
+    if code == EXT_HANDLE:
+        if len(data) != 8:
+            raise ProtocolError("bad handle payload")
+        return HandleRef(_HANDLE.unpack(data)[0])
+    if code == EXT_TENSOR:
+        frame, dtype, shape = _unpack_list(data, 3, "tensor")
+        if type(frame) is not int or frame < 0 or frame >= MAX_FRAMES:
+            raise ProtocolError(f"bad frame index {frame!r}")
+        return InlineTensor(frame, parse_dtype(dtype), check_shape(shape))
+    if code == EXT_DTYPE:
+        return parse_dtype(_text(data))
+    if code == EXT_DEVICE:
+        kind, index = _unpack_list(data, 2, "device")
+        if kind not in ("remote", "cpu") or type(index) is not int or not 0 <= index < 1 << 16:
+            raise ProtocolError(f"bad device {kind!r}:{index!r}")
+        return DeviceRef(kind, index)
+    if code == EXT_MEMFMT:
+        name = _text(data)
+        if name not in MEMORY_FORMATS:
+            raise ProtocolError(f"unknown memory format {name!r}")
+        return MEMORY_FORMATS[name]
+    if code == EXT_LAYOUT:
+        name = _text(data)
+        if name not in LAYOUTS:
+            raise ProtocolError(f"unknown layout {name!r}")
+        return LAYOUTS[name]
+    if code == EXT_COMPLEX:
+        re_, im = _unpack_list(data, 2, "complex")
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (re_, im)):
+            raise ProtocolError("bad complex payload")
+        return complex(re_, im)
+    raise ProtocolError(f"unknown extension type {code}")
+
+
+def _text(data: bytes) -> str:
+    try:
+        return data.decode("ascii")
+    except UnicodeDecodeError:
+        raise ProtocolError("non-ascii name") from None
+
+
+def _unpack_list(data: bytes, n: int, what: str) -> list:
+    try:
+        value = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:
+        raise ProtocolError(f"bad {what} payload: {e}") from None
+    if not isinstance(value, list) or len(value) != n:
+        raise ProtocolError(f"bad {what} payload")
+    return value
+
+
+# ---------------------------------------------------------------- headers
+
+
+def pack(value: Any) -> bytes:
+    return msgpack.packb(value, use_bin_type=True)
+
+
+def unpack_header(frame) -> Any:
+    """Decode a received header frame, turning extension types into markers."""
+    data = bytes(frame) if not isinstance(frame, bytes) else frame
+    if len(data) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(data)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        return msgpack.unpackb(
+            data, raw=False, strict_map_key=True, ext_hook=decode_ext, use_list=True,
+        )
+    except ProtocolError:
+        raise
+    except Exception as e:  # msgpack raises several types for garbage
+        raise ProtocolError(f"undecodable header: {type(e).__name__}: {e}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    kind: str
+    request_id: int
+    body: dict
+
+
+def parse_request(header: Any) -> Request:
+    if not isinstance(header, list) or len(header) != 3:
+        raise ProtocolError("request header must be [kind, request_id, body]")
+    kind, request_id, body = header
+    if kind not in KINDS:
+        raise ProtocolError(f"unknown request kind {kind!r}")
+    if type(request_id) is not int or not 0 <= request_id < 1 << 63:
+        raise ProtocolError(f"bad request id {request_id!r}")
+    if not isinstance(body, dict):
+        raise ProtocolError("request body must be a map")
+    return Request(kind, request_id, body)
+
+
+def request_id_of(header: Any) -> int:
+    """Best-effort request id of a message that failed validation, so the error reply can be matched."""
+    if isinstance(header, list) and len(header) >= 2 and type(header[1]) is int and 0 <= header[1] < 1 << 63:
+        return header[1]
+    return 0
+
+
+@dataclass(frozen=True, slots=True)
+class OpCall:
+    name: str
+    args: list
+    kwargs: dict
+    outs: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Exec:
+    device: int
+    ops: list[OpCall]
+    frees: list[int]
+    fetch: list[int]
+    report: bool
+
+
+def _handle_list(value: Any, what: str) -> list[int]:
+    if not isinstance(value, list):
+        raise ProtocolError(f"{what} must be a list of handle ids")
+    for h in value:
+        if type(h) is not int:
+            raise ProtocolError(f"{what} must be a list of handle ids")
+    return value
+
+
+def _check_outs(outs: Any, depth: int = 0) -> None:
+    if outs is None or type(outs) is int:
+        return
+    if isinstance(outs, list) and depth < MAX_NESTING:
+        for o in outs:
+            _check_outs(o, depth + 1)
+        return
+    raise ProtocolError(f"bad outs {outs!r}")
+
+
+def parse_exec(body: dict) -> Exec:
+    device = body.get("dev", 0)
+    if type(device) is not int or device < 0:
+        raise ProtocolError(f"bad device index {device!r}")
+    ops_raw = body.get("ops", [])
+    if not isinstance(ops_raw, list) or len(ops_raw) > MAX_OPS_PER_EXEC:
+        raise ProtocolError("ops must be a list")
+    ops = []
+    for entry in ops_raw:
+        if not isinstance(entry, list) or len(entry) != 4:
+            raise ProtocolError("an op must be [name, args, kwargs, outs]")
+        name, args, kwargs, outs = entry
+        if not isinstance(name, str) or not _OP_NAME.match(name):
+            raise ProtocolError(f"bad op name {name!r}")
+        if not isinstance(args, list) or not isinstance(kwargs, dict):
+            raise ProtocolError(f"{name}: args must be a list and kwargs a map")
+        if not all(isinstance(k, str) for k in kwargs):
+            raise ProtocolError(f"{name}: kwarg names must be strings")
+        _check_outs(outs)
+        ops.append(OpCall(name, args, kwargs, outs))
+    report = body.get("report", False)
+    if type(report) is not bool:
+        raise ProtocolError("report must be a bool")
+    return Exec(
+        device=device,
+        ops=ops,
+        frees=_handle_list(body.get("frees", []), "frees"),
+        fetch=_handle_list(body.get("fetch", []), "fetch"),
+        report=report,
+    )
+
+
+def error_body(exc: BaseException, op: str | None = None) -> dict:
+    return {"type": type(exc).__name__, "message": str(exc), "op": op}

@@ -1,0 +1,88 @@
+"""Tensors <-> raw frames without copies.
+
+A tensor travels as a descriptor in the msgpack header, `[frame, dtype, shape]`,
+plus one raw frame holding its bytes in C-contiguous order. Sending exposes
+the tensor's own memory as a buffer (no `tobytes`); receiving wraps the frame's
+buffer with `torch.frombuffer`, which keeps the frame alive as long as the
+tensor lives.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .errors import ProtocolError
+
+# Every dtype that may cross the wire, by its stable name. Anything else is refused.
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "float32", "float64", "float16", "bfloat16", "complex64", "complex128",
+        "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool",
+        "float8_e4m3fn", "float8_e5m2",
+    )
+    if hasattr(torch, name)
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+# Largest tensor accepted in a single frame; larger payloads are refused rather
+# than risking a ZeroMQ message over its 2 GiB-ish ceiling.
+MAX_FRAME_BYTES = 1 << 31
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ProtocolError(f"dtype {dtype} cannot be sent over the wire") from None
+
+
+def parse_dtype(name: object) -> torch.dtype:
+    if not isinstance(name, str) or name not in DTYPES:
+        raise ProtocolError(f"unknown dtype {name!r}")
+    return DTYPES[name]
+
+
+def tensor_to_buffer(t: torch.Tensor) -> memoryview:
+    """A memoryview over the bytes of `t` (made contiguous on the CPU if it is not)."""
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if not t.is_contiguous() or t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg().contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    flat = t.reshape(-1).view(torch.uint8)
+    # numpy gives a buffer-protocol object that keeps `flat` (and so `t`) alive.
+    return memoryview(flat.numpy())
+
+
+def check_shape(shape: object) -> tuple[int, ...]:
+    if not isinstance(shape, (list, tuple)) or len(shape) > 64:
+        raise ProtocolError(f"bad shape {shape!r}")
+    for s in shape:
+        if type(s) is not int or s < 0 or s > (1 << 40):
+            raise ProtocolError(f"bad shape {shape!r}")
+    return tuple(shape)
+
+
+def buffer_to_tensor(buf, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Wrap a received frame as a tensor, without copying, after checking its length."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    itemsize = torch.empty((), dtype=dtype).element_size() if dtype not in _ITEMSIZE else _ITEMSIZE[dtype]
+    expected = numel * itemsize
+    length = memoryview(buf).nbytes
+    if length != expected:
+        raise ProtocolError(f"frame holds {length} bytes, header says {expected} ({dtype}, {list(shape)})")
+    if expected == 0:
+        return torch.empty(shape, dtype=dtype)
+    with warnings.catch_warnings():
+        # ZeroMQ frames are read-only buffers; the tensor owns this frame alone.
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.frombuffer(buf, dtype=torch.uint8)
+    return raw.view(dtype).view(shape)
+
+
+_ITEMSIZE: dict[torch.dtype, int] = {d: torch.empty((), dtype=d).element_size() for d in DTYPES.values()}

@@ -1,0 +1,36 @@
+"""Genie: run unmodified PyTorch programs on GPUs in other machines.
+
+The daemon's code lives in ./daemon but installs as the import package
+`genie_daemon`: PyPI already has a package whose module is called `daemon`.
+torch is deliberately not in build requirements (see ARCHITECTURE.md): the
+runtime pin is a lower bound so GPU nodes keep their own CUDA build, and CI
+installs the CPU wheel explicitly before this package.
+"""
+from setuptools import setup
+
+setup(
+    name="genie",
+    version="0.1.0",
+    description="Remote GPUs as a PyTorch device: lazy capture, semantic scheduling, ZeroMQ transport",
+    python_requires=">=3.10",
+    packages=[
+        "genie",
+        "genie.frontend",
+        "genie.runtime",
+        "genie.transport",
+        "genie_daemon",
+    ],
+    package_dir={"genie_daemon": "daemon"},
+    install_requires=[
+        "torch>=2.13",
+        "pyzmq>=25",
+        "msgpack>=1.0",
+        "networkx>=3.0",
+        "uvloop>=0.19; platform_system != 'Windows'",
+    ],
+    extras_require={
+        "gpu": ["cupy-cuda12x>=13"],
+        "test": ["pytest>=8", "pytest-asyncio>=0.23", "pytest-timeout>=2.3", "expecttest>=0.2", "hypothesis>=6"],
+    },
+    entry_points={"console_scripts": ["genie-daemon=genie_daemon.cli:main"]},
+)
