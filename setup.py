@@ -18,6 +18,7 @@ setup(
         "genie.frontend",
         "genie.runtime",
         "genie.transport",
+        "genie.examples",
         "genie_daemon",
     ],
     package_dir={"genie_daemon": "daemon"},

@@ -70,9 +70,7 @@ class Executor:
             if raise_errors:
                 raise _RemoteOpError(p.poison) from None
             return None
-        except ProtocolError:
-            raise
-        except Exception as e:  # the op itself failed: record it where the client will look
+        except Exception as e:  # the op failed (or was refused): record it where the client will look
             poison = Poison(call.name, type(e).__name__, str(e).strip())
             log.debug("op %s failed: %s", call.name, e)
             self._poison(client, call, poison)

@@ -141,22 +141,35 @@ def _build_outputs(plan_out, stream, inputs):
     return type(plan_out)(p[0] for p in pairs), [p[1] for p in pairs]
 
 
+class _StorageDonor(torch.Tensor):
+    """A data-less wrapper whose only use is to lend a larger storage to a resized LazyTensor."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError(f"internal: {func} reached a storage donor")
+
+
 def _apply_mutations(mutations, inputs) -> None:
+    """Mirror metadata changes of in-place view ops and out= resizes on the wrappers."""
     from torch.utils._mode_utils import no_dispatch
 
-    for index, shape, stride, offset in mutations:
+    for index, shape, stride, offset, storage_nbytes in mutations:
         t = inputs[index]
         if type(t) is not LazyTensor:
             continue
         with no_dispatch():
+            if storage_nbytes > t._genie.storage_nbytes:
+                donor = torch.Tensor._make_wrapper_subclass(
+                    _StorageDonor, (0,), dtype=t.dtype, device=t.device, storage_size=storage_nbytes)
+                torch._functionalize_unsafe_set(t, donor)
+                t._genie.storage_nbytes = storage_nbytes
             # As return_and_correct_aliasing does: run the metadata change on the wrapper itself.
             prev = torch._C._meta_in_tls_dispatch_include()
             torch._C._set_meta_in_tls_dispatch_include(True)
             try:
                 torch.ops.aten.as_strided_.default(t, shape, stride, offset)
-            except RuntimeError as e:
-                raise UnsupportedOperationError(
-                    "resize", f"growing a remote tensor beyond its storage is not supported ({e})") from None
             finally:
                 torch._C._set_meta_in_tls_dispatch_include(prev)
 

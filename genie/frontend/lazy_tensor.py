@@ -45,6 +45,11 @@ class LazyTensor(torch.Tensor):
             suffix += ", requires_grad=True"
         return text[:-1] + suffix + ")"
 
+    def __format__(self, format_spec: str) -> str:
+        if self.dim() == 0:
+            return self.detach().item().__format__(format_spec)
+        return format(repr(self), format_spec)
+
     def numpy(self, *, force: bool = False):
         from .materialize import to_cpu
 

@@ -53,7 +53,7 @@ class Value:
 @dataclass(frozen=True, slots=True)
 class Plan:
     outputs: Any  # NewTensor | SameAsInput | Value | tuple/list of those
-    mutations: tuple  # (input index, shape, stride, offset)
+    mutations: tuple  # (input index, shape, stride, offset, storage nbytes)
 
 
 class MetaCache:
@@ -134,7 +134,7 @@ def plan_op(func, args, kwargs, flat_tensors: list[torch.Tensor], storage_sizes:
 
     outputs = describe(out)
     mutations = tuple(
-        (i, tuple(m.shape), tuple(m.stride()), m.storage_offset())
+        (i, tuple(m.shape), tuple(m.stride()), m.storage_offset(), m.untyped_storage().nbytes())
         for i, (m, b) in enumerate(zip(metas, before))
         if (m.shape, m.stride(), m.storage_offset()) != b
     )

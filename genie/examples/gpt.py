@@ -1,0 +1,106 @@
+"""A small GPT-style decoder with a KV cache, written in plain PyTorch (random weights).
+
+Positions are passed as a tensor so that a decode loop can advance them on the
+device (`pos + 1`) instead of sending new Python integers every step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 512
+    max_seq_len: int = 512
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    mlp_ratio: int = 4
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
+        self.proj = nn.Linear(cfg.dim, cfg.dim)
+
+    def forward(self, x: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor] | None):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=-1)
+        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        if past is not None:
+            k = torch.cat([past[0], k], dim=2)  # the KV cache grows along the sequence axis
+            v = torch.cat([past[1], v], dim=2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=past is None and t > 1)
+        y = y.transpose(1, 2).reshape(b, t, d)
+        return self.proj(y), (k, v)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.dim)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.dim)
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.dim, cfg.mlp_ratio * cfg.dim), nn.GELU(), nn.Linear(cfg.mlp_ratio * cfg.dim, cfg.dim)
+        )
+
+    def forward(self, x, past):
+        a, present = self.attn(self.ln1(x), past)
+        x = x + a
+        x = x + self.mlp(self.ln2(x))
+        return x, present
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, cfg: GPTConfig = GPTConfig()) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.dim)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def forward(self, idx: torch.Tensor, pos: torch.Tensor, past_key_values=None):
+        """idx: (B, T) token ids; pos: (T,) positions; returns logits and the updated cache."""
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        presents = []
+        for i, block in enumerate(self.blocks):
+            x, present = block(x, None if past_key_values is None else past_key_values[i])
+            presents.append(present)
+        return self.head(self.ln_f(x)), presents
+
+
+@torch.no_grad()
+def generate(model: TinyGPT, prompt: torch.Tensor, new_tokens: int, on_token=None) -> list[int]:
+    """Greedy decoding with a KV cache. `prompt` is (1, T) on the model's device.
+
+    Each step reads only the chosen token (`.item()`); the cache, positions and
+    the next input stay on the model's device.
+    """
+    device = prompt.device
+    t = prompt.shape[1]
+    pos = torch.arange(t, device=device)
+    logits, past = model(prompt, pos)
+    next_tok = logits[:, -1].argmax(dim=-1, keepdim=True)
+    pos = pos[-1:] + 1
+    out = []
+    for _ in range(new_tokens):
+        token = next_tok.item()
+        out.append(token)
+        if on_token is not None:
+            on_token(token)
+        logits, past = model(next_tok, pos, past)
+        next_tok = logits[:, -1].argmax(dim=-1, keepdim=True)
+        pos = pos + 1
+    return out

@@ -1,0 +1,29 @@
+"""Shared fixtures: one real genie-daemon for the session, connected through genie.init."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from daemons import DaemonProcess  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def daemon_endpoint():
+    with DaemonProcess() as d:
+        yield d.endpoint
+
+
+@pytest.fixture
+def dev(daemon_endpoint):
+    """genie connected to the session daemon (reconnected if a test changed it); the device string."""
+    import genie
+    from genie.runtime import get_runtime
+
+    rt = get_runtime()
+    if not rt.started or [link.endpoint for link in rt.links] != [daemon_endpoint]:
+        genie.init(daemon_endpoint)
+    return "remote_accelerator:0"

@@ -1,0 +1,68 @@
+"""Helpers that start real genie-daemon processes for tests, with bounded waits and sure teardown."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+
+READY = "GENIE_DAEMON_READY"
+
+
+class DaemonProcess:
+    def __init__(self, listen: str = "tcp://127.0.0.1:0", extra: list[str] | None = None,
+                 use_console_script: bool = True) -> None:
+        exe = shutil.which("genie-daemon") if use_console_script else None
+        cmd = [exe] if exe else [sys.executable, "-m", "genie_daemon"]
+        self.cmd = [*cmd, "--listen", listen, "--threads", "1", "--log-level", "WARNING", *(extra or [])]
+        self.proc: subprocess.Popen | None = None
+        self.endpoint: str | None = None
+        self.stderr_lines: list[str] = []
+
+    def start(self, timeout: float = 60.0) -> str:
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     stdin=subprocess.DEVNULL, text=True)
+        found: list[str] = []
+
+        def read() -> None:
+            for line in self.proc.stdout:
+                if line.startswith(READY):
+                    found.append(line.split(None, 1)[1].strip())
+                    break
+
+        def drain() -> None:
+            for line in self.proc.stderr:
+                self.stderr_lines.append(line)
+
+        threading.Thread(target=drain, daemon=True).start()
+        t = threading.Thread(target=read, daemon=True)
+        t.start()
+        t.join(timeout)
+        if not found:
+            self.stop()
+            raise RuntimeError(f"genie-daemon did not start: {''.join(self.stderr_lines[-20:])}")
+        self.endpoint = found[0]
+        return self.endpoint
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def __enter__(self) -> "DaemonProcess":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def ipc_endpoint() -> tuple[str, str]:
+    d = tempfile.mkdtemp(prefix="genie-test-")
+    return f"ipc://{os.path.join(d, 'd.sock')}", d

@@ -1,0 +1,81 @@
+"""A daemon answers bad requests with errors and keeps serving (raw ZeroMQ client, no genie runtime)."""
+import msgpack
+import pytest
+import zmq
+
+from genie.transport import protocol
+
+TIMEOUT_MS = 10_000
+
+
+@pytest.fixture
+def sock(daemon_endpoint):
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, TIMEOUT_MS)
+    s.connect(daemon_endpoint)
+    yield s
+    s.send_multipart([protocol.pack(["bye", 999, {}])])
+    s.recv_multipart()
+    s.close()
+    ctx.term()
+
+
+def call(sock, frames):
+    sock.send_multipart(frames)
+    header, *payload = sock.recv_multipart()
+    return msgpack.unpackb(header, raw=False, strict_map_key=False), payload
+
+
+def op(name, args, outs, kwargs=None):
+    return [name, args, kwargs or {}, outs]
+
+
+def test_hello(sock):
+    (rid, ok, body), _ = call(sock, [protocol.pack(["hello", 1, {}])])
+    assert rid == 1 and ok and body["version"] == protocol.VERSION and body["devices"][0]["type"] == "cpu"
+
+
+def error_text(ok, body):
+    """The request's error, or (for an op that failed inside a valid request) the fetched output's error."""
+    return body["message"] if not ok else body["fetched"][0]["error"]["message"]
+
+
+@pytest.mark.parametrize("frames, expected", [
+    ([b"\xc1garbage"], "undecodable"),
+    ([protocol.pack({"a": 1})], "header must be"),
+    ([protocol.pack(["launch_missiles", 2, {}])], "unknown request kind"),
+    ([protocol.pack(["exec", 3, {"ops": [op("aten::from_file", ["/etc/passwd"], 1)], "fetch": [1]}])],
+     "not allowed"),
+    ([protocol.pack(["exec", 4, {"ops": [op("os::system", ["ls"], 1)], "fetch": [1]}])], "only aten"),
+    ([protocol.pack(["exec", 4, {"ops": [op("__import__('os')", [], 1)]}])], "bad op name"),
+    ([protocol.pack(["exec", 5, {"ops": [op("aten::add.Tensor", [protocol.encode_handle(12345)] * 2, 1)],
+                                 "fetch": [1]}])], "does not exist"),
+    ([protocol.pack(["exec", 6, {"ops": "nope"}])], "ops must be a list"),
+    ([protocol.pack(["exec", 7, {"ops": [op("aten::ones", [[2]], 1, {"dtype": msgpack.ExtType(3, b"float99")})]}])],
+     "unknown dtype"),
+])
+def test_bad_requests_get_error_replies(sock, frames, expected):
+    import re
+
+    (rid, ok, body), _ = call(sock, frames)
+    assert re.search(expected, error_text(ok, body)), body
+    # ... and the daemon still serves.
+    (rid, ok, body), _ = call(sock, [protocol.pack(["ping", 77, {}])])
+    assert rid == 77 and ok
+
+
+def test_frame_length_mismatch_is_refused(sock):
+    inline = protocol.encode_inline(0, "float32", [4])
+    header = protocol.pack(["exec", 8, {"ops": [op("aten::clone", [inline], 1)], "fetch": [1]}])
+    (rid, ok, body), _ = call(sock, [header, b"\x00" * 15])
+    assert "frame holds 15 bytes" in error_text(ok, body)
+
+
+def test_exec_and_fetch_roundtrip(sock):
+    ops = [op("aten::ones", [[3]], 1), op("aten::mul.Scalar", [protocol.encode_handle(1), 4], 2)]
+    (rid, ok, body), payload = call(sock, [protocol.pack(["exec", 9, {"ops": ops, "fetch": [2]}])])
+    assert ok
+    frame, dtype, shape = body["fetched"][0]
+    assert dtype == "float32" and shape == [3] and payload[frame] == b"\x00\x00\x80\x40" * 3

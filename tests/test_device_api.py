@@ -1,0 +1,66 @@
+"""torch.remote_accelerator: the torch.cuda-like module, with figures from the daemon."""
+import pytest
+import torch
+
+import genie
+
+
+def test_device_parses_and_module_is_installed(dev):
+    assert torch.device("remote_accelerator:1").type == "remote_accelerator"
+    assert torch.device("remote_accelerator:1").index == 1
+    assert torch.remote_accelerator is genie.remote_accelerator
+
+
+def test_count_availability_and_name(dev):
+    ra = torch.remote_accelerator
+    assert ra.device_count() == 1
+    assert ra.is_available()
+    assert ra.is_initialized()
+    assert ra.current_device() == 0
+    assert "cpu" in ra.get_device_name(0)
+    props = ra.get_device_properties(0)
+    assert props.type == "cpu" and props.total_memory > 0
+
+
+def test_set_device_rejects_missing_index(dev):
+    with pytest.raises(genie.GenieError, match="does not exist"):
+        torch.remote_accelerator.set_device(5)
+    with torch.remote_accelerator.device(0):
+        assert torch.remote_accelerator.current_device() == 0
+
+
+def test_memory_stats_are_real(dev):
+    ra = torch.remote_accelerator
+    before = ra.memory_allocated()
+    x = torch.ones(1024, 256, device=dev)  # 1 MiB
+    ra.synchronize()
+    assert ra.memory_allocated() - before == 1024 * 256 * 4
+    stats = ra.memory_stats()
+    assert stats["allocated_bytes.all.peak"] >= stats["allocated_bytes.all.current"]
+    del x
+    assert ra.memory_allocated() == before
+
+
+def test_device_count_is_zero_when_unreachable(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import os, torch, genie\n"
+        "n = torch.remote_accelerator.device_count()\n"
+        "print('COUNT', n)\n"
+    )
+    env = dict(os.environ, GENIE_SERVER_URL=f"ipc://{tmp_path}/nobody.sock", GENIE_CONNECT_TIMEOUT="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert "COUNT 0" in out.stdout, out.stderr
+
+
+def test_manual_seed_makes_remote_random_reproducible(dev):
+    torch.manual_seed(123)
+    a = torch.randn(8, device=dev).cpu()
+    torch.manual_seed(123)
+    b = torch.randn(8, device=dev).cpu()
+    c = torch.randn(8, device=dev).cpu()
+    assert torch.equal(a, b)
+    assert not torch.equal(b, c)

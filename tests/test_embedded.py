@@ -1,0 +1,39 @@
+"""With no daemon configured, Genie starts a local one for the process and stops it at exit."""
+import os
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent("""
+    import os, torch, genie
+    from genie.runtime import get_runtime
+    x = torch.randn(64, 64, device="remote_accelerator:0")
+    y = torch.relu(x @ x + 1)
+    print("SUM", y.sum().item() > 0)
+    d = get_runtime().local_daemon
+    print("PID", d.process.pid)
+    print("ENDPOINT", d.endpoint)
+""")
+
+
+def test_embedded_daemon_starts_and_stops(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "GENIE_SERVER_URL"}
+    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = dict(line.split(" ", 1) for line in out.stdout.strip().splitlines())
+    assert lines["SUM"] == "True"
+    assert lines["ENDPOINT"].startswith("ipc://")
+    pid = int(lines["PID"])
+    # The daemon is gone once the client process has exited.
+    import time
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, 9)
+        raise AssertionError("embedded daemon outlived its client")

@@ -1,0 +1,65 @@
+"""Factory ops on the remote device are captured and produce the right values."""
+import pytest
+import torch
+
+import genie
+
+
+def test_randn_is_lazy_and_materializes(dev):
+    x = torch.randn(10, 10, device=dev)
+    assert isinstance(x, genie.LazyTensor)
+    assert x.shape == (10, 10) and x.dtype == torch.float32
+    y = x.cpu()
+    assert type(y) is torch.Tensor and y.device.type == "cpu"
+    assert y.std() > 0.5  # really random normal values, not zeros
+
+
+@pytest.mark.parametrize("make, expected", [
+    (lambda d: torch.zeros(2, 3, device=d), torch.zeros(2, 3)),
+    (lambda d: torch.ones(2, 3, dtype=torch.int32, device=d), torch.ones(2, 3, dtype=torch.int32)),
+    (lambda d: torch.full((2, 2), 7.5, device=d), torch.full((2, 2), 7.5)),
+    (lambda d: torch.arange(10, device=d), torch.arange(10)),
+    (lambda d: torch.arange(1.0, 4.0, 0.5, device=d), torch.arange(1.0, 4.0, 0.5)),
+    (lambda d: torch.linspace(0, 1, 5, device=d), torch.linspace(0, 1, 5)),
+    (lambda d: torch.eye(3, device=d), torch.eye(3)),
+    (lambda d: torch.tensor([[1, 2], [3, 4]], device=d), torch.tensor([[1, 2], [3, 4]])),
+    (lambda d: torch.as_tensor([1.5, 2.5], device=d), torch.tensor([1.5, 2.5])),
+    (lambda d: torch.zeros_like(torch.ones(3, device=d)), torch.zeros(3)),
+    (lambda d: torch.ones_like(torch.zeros(2, 2, device=d)), torch.ones(2, 2)),
+    (lambda d: torch.full_like(torch.zeros(2, device=d), 3), torch.full((2,), 3.0)),
+    (lambda d: torch.empty(3, 4, device=d).fill_(2), torch.full((3, 4), 2.0)),
+    (lambda d: torch.tensor(3.5, device=d), torch.tensor(3.5)),
+    (lambda d: torch.tensor([True, False], device=d), torch.tensor([True, False])),
+])
+def test_deterministic_factories(dev, make, expected):
+    t = make(dev)
+    assert isinstance(t, genie.LazyTensor)
+    got = t.cpu()
+    assert got.dtype == expected.dtype
+    torch.testing.assert_close(got, expected)
+
+
+def test_random_factories_respect_ranges(dev):
+    r = torch.rand(1000, device=dev).cpu()
+    assert 0 <= r.min() and r.max() < 1
+    i = torch.randint(3, 9, (1000,), device=dev).cpu()
+    assert i.dtype == torch.int64 and i.min() >= 3 and i.max() < 9
+    n = torch.normal(5.0, 0.1, (1000,), device=dev).cpu()
+    assert abs(n.mean().item() - 5.0) < 0.05
+    like = torch.randn_like(torch.zeros(4, 4, device=dev))
+    assert like.shape == (4, 4) and like.cpu().abs().sum() > 0
+
+
+def test_to_device_roundtrip_keeps_values_and_dtypes(dev):
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.uint8, torch.bool):
+        src = (torch.arange(24).reshape(2, 3, 4) % 5).to(dtype)
+        back = src.to(dev).cpu()
+        assert back.dtype == dtype
+        assert torch.equal(back, src)
+
+
+def test_noncontiguous_upload(dev):
+    src = torch.arange(12.).reshape(3, 4).t()
+    r = src.to(dev)
+    assert r.shape == (4, 3)
+    assert torch.equal(r.cpu(), src)

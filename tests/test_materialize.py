@@ -1,0 +1,119 @@
+"""Materialization triggers, control flow, errors, the async API, and freeing remote memory."""
+import asyncio
+import gc
+
+import pytest
+import torch
+
+import genie
+
+
+def test_triggers(dev):
+    x = torch.tensor([[1.5, -2.0], [3.0, 4.0]], device=dev)
+    assert x.sum().item() == 6.5
+    assert x.tolist() == [[1.5, -2.0], [3.0, 4.0]]
+    assert (x.numpy() == [[1.5, -2.0], [3.0, 4.0]]).all()
+    assert "device='remote_accelerator:0'" in repr(x) and "1.5000" in str(x)
+    assert bool(x[0, 0] > 0) is True
+    assert float(x[1, 1]) == 4.0 and int(x[1, 0]) == 3
+    assert f"{x[0, 1]:.1f}" == "-2.0"
+    assert torch.equal(x, x.clone())
+
+
+def test_data_dependent_control_flow(dev):
+    x = torch.tensor([1.0, 2.0, 3.0], device=dev)
+    steps = 0
+    while x.sum() < 100:  # each test of the condition materializes one bool
+        x = x * 2
+        steps += 1
+    assert steps == 5  # sums 6, 12, 24, 48, 96, then 192
+    assert x.cpu().tolist() == [32.0, 64.0, 96.0]
+    if (x > 90).any():
+        x = x - 1
+    assert x.cpu().tolist() == [31.0, 63.0, 95.0]
+
+
+def test_materialization_error_names_the_op(dev):
+    x = torch.randn(4, 3, device=dev)
+    bad = torch.index_select(x, 0, torch.tensor([0, 9], device=dev))  # shape is fine; data is out of range
+    y = bad * 2 + 1  # downstream of the failure
+    with pytest.raises(genie.RemoteExecutionError) as info:
+        y.cpu()
+    assert info.value.op == "aten::index_select"
+    assert "index" in str(info.value).lower()
+    assert torch.equal((x * 0).cpu(), torch.zeros(4, 3))  # the device keeps working
+
+
+def test_shape_errors_raise_at_capture_like_eager(dev):
+    a, b = torch.ones(2, 3, device=dev), torch.ones(4, 5, device=dev)
+    with pytest.raises(RuntimeError, match="reduction dim"):
+        a @ b
+
+
+def test_cross_device_cpu_mix_and_explicit_cpu_results(dev):
+    x = torch.ones(3, device=dev)
+    assert torch.equal((x + torch.tensor(2.0)).cpu(), torch.full((3,), 3.0))
+    z = torch.zeros_like(x, device="cpu")
+    assert z.device.type == "cpu" and torch.equal(z, torch.zeros(3))
+    cpu_dst = torch.empty(3)
+    cpu_dst.copy_(x)
+    assert torch.equal(cpu_dst, torch.ones(3))
+
+
+async def test_async_materialize(dev):
+    x = torch.arange(6.0, device=dev).reshape(2, 3)
+    y = (x * 2).sum(1)
+    t = await genie.materialize(y)
+    assert t.tolist() == [6.0, 24.0]
+    a, b = await genie.materialize([x, y])
+    assert a.shape == (2, 3) and b.tolist() == [6.0, 24.0]
+    # The event loop keeps running while the daemon works.
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(ticker())
+    big = torch.randn(512, 512, device=dev)
+    await genie.materialize((big @ big).sum())
+    task.cancel()
+    assert ticks > 0
+
+
+def test_batch_materialize_sync(dev):
+    xs = [torch.full((2,), float(i), device=dev) for i in range(5)]
+    vals = genie.materialize_sync(xs)
+    assert [v[0].item() for v in vals] == [0, 1, 2, 3, 4]
+
+
+def test_threads_share_the_runtime(dev):
+    import concurrent.futures
+
+    def work(i):
+        x = torch.full((64,), float(i), device=dev)
+        for _ in range(10):
+            x = x + 1
+        return x.sum().item()
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(work, range(16)))
+    assert results == [64.0 * (i + 10) for i in range(16)]
+
+
+def test_gc_frees_remote_memory(dev):
+    ra = torch.remote_accelerator
+    gc.collect()
+    baseline = ra.memory_allocated()
+    handles0 = ra.memory_stats()["num_handles"]
+    tensors = [torch.randn(256, 256, device=dev) for _ in range(8)]
+    views = [t[:10] for t in tensors]
+    results = [(t @ t).relu() for t in tensors]
+    ra.synchronize()
+    assert ra.memory_allocated() >= baseline + 16 * 256 * 256 * 4
+    del tensors, views, results
+    gc.collect()
+    assert ra.memory_allocated() == baseline
+    assert ra.memory_stats()["num_handles"] == handles0

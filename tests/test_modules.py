@@ -1,0 +1,78 @@
+"""module.to("remote_accelerator") + forward equals the CPU, for an MLP, a CNN and a transformer block."""
+import copy
+
+import torch
+import torch.nn as nn
+
+import genie
+from genie.examples.gpt import GPTConfig, TinyGPT, generate
+
+
+def compare(dev, model, *inputs, atol=1e-5):
+    model = model.eval()
+    with torch.no_grad():
+        expected = model(*inputs)
+    remote = copy.deepcopy(model).to(dev)
+    for p in remote.parameters():
+        assert isinstance(p, genie.LazyTensor) and isinstance(p, nn.Parameter)
+    with torch.no_grad():
+        got = remote(*[i.to(dev) for i in inputs])
+    torch.testing.assert_close(got.cpu(), expected, atol=atol, rtol=1e-4)
+    return remote
+
+
+def test_mlp(dev):
+    torch.manual_seed(0)
+    compare(dev, nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8), nn.LogSoftmax(-1)), torch.randn(4, 16))
+
+
+def test_cnn(dev):
+    torch.manual_seed(0)
+    cnn = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, 3, stride=2), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
+    )
+    cnn[1].running_mean.uniform_(-0.5, 0.5)
+    compare(dev, cnn, torch.randn(2, 3, 16, 16), atol=1e-4)
+
+
+def test_transformer_block(dev):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    compare(dev, layer, torch.randn(2, 7, 32), atol=1e-4)
+
+
+def test_forward_with_grad_enabled(dev):
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    x = torch.randn(3, 8)
+    expected = mlp(x)
+    remote = copy.deepcopy(mlp).to(dev)
+    got = remote(x.to(dev))
+    assert got.requires_grad
+    torch.testing.assert_close(got.detach().cpu(), expected.detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_weights_are_sent_once(dev):
+    torch.manual_seed(0)
+    model = nn.Linear(256, 256)  # 256 KiB of weights
+    remote = copy.deepcopy(model).to(dev)
+    genie.synchronize()
+    x = torch.randn(1, 256).to(dev)
+    genie.synchronize()
+    before = sum(s["bytes_sent"] for s in genie.transport_stats().values())
+    with torch.no_grad():
+        for _ in range(5):
+            x = remote(x)
+        x.cpu()
+    sent = sum(s["bytes_sent"] for s in genie.transport_stats().values()) - before
+    assert sent < 16 * 1024, f"{sent} bytes sent for 5 forwards: weights were re-sent"
+
+
+def test_gpt_generation_matches_cpu(dev):
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(n_layers=2, dim=64)).eval()
+    prompt = torch.randint(0, model.cfg.vocab_size, (1, 8))
+    expected = generate(model, prompt, 6)
+    model.to(dev)
+    assert generate(model, prompt.to(dev), 6) == expected

@@ -1,0 +1,67 @@
+"""Several daemons at once: one started over tcp, another over ipc, both through `genie-daemon`."""
+import shutil
+
+import pytest
+import torch
+
+import genie
+from daemons import DaemonProcess, ipc_endpoint
+
+
+@pytest.fixture
+def two_daemons(daemon_endpoint):
+    ipc, tmpdir = ipc_endpoint()
+    with DaemonProcess("tcp://127.0.0.1:0") as a, DaemonProcess(ipc) as b:
+        assert a.endpoint.startswith("tcp://") and b.endpoint.startswith("ipc://")
+        genie.init(f"{a.endpoint},{b.endpoint}")
+        try:
+            yield a, b
+        finally:
+            genie.shutdown()
+    shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def test_devices_enumerate_daemons_in_order(two_daemons):
+    a, b = two_daemons
+    ra = torch.remote_accelerator
+    assert ra.device_count() == 2
+    assert a.endpoint in ra.get_device_name(0)
+    assert b.endpoint in ra.get_device_name(1)
+
+
+def test_work_runs_on_each_daemon(two_daemons):
+    x0 = torch.arange(4.0, device="remote_accelerator:0")
+    x1 = torch.arange(4.0, device="remote_accelerator:1") * 10
+    assert (x0 * 2).cpu().tolist() == [0, 2, 4, 6]
+    assert (x1 + 1).cpu().tolist() == [1, 11, 21, 31]
+    s0 = genie.transport_stats()
+    assert all(v["bytes_received"] > 0 for v in s0.values())
+
+
+def test_moving_between_devices_and_mixing_is_an_error(two_daemons):
+    x0 = torch.arange(4.0, device="remote_accelerator:0")
+    x1 = x0.to("remote_accelerator:1")
+    assert x1.device == torch.device("remote_accelerator:1")
+    assert (x1 + 1).cpu().tolist() == [1, 2, 3, 4]
+    with pytest.raises(RuntimeError, match="same device"):
+        x0 + x1
+
+
+def test_set_device_and_default_index(two_daemons):
+    ra = torch.remote_accelerator
+    with ra.device(1):
+        t = torch.ones(2, device="remote_accelerator")
+        assert t.device.index == 1
+    assert ra.current_device() == 0
+    t = torch.ones(2, device="remote_accelerator")
+    assert t.device.index == 0
+
+
+def test_memory_is_per_daemon(two_daemons):
+    ra = torch.remote_accelerator
+    base0, base1 = ra.memory_allocated(0), ra.memory_allocated(1)
+    x = torch.zeros(1000, device="remote_accelerator:1")
+    ra.synchronize(1)
+    assert ra.memory_allocated(1) == base1 + 4000
+    assert ra.memory_allocated(0) == base0
+    del x

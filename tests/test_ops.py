@@ -1,0 +1,97 @@
+"""Ops on remote tensors equal the same ops on the CPU."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+torch.manual_seed(0)
+A = torch.randn(4, 5)
+B = torch.randn(5, 3)
+V = torch.randn(5)
+
+
+def check(dev, fn, *inputs, atol=1e-5, rtol=1e-5):
+    expected = fn(*inputs)
+    got = fn(*[i.to(dev) if isinstance(i, torch.Tensor) else i for i in inputs])
+    if isinstance(expected, torch.Tensor):
+        torch.testing.assert_close(got.cpu(), expected, atol=atol, rtol=rtol)
+    else:
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g.cpu(), e, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda a, v: a + v,                 # (4,5) + (5,)
+    lambda a, v: a * v[None, :] - 1,
+    lambda a, v: a.unsqueeze(0) / (v.abs() + 1).view(1, 1, 5),
+    lambda a, v: torch.where(a > 0, a, v),
+    lambda a, v: torch.maximum(a, v),
+], ids=["add", "mul_sub", "div3d", "where", "maximum"])
+def test_broadcasting(dev, fn):
+    check(dev, fn, A, V)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda a: a.sum(), lambda a: a.sum(dim=1), lambda a: a.mean(dim=0, keepdim=True),
+    lambda a: a.max(), lambda a: a.max(dim=1), lambda a: a.argmax(dim=0), lambda a: a.prod(dim=1),
+    lambda a: a.std(dim=1), lambda a: a.var(), lambda a: a.norm(), lambda a: a.cumsum(0),
+    lambda a: a.logsumexp(1), lambda a: a.amin(dim=(0, 1)), lambda a: (a > 0).any(dim=1),
+    lambda a: a.sort(dim=1), lambda a: a.topk(2, dim=1),
+], ids=["sum", "sum1", "mean0", "max", "maxdim", "argmax", "prod", "std", "var", "norm", "cumsum",
+        "logsumexp", "amin", "any", "sort", "topk"])
+def test_reductions(dev, fn):
+    check(dev, fn, A)
+
+
+def test_matmul_family(dev):
+    check(dev, torch.matmul, A, B)
+    check(dev, lambda a, b: a @ b @ b.t(), A, B)
+    check(dev, torch.bmm, torch.randn(2, 3, 4), torch.randn(2, 4, 5))
+    check(dev, lambda a, v: a @ v, A, V)
+    check(dev, torch.einsum, "ij,jk->ik", A, B)
+
+
+def test_nn_functionals(dev):
+    w, b = torch.randn(3, 5), torch.randn(3)
+    check(dev, F.linear, A, w, b)
+    check(dev, F.conv2d, torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3), torch.randn(4), 1, 1)
+    check(dev, lambda x: F.softmax(x, dim=-1), A)
+    check(dev, lambda x: F.log_softmax(x, dim=0), A)
+    check(dev, lambda x, g, bb: F.layer_norm(x, (5,), g, bb), A, torch.randn(5), torch.randn(5))
+    check(dev, F.embedding, torch.tensor([[0, 2], [4, 1]]), torch.randn(5, 3))
+    q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 4, 6, 8), torch.randn(2, 4, 6, 8)
+    check(dev, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, k, v)
+    check(dev, lambda x: F.gelu(x) + F.silu(x) + torch.tanh(x) + torch.sigmoid(x), A)
+    check(dev, lambda x: F.max_pool2d(x, 2), torch.randn(1, 2, 6, 6))
+    check(dev, lambda x: F.interpolate(x, scale_factor=2, mode="nearest"), torch.randn(1, 2, 3, 3))
+    check(dev, lambda x, t: F.cross_entropy(x, t), torch.randn(4, 5), torch.tensor([0, 1, 4, 2]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
+                                   torch.bool, torch.uint8])
+def test_dtype_casts(dev, dtype):
+    check(dev, lambda a: (a * 10).to(dtype), A)
+    check(dev, lambda a: (a * 10).to(dtype).float() + 1, A)
+
+
+def test_type_promotion_with_python_scalars(dev):
+    i = torch.arange(5)
+    check(dev, lambda x: x + 1.5, i)
+    check(dev, lambda x: x * 2, i)
+    check(dev, lambda x: x / 2, i)
+    check(dev, lambda x: (x > 2) & (x < 4), i)
+
+
+def test_indexing(dev):
+    check(dev, lambda a, idx: a[idx], A, torch.tensor([3, 0, 1]))
+    check(dev, lambda a: a[1:3, ::2], A)
+    check(dev, lambda a: a[..., None, 2], A)
+    check(dev, lambda a: a[a > 0], A)
+    check(dev, lambda a, idx: a.gather(1, idx), A, torch.tensor([[0], [1], [2], [4]]))
+    check(dev, lambda a, idx, src: a.index_add(0, idx, src), A, torch.tensor([0, 2]), torch.ones(2, 5))
+
+
+def test_data_dependent_shapes(dev):
+    x = torch.tensor([0.0, 3.0, 0.0, 1.0, 3.0])
+    check(dev, torch.nonzero, x)
+    check(dev, lambda t: torch.unique(t, return_counts=True), x)
+    check(dev, lambda t: torch.masked_select(t, t > 0.5), x)

@@ -1,0 +1,94 @@
+"""Views and in-place ops are exactly right: the daemon replays them in program order."""
+import torch
+
+
+def both(dev, fn):
+    """Run `fn` on a CPU tensor and on a remote copy; return both results on the CPU."""
+    base = torch.arange(24.0).reshape(4, 6)
+    local = fn(base.clone())
+    remote = fn(base.clone().to(dev))
+    return local, remote.cpu()
+
+
+def test_write_through_view(dev):
+    def fn(x):
+        x[1].mul_(10)
+        return x
+    a, b = both(dev, fn)
+    assert torch.equal(a, b)
+
+
+def test_setitem_scalar_and_tensor(dev):
+    def fn(x):
+        x[0, 2] = 7
+        x[2] = torch.full((6,), -1.0, device=x.device)
+        x[:, 3] += 1
+        x[x > 20] = 0
+        return x
+    a, b = both(dev, fn)
+    assert torch.equal(a, b)
+
+
+def test_chains_of_views_alias(dev):
+    def fn(x):
+        v = x.view(2, 12)[:, 3:9].reshape(2, 2, 3).transpose(0, 2)
+        v.add_(100)
+        d = x.diagonal()
+        d.zero_()
+        x.t()[1].neg_()
+        return x
+    a, b = both(dev, fn)
+    assert torch.equal(a, b)
+
+
+def test_inplace_view_ops_update_metadata(dev):
+    x = torch.zeros(2, 3, device=dev)
+    x.t_()
+    assert x.shape == (3, 2)
+    x.unsqueeze_(0)
+    assert x.shape == (1, 3, 2)
+    x.squeeze_()
+    assert x.shape == (3, 2)
+    assert x.cpu().shape == (3, 2)
+
+
+def test_inplace_returns_same_object(dev):
+    x = torch.ones(3, device=dev)
+    assert x.add_(1) is x
+    out = torch.empty(3, device=dev)
+    r = torch.add(x, 1, out=out)
+    assert r is out
+    assert torch.equal(out.cpu(), torch.full((3,), 3.0))
+
+
+def test_out_resize(dev):
+    out = torch.empty(0, device=dev)
+    torch.mul(torch.ones(5, device=dev), 2, out=out)
+    assert out.shape == (5,)
+    assert torch.equal(out.cpu(), torch.full((5,), 2.0))
+
+
+def test_views_of_a_freed_base_stay_valid(dev):
+    x = torch.arange(10.0, device=dev)
+    v = x[2:5]
+    del x
+    assert torch.equal(v.cpu(), torch.tensor([2.0, 3.0, 4.0]))
+
+
+def test_clone_is_independent(dev):
+    x = torch.ones(4, device=dev)
+    y = x.clone()
+    x.mul_(3)
+    assert torch.equal(y.cpu(), torch.ones(4))
+    assert torch.equal(x.cpu(), torch.full((4,), 3.0))
+
+
+def test_split_unbind_chunk(dev):
+    x = torch.arange(12.0).reshape(3, 4)
+    r = x.to(dev)
+    for a, b in zip(x.split([1, 2]), r.split([1, 2])):
+        assert torch.equal(a, b.cpu())
+    for a, b in zip(x.unbind(1), r.unbind(1)):
+        assert torch.equal(a, b.cpu())
+    for a, b in zip(x.chunk(2, dim=1), r.chunk(2, dim=1)):
+        assert torch.equal(a, b.cpu())
