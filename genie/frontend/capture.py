@@ -231,9 +231,9 @@ _LIST_SLOTS = 64
 
 
 def _report_slots(return_type: str, stream):
-    if return_type in ("Tensor", "Tensor?"):
+    if return_type in ("Tensor", "Tensor?", "Optional[Tensor]"):
         return stream.new_handle()
-    if return_type in ("Tensor[]", "Tensor?[]"):
+    if return_type in ("Tensor[]", "Tensor?[]", "List[Tensor]", "List[Optional[Tensor]]"):
         return [stream.new_handle() for _ in range(_LIST_SLOTS)]
     return None
 

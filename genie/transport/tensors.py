@@ -18,7 +18,7 @@ from .errors import ProtocolError
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
     for name in (
-        "float32", "float64", "float16", "bfloat16", "complex64", "complex128",
+        "float32", "float64", "float16", "bfloat16", "complex32", "complex64", "complex128",
         "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool",
         "float8_e4m3fn", "float8_e5m2",
     )
@@ -29,6 +29,9 @@ DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 # Largest tensor accepted in a single frame; larger payloads are refused rather
 # than risking a ZeroMQ message over its 2 GiB-ish ceiling.
 MAX_FRAME_BYTES = 1 << 31
+
+# Received payloads are used in place only when their address is this aligned.
+ALIGNMENT = 64
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -52,7 +55,8 @@ def tensor_to_buffer(t: torch.Tensor) -> memoryview:
         t = t.resolve_conj().resolve_neg().contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    flat = t.reshape(-1).view(torch.uint8)
+    # A contiguous tensor's elements are one dense run starting at its offset.
+    flat = t.as_strided((t.numel(),), (1,), t.storage_offset()).view(torch.uint8)
     # numpy gives a buffer-protocol object that keeps `flat` (and so `t`) alive.
     return memoryview(flat.numpy())
 
@@ -71,8 +75,7 @@ def buffer_to_tensor(buf, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.T
     numel = 1
     for s in shape:
         numel *= s
-    itemsize = torch.empty((), dtype=dtype).element_size() if dtype not in _ITEMSIZE else _ITEMSIZE[dtype]
-    expected = numel * itemsize
+    expected = numel * dtype.itemsize
     length = memoryview(buf).nbytes
     if length != expected:
         raise ProtocolError(f"frame holds {length} bytes, header says {expected} ({dtype}, {list(shape)})")
@@ -82,7 +85,9 @@ def buffer_to_tensor(buf, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.T
         # ZeroMQ frames are read-only buffers; the tensor owns this frame alone.
         warnings.simplefilter("ignore", UserWarning)
         raw = torch.frombuffer(buf, dtype=torch.uint8)
+    if raw.data_ptr() % ALIGNMENT:
+        # ZeroMQ keeps small messages inside its message struct, not always aligned; kernels
+        # with aligned SIMD loads (complex128, ...) would fault on them. Copy those few bytes.
+        raw = raw.clone()
     return raw.view(dtype).view(shape)
 
-
-_ITEMSIZE: dict[torch.dtype, int] = {d: torch.empty((), dtype=d).element_size() for d in DTYPES.values()}
