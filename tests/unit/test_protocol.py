@@ -1,0 +1,96 @@
+"""The wire codec without sockets: extension values, request validation, tensor frames."""
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from genie.transport import protocol
+from genie.transport.errors import ProtocolError
+from genie.transport.tensors import buffer_to_tensor, tensor_to_buffer
+
+
+def roundtrip(value):
+    return protocol.unpack_header(protocol.pack(value))
+
+
+def test_extension_values_roundtrip():
+    values = [
+        protocol.encode_handle(42), protocol.encode_dtype(torch.bfloat16), protocol.encode_device("remote", 0),
+        protocol.encode_memory_format(torch.channels_last), protocol.encode_layout(torch.strided),
+        protocol.encode_complex(1 + 2j), protocol.encode_inline(3, "int64", [2, 5]),
+    ]
+    out = roundtrip(values)
+    assert out[0] == protocol.HandleRef(42)
+    assert out[1] is torch.bfloat16
+    assert out[2] == protocol.DeviceRef("remote", 0)
+    assert out[3] is torch.channels_last and out[4] is torch.strided
+    assert out[5] == 1 + 2j
+    assert out[6] == protocol.InlineTensor(3, torch.int64, (2, 5))
+
+
+@pytest.mark.parametrize("ext", [
+    msgpack.ExtType(protocol.EXT_HANDLE, b"\x01"),
+    msgpack.ExtType(protocol.EXT_DTYPE, b"float128"),
+    msgpack.ExtType(protocol.EXT_DEVICE, msgpack.packb(["cuda", 0])),
+    msgpack.ExtType(protocol.EXT_TENSOR, msgpack.packb([0, "float32", [-1]])),
+    msgpack.ExtType(protocol.EXT_TENSOR, msgpack.packb([0, "float32"])),
+    msgpack.ExtType(protocol.EXT_MEMFMT, b"sideways"),
+    msgpack.ExtType(protocol.EXT_COMPLEX, msgpack.packb(["a", 1])),
+    msgpack.ExtType(99, b""),
+])
+def test_bad_extension_values_are_refused(ext):
+    with pytest.raises(ProtocolError):
+        roundtrip([ext])
+
+
+def test_garbage_headers_are_protocol_errors():
+    for junk in (b"", b"\xc1", b"\x92\x01", bytes(range(256))):
+        with pytest.raises(ProtocolError):
+            protocol.parse_request(protocol.unpack_header(junk))
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"dev": -1}, "device"),
+    ({"ops": {}}, "ops must be a list"),
+    ({"ops": [["aten::add", [], {}]]}, "an op must be"),
+    ({"ops": [["import os", [], {}, None]]}, "bad op name"),
+    ({"ops": [["aten::add", {}, {}, None]]}, "args must be a list"),
+    ({"ops": [["aten::add", [], {}, "x"]]}, "bad outs"),
+    ({"frees": [1, "2"]}, "handle ids"),
+    ({"report": 1}, "report must be a bool"),
+])
+def test_exec_validation(body, message):
+    with pytest.raises(ProtocolError, match=message):
+        protocol.parse_exec(body)
+
+
+def test_parse_request_checks_kind_and_id():
+    assert protocol.parse_request(["ping", 3, {}]).kind == "ping"
+    with pytest.raises(ProtocolError):
+        protocol.parse_request(["ping", -3, {}])
+    with pytest.raises(ProtocolError):
+        protocol.parse_request(["eval", 3, {}])
+
+
+def test_tensor_frames_are_views_not_copies():
+    t = torch.arange(1024, dtype=torch.float32)
+    buf = tensor_to_buffer(t)
+    assert np.frombuffer(buf, dtype=np.uint8).ctypes.data == t.data_ptr()  # send side: no copy
+    frame = bytearray(4096 + 64)
+    start = (-np.frombuffer(frame, dtype=np.uint8).ctypes.data) % 64  # an aligned place in the buffer
+    view = memoryview(frame)[start:start + 4096]
+    view[:] = buf
+    r = buffer_to_tensor(view, torch.float32, (32, 32))
+    assert r.data_ptr() == np.frombuffer(view, dtype=np.uint8).ctypes.data  # receive side: no copy
+    assert torch.equal(r.reshape(-1), t)
+
+
+def test_tensor_frame_checks_length_and_handles_odd_layouts():
+    with pytest.raises(ProtocolError, match="frame holds"):
+        buffer_to_tensor(b"\x00" * 7, torch.float32, (2,))
+    x = torch.arange(12.0).reshape(3, 4).t()[1:]  # non-contiguous with an offset
+    back = buffer_to_tensor(bytes(tensor_to_buffer(x)), torch.float32, tuple(x.shape))
+    assert torch.equal(back, x)
+    single = torch.ones(1, 1).expand(1, 1)
+    assert bytes(tensor_to_buffer(single)) == b"\x00\x00\x80\x3f"
+    assert buffer_to_tensor(b"", torch.float32, (0, 3)).shape == (0, 3)
