@@ -63,9 +63,11 @@ class DaemonLink:
         while True:
             await asyncio.sleep(period)
             try:
-                self.channel.post("ping", {})
+                pong = self.channel.post("ping", {})
             except Exception:
                 return
+            # Nobody awaits a ping: consume its outcome so a closed channel logs nothing.
+            pong.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     def submit_exec(self, body: dict, frames: list, on_error: DeviceStream | None) -> concurrent.futures.Future:
         """Post an exec in order. With `on_error`, nobody waits: failures are kept on that stream."""

@@ -1,0 +1,139 @@
+"""Capture overhead per op (hot metadata cache) against the floor, and tiny-op round-trip latency.
+
+The floor is a minimal `__torch_dispatch__` wrapper subclass that records
+nothing and returns a preallocated wrapper: what any Python-level capture pays.
+The round trip is `(x + 1).item()` through a local genie-daemon process,
+against a plain pyzmq DEALER/ROUTER echo between two processes.
+
+    python -m bench.capture_overhead [--ops 20000] [--repeats 5]
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import time
+
+import torch
+
+import genie
+from bench.common import machine, median, print_table, write_json
+
+
+class Floor(torch.Tensor):
+    """Records nothing: the cost of reaching Python for an op at all."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, like):
+        return torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return Floor(args[0])
+
+
+def per_op_us(x, n: int) -> float:
+    y = x
+    t0 = time.perf_counter()
+    for _ in range(n // 4):
+        y = x + 1.0
+        y = y * x
+        y = torch.relu(y)
+        y = y.view(-1)
+    return (time.perf_counter() - t0) / (n // 4 * 4) * 1e6
+
+
+def echo_server(endpoint_q, stop_q) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.ROUTER)
+    port = s.bind_to_random_port("tcp://127.0.0.1")
+    endpoint_q.put(f"tcp://127.0.0.1:{port}")
+    poller = zmq.Poller()
+    poller.register(s, zmq.POLLIN)
+    while stop_q.empty():
+        if poller.poll(100):
+            s.send_multipart(s.recv_multipart())
+    s.close(0)
+    ctx.term()
+
+
+def zmq_echo_us(n: int) -> float:
+    import zmq
+
+    eq, sq = mp.Queue(), mp.Queue()
+    p = mp.Process(target=echo_server, args=(eq, sq), daemon=True)
+    p.start()
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.connect(eq.get(timeout=30))
+    msg = [b"x" * 64]
+    for _ in range(100):
+        s.send_multipart(msg)
+        s.recv_multipart()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        s.send_multipart(msg)
+        s.recv_multipart()
+    us = (time.perf_counter() - t0) / n * 1e6
+    sq.put(1)
+    s.close(0)
+    ctx.term()
+    p.join(5)
+    return us
+
+
+def roundtrip_us(x, n: int) -> float:
+    for _ in range(20):
+        (x + 1).item()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        (x + 1).item()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ops", type=int, default=20000)
+    p.add_argument("--roundtrips", type=int, default=500)
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args(argv)
+
+    dev = "remote_accelerator:0"
+    lazy = torch.randn(16, 16, device=dev)
+    floor = Floor(torch.randn(16, 16))
+    per_op_us(lazy, 2000), per_op_us(floor, 2000)  # warm caches
+    capture, base = [], []
+    for _ in range(args.repeats):
+        base.append(per_op_us(floor, args.ops))
+        capture.append(per_op_us(lazy, args.ops))
+        torch.remote_accelerator.synchronize()
+    scalar = torch.ones((), device=dev)
+    rtt = [roundtrip_us(scalar, args.roundtrips) for _ in range(args.repeats)]
+    echo = [zmq_echo_us(args.roundtrips * 4) for _ in range(args.repeats)]
+
+    result = {
+        "capture_us_per_op": median(capture), "floor_us_per_op": median(base),
+        "capture_over_floor": median(capture) / median(base),
+        "tiny_op_roundtrip_us": median(rtt), "zmq_echo_us": median(echo),
+        "roundtrip_over_echo": median(rtt) / median(echo),
+        "runs": {"capture": capture, "floor": base, "roundtrip": rtt, "echo": echo},
+        "meta_cache": genie.capture_stats(),
+    }
+    m = machine()
+    print(f"# capture overhead and round trip -- torch {m['torch']}, {m['cpus']} cpus, medians of {args.repeats}")
+    print_table([
+        ("capture per op (hot cache)", f"{result['capture_us_per_op']:.1f} us", f"{result['capture_over_floor']:.2f}x floor"),
+        ("floor: no-op __torch_dispatch__", f"{result['floor_us_per_op']:.1f} us", "1.00x"),
+        ("tiny op round trip (x+1).item()", f"{result['tiny_op_roundtrip_us']:.0f} us",
+         f"{result['roundtrip_over_echo']:.2f}x echo"),
+        ("pyzmq DEALER/ROUTER echo (tcp)", f"{result['zmq_echo_us']:.0f} us", "1.00x"),
+    ], ("measure", "median", "ratio"))
+    print("wrote", write_json("capture_overhead", result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,39 @@
+"""Shared helpers for the benchmarks: medians, machine facts, JSON output."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+
+def machine() -> dict:
+    import zmq
+
+    return {
+        "python": platform.python_version(), "torch": torch.__version__, "pyzmq": zmq.__version__,
+        "libzmq": zmq.zmq_version(), "cpus": os.cpu_count(), "machine": platform.machine(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def median(xs) -> float:
+    return statistics.median(xs)
+
+
+def write_json(name: str, data: dict) -> str:
+    out_dir = os.path.join(os.path.dirname(__file__), "results")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump({"machine": machine(), **data}, f, indent=1)
+    return path
+
+
+def print_table(rows: list[tuple], header: tuple) -> None:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    for r in [header, tuple("-" * w for w in widths), *rows]:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
