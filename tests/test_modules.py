@@ -76,3 +76,45 @@ def test_gpt_generation_matches_cpu(dev):
     expected = generate(model, prompt, 6)
     model.to(dev)
     assert generate(model, prompt.to(dev), 6) == expected
+
+
+def test_backward_and_optimizer_step_match_cpu(dev):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    remote = copy.deepcopy(model).to(dev)
+    x, target = torch.randn(5, 4), torch.randn(5, 1)
+    for m, xx, tt in ((model, x, target), (remote, x.to(dev), target.to(dev))):
+        loss = ((m(xx) - tt) ** 2).mean()
+        loss.backward()
+        torch.optim.SGD(m.parameters(), lr=0.1).step()
+    for p_cpu, p_remote in zip(model.parameters(), remote.parameters()):
+        assert isinstance(p_remote.grad, genie.LazyTensor)
+        torch.testing.assert_close(p_remote.grad.cpu(), p_cpu.grad, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(p_remote.detach().cpu(), p_cpu.detach(), atol=1e-6, rtol=1e-5)
+
+
+def test_tied_weights_stay_tied(dev):
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+            self.head = nn.Linear(4, 10, bias=False)
+            self.head.weight = self.emb.weight
+
+    m = Tied().to(dev)
+    assert m.head.weight is m.emb.weight
+    assert len(list(m.parameters())) == 1
+
+
+def test_torch_save_stores_values(dev, tmp_path):
+    t = torch.arange(6.0, device=dev).reshape(2, 3)
+    torch.save({"t": t}, tmp_path / "t.pt")
+    loaded = torch.load(tmp_path / "t.pt")["t"]
+    assert loaded.device.type == "cpu" and torch.equal(loaded, torch.arange(6.0).reshape(2, 3))
+
+
+def test_deepcopy_of_remote_module(dev):
+    m = nn.Linear(3, 2).to(dev)
+    c = copy.deepcopy(m)
+    assert c.weight is not m.weight
+    torch.testing.assert_close(c.weight.detach().cpu(), m.weight.detach().cpu())

@@ -34,6 +34,28 @@ class LazyTensor(torch.Tensor):
 
         return dispatch(func, args, kwargs or {})
 
+    # Having these makes nn.Module._apply swap parameters in place (torch.utils.swap_tensors)
+    # instead of creating new ones, so `module.to(device)` keeps tied weights tied.
+    def __tensor_flatten__(self):
+        return [], (self._genie,)
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
+        raise NotImplementedError("LazyTensor cannot be rebuilt from a flattened form")
+
+    def __deepcopy__(self, memo):
+        # A copy is a new remote tensor made by the daemon, never a copy of the handle.
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            new = self.clone()
+        if getattr(self, "_is_param", False):
+            new = torch.nn.Parameter(new, requires_grad=self.requires_grad)
+        else:
+            new.requires_grad_(self.requires_grad)
+        memo[id(self)] = new
+        return new
+
     # ---------------------------------------------------------- materialization triggers
 
     def __repr__(self, *, tensor_contents=None) -> str:

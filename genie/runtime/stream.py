@@ -41,7 +41,12 @@ class HandleRef:
 
     def __del__(self) -> None:
         # deque.append is atomic: safe from any thread, and from GC inside a locked section.
-        self.stream.frees.append(self.id)
+        stream = getattr(self, "stream", None)  # absent if __init__ never ran
+        if stream is not None:
+            stream.frees.append(self.id)
+
+    def __reduce__(self):
+        raise TypeError("a remote handle cannot be copied or pickled; copy the tensor instead")
 
 
 class DeviceStream:

@@ -1,0 +1,53 @@
+"""Daemon lifecycle: clean exit on signals, memory of departed or silent clients reclaimed."""
+import signal
+import time
+
+import zmq
+
+from daemons import DaemonProcess
+from genie.transport import protocol
+
+
+def request(sock, kind, rid, body=None, frames=()):
+    sock.send_multipart([protocol.pack([kind, rid, body or {}]), *frames])
+    header = sock.recv_multipart()[0]
+    return protocol.unpack_header(header)
+
+
+def client(ctx, endpoint):
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, 10_000)
+    s.connect(endpoint)
+    return s
+
+
+def test_sigterm_and_sigint_stop_cleanly():
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with DaemonProcess() as d:
+            d.proc.send_signal(sig)
+            assert d.proc.wait(10) == 0
+
+
+def test_bye_and_lease_expiry_free_client_memory():
+    ctx = zmq.Context()
+    with DaemonProcess(extra=["--client-lease", "1"]) as d:
+        watcher, leaver, silent = (client(ctx, d.endpoint) for _ in range(3))
+        baseline = request(watcher, "stats", 1)[2]["allocated"]
+        alloc = [["aten::ones", [[1000]], {}, 1]]
+        for s in (leaver, silent):
+            _, ok, _ = request(s, "exec", 2, {"ops": alloc})
+            assert ok
+        assert request(watcher, "stats", 3)[2]["allocated"] == baseline + 8000
+        request(leaver, "bye", 4)
+        assert request(watcher, "stats", 5)[2]["allocated"] == baseline + 4000
+        # `silent` never says goodbye: its lease (1 s) expires while `watcher` keeps talking.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if request(watcher, "stats", 6)[2]["allocated"] == baseline:
+                break
+            time.sleep(0.2)
+        assert request(watcher, "stats", 7)[2]["allocated"] == baseline
+        for s in (watcher, leaver, silent):
+            s.close()
+    ctx.term()
