@@ -7,6 +7,7 @@ A failing op poisons its outputs and the tensors it writes (see `handles`).
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -21,6 +22,7 @@ from .handles import ClientState, Poison
 log = logging.getLogger("genie.daemon")
 
 SEED_OP = "genie::manual_seed"
+PERSIST_OP = "genie::mark_persistent"
 
 
 class _Poisoned(Exception):
@@ -40,6 +42,7 @@ class Executor:
         if request.device >= len(self.devices):
             raise ProtocolError(f"device index {request.device} out of range ({len(self.devices)} devices)")
         device = self.devices[request.device]
+        started = time.time()
         reported = None
         for i, call in enumerate(request.ops):
             last = request.report and i == len(request.ops) - 1
@@ -50,12 +53,14 @@ class Executor:
             client.free(handle)
         out_frames: list = []
         fetched = [self._fetch(client, h, out_frames) for h in request.fetch]
-        return {"fetched": fetched, "report": reported}, out_frames
+        return {"fetched": fetched, "report": reported, "time": [started, time.time()]}, out_frames
 
     def _run_op(self, client: ClientState, call: OpCall, frames: list, device: torch.device, raise_errors: bool):
         try:
             if call.name == SEED_OP:
                 return self._seed(client, call, device)
+            if call.name == PERSIST_OP:
+                return self._persist(client, call)
             op = op_table.resolve(call.name)
             args = [self._resolve(client, a, frames, device, 0) for a in call.args]
             kwargs = {k: self._resolve(client, v, frames, device, 0) for k, v in call.kwargs.items()}
@@ -82,6 +87,15 @@ class Executor:
         if len(call.args) != 1 or type(call.args[0]) is not int:
             raise ProtocolError(f"{SEED_OP} takes one integer")
         client.generator(device).manual_seed(call.args[0] & ((1 << 64) - 1))
+        return None
+
+    def _persist(self, client: ClientState, call: OpCall):
+        """Mark handles as long-lived state (KV caches): reported in stats, first to keep under pressure."""
+        for ref in call.args:
+            if not isinstance(ref, HandleRef):
+                raise ProtocolError(f"{PERSIST_OP} takes handles")
+            client.get(ref.id)
+            client.persistent.add(ref.id)
         return None
 
     def _resolve(self, client: ClientState, value, frames: list, device: torch.device, depth: int):

@@ -64,6 +64,7 @@ class ClientState:
         self._keys: dict[int, int] = {}
         self._account = account
         self.generators: dict[str, torch.Generator] = {}
+        self.persistent: set[int] = set()  # handles marked as long-lived state (KV caches)
         self.last_seen = time.monotonic()
 
     def get(self, handle: int) -> torch.Tensor | Poison:
@@ -83,6 +84,7 @@ class ClientState:
 
     def free(self, handle: int) -> None:
         self.tensors.pop(handle, None)
+        self.persistent.discard(handle)
         key = self._keys.pop(handle, None)
         if key is not None:
             self._account.remove(key)

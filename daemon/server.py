@@ -17,7 +17,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from genie.transport import protocol
+from genie.transport import calibration, protocol
 from genie.transport.errors import ProtocolError
 
 from .executor import Executor, RemoteOpError
@@ -27,6 +27,22 @@ log = logging.getLogger("genie.daemon")
 
 
 def describe_device(device: torch.device) -> dict:
+    info = _describe_hardware(device)
+    info["flops"] = _measured_flops(device)
+    return info
+
+
+_FLOPS: dict[str, float] = {}
+
+
+def _measured_flops(device: torch.device) -> float:
+    # Measured once per device, so the client's scheduler weighs real throughput.
+    if str(device) not in _FLOPS:
+        _FLOPS[str(device)] = calibration.matmul_flops(device)
+    return _FLOPS[str(device)]
+
+
+def _describe_hardware(device: torch.device) -> dict:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         return {"name": props.name, "type": "cuda", "total_memory": props.total_memory}
@@ -54,6 +70,7 @@ class DaemonServer:
         self._socket: zmq.asyncio.Socket | None = None
         self._stopping = asyncio.Event()
         self.bound_endpoint: str | None = None
+        self.device_info = [describe_device(d) for d in devices]
 
     # ------------------------------------------------------------ lifecycle
 
@@ -122,10 +139,13 @@ class DaemonServer:
         rid = request.request_id
         if request.kind == "ping":
             self._reply(identity, rid, {})
+        elif request.kind == "probe":
+            # Bandwidth probe: the client times sending these frames and getting this answer.
+            self._reply(identity, rid, {"bytes": sum(len(p) for p in payload)})
         elif request.kind == "hello":
             self._reply(identity, rid, {
                 "version": protocol.VERSION,
-                "devices": [describe_device(d) for d in self.devices],
+                "devices": self.device_info,
             })
         elif request.kind == "exec":
             try:
@@ -171,6 +191,7 @@ class DaemonServer:
             "resident": self.account.allocated,
             "resident_peak": self.account.peak,
             "handles": sum(len(c.tensors) for c in self.clients.values()),
+            "persistent_handles": sum(len(c.persistent) for c in self.clients.values()),
             "clients": len(self.clients),
         }
         if device.type == "cuda":

@@ -29,6 +29,25 @@ def init(urls: str | list[str] | None = None) -> None:
     get_runtime().init(urls)
 
 
+def capture(model=None):
+    """`with genie.capture() as g:` records the ops of the block (ordinary CPU tensors are fine)
+    into `g.graph`; `g.run()` then executes the graph on remote devices per its schedule."""
+    from .frontend.graph_capture import Capture
+
+    return Capture(model)
+
+
+def analyze(model_or_graph, *args, **kwargs):
+    """Patterns, phases, costs and schedule of `model(*args, **kwargs)` (or of a captured graph).
+
+    Keyword-only options: network=, devices=[indices], allow_local=True, quiet=False.
+    Prints a summary; the result has .summary(), .to_png(path), .to_svg(path).
+    """
+    from .frontend.analysis import analyze as _analyze
+
+    return _analyze(model_or_graph, *args, **kwargs)
+
+
 def shutdown() -> None:
     """Free everything this process holds on its daemons and disconnect (stops an embedded daemon)."""
     get_runtime().shutdown()
@@ -71,7 +90,7 @@ def capture_stats() -> dict:
 
 
 __all__ = [
-    "init", "shutdown", "materialize", "materialize_sync", "synchronize", "transport_stats", "capture_stats",
+    "init", "shutdown", "capture", "analyze", "materialize", "materialize_sync", "synchronize", "transport_stats", "capture_stats",
     "LazyTensor", "GenieError", "GenieConnectionError", "RemoteExecutionError", "UnsupportedOperationError",
     "remote_accelerator",
 ]

@@ -41,11 +41,15 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     device = torch.device("remote_accelerator:0")
     print(f"remote device: {torch.remote_accelerator.get_device_name(0)}")
+    connect_s = time.perf_counter() - t0
+    base_sent, _ = _wire_totals()  # the connection's link probe is not part of the upload
+    t0 = time.perf_counter()
     model.to(device)
     remote_prompt = prompt.to(device)
     genie.synchronize()
     upload_s = time.perf_counter() - t0
     sent0, recv0 = _wire_totals()
+    upload_bytes = sent0 - base_sent
 
     t0 = time.perf_counter()
     tokens = generate(model, remote_prompt, args.tokens)
@@ -55,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tokens (remote): {tokens}")
     match = tokens == reference
     print(f"equal to local CPU run: {match}")
-    print(f"connect + weights upload: {upload_s * 1e3:.0f} ms ({sent0 / 1e6:.2f} MB sent)")
+    print(f"connect: {connect_s * 1e3:.0f} ms; weights upload: {upload_s * 1e3:.0f} ms ({upload_bytes / 1e6:.2f} MB sent)")
     print(f"local eager:  {local_s / args.tokens * 1e3:.2f} ms/token")
     print(f"remote:       {remote_s / args.tokens * 1e3:.2f} ms/token (prefill included)")
     print(f"wire per generated token: {(sent1 - sent0) / args.tokens:.0f} B sent, "

@@ -19,6 +19,7 @@ from . import capture
 
 NAME = "remote_accelerator"
 SEED_OP = "genie::manual_seed"
+PERSIST_OP = "genie::mark_persistent"
 
 _state = {"seed": None, "initial_seed": None}
 
@@ -117,6 +118,7 @@ def memory_stats(device=None) -> dict:
         "resident_bytes.all.current": body["resident"],
         "resident_bytes.all.peak": body["resident_peak"],
         "num_handles": body["handles"],
+        "num_persistent_handles": body["persistent_handles"],
         "num_clients": body["clients"],
     }
 
@@ -171,6 +173,13 @@ def initial_seed() -> int:
 def _apply_pending_seed() -> None:
     if _state["seed"] is not None:
         _send_seed(_state["seed"])
+
+
+def mark_persistent(tensor) -> None:
+    """Tell the daemon this remote tensor is long-lived state (a KV cache), not a temporary."""
+    ref = tensor._genie
+    with ref.stream.lock:
+        ref.stream.append([PERSIST_OP, [capture._encode(tensor, ref.stream)], {}, None])
 
 
 # ------------------------------------------------------------------ registration

@@ -38,6 +38,7 @@ class DaemonLink:
         self.handle_ids = itertools.count(1)
         self._heartbeat: asyncio.Task | None = None
         self.measured_rtt_s: float | None = None
+        self.bandwidth: float | None = None  # bytes/s client -> daemon, measured at connect
 
     async def connect(self, timeout: float, heartbeat: float) -> None:
         self.channel = Channel(self.endpoint, self.runtime.zmq_context)
@@ -56,8 +57,23 @@ class DaemonLink:
         if not isinstance(devices, list) or not devices:
             raise GenieConnectionError(f"genie-daemon at {self.endpoint} reported no devices")
         self.devices = devices
+        await self._probe_link()
         if heartbeat > 0:
             self._heartbeat = asyncio.create_task(self._beat(heartbeat))
+
+    async def _probe_link(self, payload: int = 4 << 20) -> None:
+        """Measure this link: latency (best of a few pings) and bandwidth (a 4 MiB upload)."""
+        rtts = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            await self.channel.post("ping", {})
+            rtts.append(time.perf_counter() - t0)
+        self.measured_rtt_s = min(rtts)
+        blob = bytearray(payload)
+        t0 = time.perf_counter()
+        await self.channel.post("probe", {}, [blob])
+        elapsed = time.perf_counter() - t0
+        self.bandwidth = payload / max(elapsed - self.measured_rtt_s, 1e-6)
 
     async def _beat(self, period: float) -> None:
         while True:
@@ -69,14 +85,22 @@ class DaemonLink:
             # Nobody awaits a ping: consume its outcome so a closed channel logs nothing.
             pong.add_done_callback(lambda f: f.cancelled() or f.exception())
 
-    def submit_exec(self, body: dict, frames: list, on_error: DeviceStream | None) -> concurrent.futures.Future:
-        """Post an exec in order. With `on_error`, nobody waits: failures are kept on that stream."""
+    def submit_exec(self, body: dict, frames: list, stream: DeviceStream, waited: bool) -> concurrent.futures.Future:
+        """Post an exec in order. When nobody waits for it, failures are kept on the stream."""
         future = self.runtime.loop.submit(await_exec(self.channel, body, frames, self.endpoint))
-        if on_error is not None:
-            def record(f: concurrent.futures.Future) -> None:
-                if not f.cancelled() and f.exception() is not None:
-                    on_error.record_async_error(f.exception())
-            future.add_done_callback(record)
+
+        def done(f: concurrent.futures.Future) -> None:
+            if f.cancelled():
+                return
+            exc = f.exception()
+            if exc is not None:
+                if not waited:
+                    stream.record_async_error(exc)
+                return
+            timing = f.result().body.get("time")
+            if timing:
+                stream.exec_log.append(tuple(timing))
+        future.add_done_callback(done)
         return future
 
     def request(self, kind: str, body: dict, timeout: float | None = None):
@@ -207,7 +231,8 @@ class Runtime:
             ch = link.channel
             stats[link.endpoint] = {
                 "bytes_sent": ch.bytes_sent, "bytes_received": ch.bytes_received,
-                "messages_sent": ch.messages_sent, "hello_rtt_s": link.measured_rtt_s,
+                "messages_sent": ch.messages_sent, "latency_s": link.measured_rtt_s,
+                "bandwidth_Bps": link.bandwidth,
             }
         return stats
 

@@ -64,6 +64,8 @@ class DeviceStream:
         self.batch_bytes = batch_bytes
         self._async_error: BaseException | None = None
         self.ops_captured = 0
+        # (start, end) wall-clock times of recent batches on the daemon, for overlap checks.
+        self.exec_log: collections.deque[tuple[float, float]] = collections.deque(maxlen=4096)
 
     # ------------------------------------------------------------ building batches (lock held by caller)
 
@@ -93,7 +95,7 @@ class DeviceStream:
 
     def _post(self, batch: tuple[dict, list], wait: bool) -> concurrent.futures.Future:
         body, frames = batch
-        return self.link.submit_exec(body, frames, self if not wait else None)
+        return self.link.submit_exec(body, frames, self, waited=wait)
 
     # ------------------------------------------------------------ errors from batches nobody waited for
 

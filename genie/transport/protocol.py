@@ -5,10 +5,11 @@ A message is a ZeroMQ multipart message: frame 0 is a msgpack header, frames
 
 Client -> daemon header: ``[kind, request_id, body]``
 
-  hello  {}                                   -> {version, devices: [{name, type, total_memory}]}
+  hello  {}                                   -> {version, devices: [{name, type, total_memory, flops}]}
   exec   {dev, ops, frees, fetch, report}     -> {fetched: [...], report: value | None}
   stats  {dev}                                -> {allocated, reserved, peak, handles, clients}
   ping   {}                                   -> {}
+  probe  {} + frames                          -> {bytes}  (bandwidth measurement)
   bye    {}                                   -> {}   (frees everything the client holds)
 
 Daemon -> client header: ``[request_id, ok, body]``; when ok is false, body is
@@ -71,7 +72,7 @@ MAX_NESTING = 16
 _OP_NAME = re.compile(r"^[a-z_][a-z0-9_]*::[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?$")
 _HANDLE = struct.Struct("<q")
 
-KINDS = ("hello", "exec", "stats", "ping", "bye")
+KINDS = ("hello", "exec", "stats", "ping", "probe", "bye")
 
 
 # ---------------------------------------------------------------- value markers
