@@ -31,7 +31,9 @@ setup(
     ],
     extras_require={
         "gpu": ["cupy-cuda12x>=13"],
-        "test": ["pytest>=8", "pytest-asyncio>=0.23", "pytest-timeout>=2.3", "expecttest>=0.2", "hypothesis>=6"],
+        "viz": ["matplotlib>=3.7"],
+        "test": ["pytest>=8", "pytest-asyncio>=0.23", "pytest-timeout>=2.3", "expecttest>=0.2", "hypothesis>=6",
+                 "matplotlib>=3.7"],
     },
     entry_points={"console_scripts": ["genie-daemon=genie_daemon.cli:main"]},
 )

@@ -18,6 +18,7 @@ from .errors import GenieConnectionError, GenieError, RemoteExecutionError, Unsu
 from .frontend import device as _device
 from .frontend.lazy_tensor import LazyTensor
 from .runtime import get_runtime
+from . import frontend  # noqa: F401  (genie.frontend.analysis etc. reachable as attributes)
 
 __version__ = "0.1.0"
 

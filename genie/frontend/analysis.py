@@ -98,8 +98,7 @@ class ScheduleRunner:
             source = self.inputs[ref.id]
         else:
             source = next(iter(copies.values()))
-        target = "cpu" if device == "local" else device
-        moved = source if str(source.device) == target else source.to(target)
+        moved = source if _location(source) == device else source.to("cpu" if device == "local" else device)
         copies[device] = moved
         return moved
 
@@ -119,7 +118,8 @@ class ScheduleRunner:
                     out = node.target(*args, **kwargs)
                     tensors = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
                     for k, t in enumerate(tensors):
-                        self.values[(nid, k)] = {group.device: t}
+                        # Keyed by where it really is (an op may have made a CPU tensor on purpose).
+                        self.values[(nid, k)] = {_location(t): t}
                     if nid in kv and tensors:
                         from . import device as device_module
 
@@ -133,6 +133,10 @@ class ScheduleRunner:
         if not copies:
             return self.inputs.get(node_id)
         return next(iter(copies.values()))
+
+
+def _location(t: torch.Tensor) -> str:
+    return "local" if t.device.type == "cpu" else str(t.device)
 
 
 def run_captured(capture, network: NetworkModel | None = None, devices: list[int] | None = None,

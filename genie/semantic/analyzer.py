@@ -12,7 +12,7 @@ from .costs import GraphCosts, NetworkModel
 from .graph import Graph
 from .patterns import PatternMatch
 from .phases import detect_phases
-from .scheduler import ExecutionSchedule, schedule
+from .scheduler import ExecutionSchedule, plan_structure, schedule
 
 default_cache = AnalysisCache()
 
@@ -84,15 +84,15 @@ def analyze_graph(graph: Graph, network: NetworkModel | None = None, cache: Anal
 
     def level1():
         matches = pattern_lib.match_all(graph)
-        return matches, detect_phases(graph, matches), graph.wl_hash()
+        return matches, detect_phases(graph, matches), graph.wl_hash(), plan_structure(graph, matches)
 
-    matches, phases, topo_hash = cache.lookup(1, graph.fingerprint, level1)
+    matches, phases, topo_hash, structure = cache.lookup(1, graph.fingerprint, level1)
     resident = {m.hints["cache_node"] for m in matches if m.pattern == "kv_cache"}
     past = {p for m in matches if m.pattern == "kv_cache" for p in m.hints["past_inputs"]}
 
     def level2():
         c = cost_model.estimate(graph, network, resident_outputs=resident, resident_inputs=past)
-        sched = schedule(graph, matches, c, network, resident_outputs=resident, resident_inputs=past) if network and network.devices else None
+        sched = schedule(graph, structure, c, network, resident_outputs=resident, resident_inputs=past) if network and network.devices else None
         return c, sched
 
     net_key = network.key() if network is not None else None

@@ -127,14 +127,21 @@ def build_groups(graph: Graph, matches: list[PatternMatch]) -> tuple[dict[int, l
     return groups, out_labels
 
 
-def schedule(graph: Graph, matches: list[PatternMatch], costs: GraphCosts, network: NetworkModel,
-             resident_outputs: set[int] | None = None, resident_inputs: set[int] | None = None) -> ExecutionSchedule:
-    """Place every node; `resident_*` are KV-cache tensors that live with their attention."""
-    if not network.devices:
-        raise ValueError("scheduling needs at least one device in the network model")
+@dataclass(frozen=True)
+class Structure:
+    """The topology-only part of a schedule (cached with the patterns): groups and their order."""
+
+    members: dict[int, tuple[int, ...]]
+    labels: dict[int, str]
+    node_group: dict[int, int]
+    generations: dict[int, int]
+    order: tuple[int, ...]
+    inputs: dict[int, tuple[tuple[int, int], ...]]  # group -> (node, output index) it reads from outside
+
+
+def plan_structure(graph: Graph, matches: list[PatternMatch]) -> Structure:
     raw_groups, labels = build_groups(graph, matches)
     group_of: dict[int, int] = {n: root for root, members in raw_groups.items() for n in members}
-
     # Contract into a DAG; strongly connected pieces (rare) become one group.
     gdag = nx.DiGraph()
     gdag.add_nodes_from(raw_groups)
@@ -145,12 +152,33 @@ def schedule(graph: Graph, matches: list[PatternMatch], costs: GraphCosts, netwo
             if not graph[i].is_input and group_of[i] != group_of[n.id]:
                 gdag.add_edge(group_of[i], group_of[n.id])
     cond = nx.condensation(gdag)
-    groups: dict[int, Group] = {}
+    members, group_labels = {}, {}
     for cid in cond.nodes:
-        members = sorted(x for root in cond.nodes[cid]["members"] for x in raw_groups[root])
-        label = labels[min(cond.nodes[cid]["members"])]
-        groups[cid] = Group(cid, members, label)
-    node_group = {x: gid for gid, g in groups.items() for x in g.nodes}
+        members[cid] = tuple(sorted(x for root in cond.nodes[cid]["members"] for x in raw_groups[root]))
+        group_labels[cid] = labels[min(cond.nodes[cid]["members"])]
+    node_group = {x: gid for gid, nodes in members.items() for x in nodes}
+    generations: dict[int, int] = {}
+    for gid in nx.topological_sort(cond):  # longest path from a source = the group's stage
+        generations[gid] = 1 + max((generations[p] for p in cond.predecessors(gid)), default=-1)
+    order = tuple(sorted(cond.nodes, key=lambda gid: (generations[gid], members[gid][0])))
+    inputs = {}
+    for gid, nodes in members.items():
+        seen = []
+        for x in nodes:
+            for ref in graph[x].inputs:
+                if (graph[ref[0]].is_input or node_group[ref[0]] != gid) and ref not in seen:
+                    seen.append(ref)
+        inputs[gid] = tuple(seen)
+    return Structure(members, group_labels, node_group, generations, order, inputs)
+
+
+def schedule(graph: Graph, structure: Structure, costs: GraphCosts, network: NetworkModel,
+             resident_outputs: set[int] | None = None, resident_inputs: set[int] | None = None) -> ExecutionSchedule:
+    """Place every group; `resident_*` are KV-cache tensors that live with their attention."""
+    if not network.devices:
+        raise ValueError("scheduling needs at least one device in the network model")
+    groups = {gid: Group(gid, list(nodes), structure.labels[gid]) for gid, nodes in structure.members.items()}
+    node_group = structure.node_group
 
     # Pins: a group reading a resident tensor runs where that tensor lives.
     device_names = {d.name for d in network.devices}
@@ -164,37 +192,32 @@ def schedule(graph: Graph, matches: list[PatternMatch], costs: GraphCosts, netwo
     resident_inputs = resident_inputs or set()
     avail = {d.name: 0.0 for d in network.devices}
     busy = {d.name: 0.0 for d in network.devices}
-    generations: dict[int, int] = {}
-    for gid in nx.topological_sort(cond):  # longest path from a source = the group's stage
-        generations[gid] = 1 + max((generations[p] for p in cond.predecessors(gid)), default=-1)
-    order = sorted(cond.nodes, key=lambda gid: (generations[gid], min(groups[gid].nodes)))
+    generations, order = structure.generations, structure.order
     for gid in order:
         g = groups[gid]
         flops = sum(costs.nodes[x].flops for x in g.nodes)
-        n_ops = len(g.nodes)
+        back = sum(graph[x].meta.nbytes for x in g.nodes
+                   if x in outputs and x not in resident_outputs and graph[x].meta is not None)
         candidates = [network.by_name(g.pinned)] if g.pinned else network.devices
         best = None
         for d in candidates:
             ready = 0.0
-            for x in g.nodes:
-                for i, k in graph[x].inputs:
-                    src = graph[i]
-                    nbytes = src.outputs[k].nbytes if k < len(src.outputs) and src.outputs[k] else 0
-                    if src.is_input and i in resident_inputs:
+            for i, k in structure.inputs[gid]:
+                src = graph[i]
+                nbytes = src.outputs[k].nbytes if k < len(src.outputs) and src.outputs[k] else 0
+                if src.is_input:
+                    if i in resident_inputs:
                         continue  # e.g. a KV cache's past: it already lives where its attention runs
-                    if src.is_input:
-                        location = src.resident or ("local" if src.op == "input" else d.name)
-                        ready = max(ready, network.transfer_time(location, d.name, nbytes)
-                                    if location in device_names else (0.0 if d.is_local else
-                                                                      d.link.transfer_time(nbytes)))
-                    elif node_group[i] != gid:
-                        pg = groups[node_group[i]]
-                        ready = max(ready, pg.finish + network.transfer_time(pg.device, d.name, nbytes))
+                    if src.resident in device_names:
+                        ready = max(ready, network.transfer_time(src.resident, d.name, nbytes))
+                    elif src.op == "input" and not d.is_local:
+                        ready = max(ready, d.link.transfer_time(nbytes))  # data comes from the client
+                else:
+                    pg = groups[node_group[i]]
+                    ready = max(ready, pg.finish + network.transfer_time(pg.device, d.name, nbytes))
             start = max(ready, avail[d.name])
-            finish = start + flops / d.flops + n_ops * d.op_overhead
-            back = sum(graph[x].meta.nbytes for x in g.nodes
-                       if x in outputs and x not in resident_outputs and graph[x].meta is not None)
-            score = finish + (0.0 if d.is_local else (d.link.transfer_time(back) if back else 0.0))
+            finish = start + flops / d.flops + len(g.nodes) * d.op_overhead
+            score = finish + (0.0 if d.is_local or not back else d.link.transfer_time(back))
             if best is None or score < best[0] - 1e-12:
                 best = (score, d.name, start, finish)
         _, g.device, g.start, g.finish = best
