@@ -49,6 +49,13 @@ def analyze(model_or_graph, *args, **kwargs):
     return _analyze(model_or_graph, *args, **kwargs)
 
 
+def analysis_cache_stats() -> dict:
+    """Hit rates and hit latency of the two-level analysis cache used by genie.analyze."""
+    from .semantic.analyzer import default_cache
+
+    return default_cache.stats()
+
+
 def shutdown() -> None:
     """Free everything this process holds on its daemons and disconnect (stops an embedded daemon)."""
     get_runtime().shutdown()
@@ -91,7 +98,7 @@ def capture_stats() -> dict:
 
 
 __all__ = [
-    "init", "shutdown", "capture", "analyze", "materialize", "materialize_sync", "synchronize", "transport_stats", "capture_stats",
+    "init", "shutdown", "capture", "analyze", "analysis_cache_stats", "materialize", "materialize_sync", "synchronize", "transport_stats", "capture_stats",
     "LazyTensor", "GenieError", "GenieConnectionError", "RemoteExecutionError", "UnsupportedOperationError",
     "remote_accelerator",
 ]
