@@ -45,6 +45,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="seconds without a message after which a silent client's tensors are freed")
     p.add_argument("--exit-with-parent", type=int, default=0, metavar="PID",
                    help="exit when process PID is gone (used by the embedded daemon)")
+    p.add_argument("--memory-limit", type=float, default=float(os.environ.get("GENIE_MEMORY_LIMIT_GB", "0") or 0),
+                   metavar="GB", help="most GiB of tensors all clients together may keep (0: no limit); "
+                   "env GENIE_MEMORY_LIMIT_GB")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--log-level", default=os.environ.get("GENIE_LOG_LEVEL", "INFO"))
     return p.parse_args(argv)
@@ -65,7 +68,8 @@ async def _watch_parent(pid: int, server: DaemonServer) -> None:
 
 async def _run(args: argparse.Namespace) -> None:
     devices = pick_devices(args.device)
-    server = DaemonServer(args.listen, devices, client_lease_s=args.client_lease)
+    server = DaemonServer(args.listen, devices, client_lease_s=args.client_lease,
+                          memory_limit=int(args.memory_limit * 2**30))
     endpoint = server.bind()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

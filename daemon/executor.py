@@ -30,11 +30,18 @@ class _Poisoned(Exception):
         self.poison = poison
 
 
+class OutOfMemoryError(RuntimeError):
+    """An op would take the daemon past its memory limit."""
+
+
 class Executor:
     """Executes requests for all clients on this daemon's devices (one thread calls it)."""
 
-    def __init__(self, devices: list[torch.device]) -> None:
+    def __init__(self, devices: list[torch.device], account=None, memory_limit: int = 0, kv_store=None) -> None:
         self.devices = devices
+        self.account = account
+        self.memory_limit = memory_limit  # bytes held through handles; 0 = unlimited
+        self.kv_store = kv_store
 
     # ------------------------------------------------------------ exec
 
@@ -68,6 +75,7 @@ class Executor:
                 kwargs["generator"] = client.generator(device)
             result = op(*args, **kwargs)
             self._store(client, call.outs, result, call.name)
+            self._enforce_limit(client, call)
             return result
         except _Poisoned as p:
             # An input already failed: carry the original error forward.
@@ -82,6 +90,21 @@ class Executor:
             if raise_errors:
                 raise _RemoteOpError(poison) from None
             return None
+
+    def _enforce_limit(self, client: ClientState, call: OpCall) -> None:
+        if not self.memory_limit or self.account.allocated <= self.memory_limit:
+            return
+        if self.kv_store is not None:
+            self.kv_store.evict_for(self.account.allocated - self.memory_limit)
+        if self.account.allocated <= self.memory_limit:
+            return
+        over = self.account.allocated
+        for handle in _handles_in(call.outs):
+            client.free(handle)
+        raise OutOfMemoryError(
+            f"genie-daemon memory limit of {self.memory_limit / 2**30:.3g} GiB ({self.memory_limit} bytes) exceeded: "
+            f"{call.name} would hold {over} bytes in total; free tensors or raise --memory-limit"
+        )
 
     def _seed(self, client: ClientState, call: OpCall, device: torch.device):
         if len(call.args) != 1 or type(call.args[0]) is not int:

@@ -58,12 +58,14 @@ def _describe_hardware(device: torch.device) -> dict:
 
 
 class DaemonServer:
-    def __init__(self, endpoint: str, devices: list[torch.device], client_lease_s: float = 60.0) -> None:
+    def __init__(self, endpoint: str, devices: list[torch.device], client_lease_s: float = 60.0,
+                 memory_limit: int = 0) -> None:
         self.endpoint = endpoint
         self.devices = devices
         self.client_lease_s = client_lease_s
+        self.memory_limit = memory_limit
         self.account = MemoryAccount()
-        self.executor = Executor(devices)
+        self.executor = Executor(devices, self.account, memory_limit)
         self.clients: dict[bytes, ClientState] = {}
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="genie-exec")
         self._ctx = zmq.asyncio.Context()
@@ -193,6 +195,7 @@ class DaemonServer:
             "handles": sum(len(c.tensors) for c in self.clients.values()),
             "persistent_handles": sum(len(c.persistent) for c in self.clients.values()),
             "clients": len(self.clients),
+            "limit": self.memory_limit,
         }
         if device.type == "cuda":
             stats.update(

@@ -120,6 +120,7 @@ def memory_stats(device=None) -> dict:
         "num_handles": body["handles"],
         "num_persistent_handles": body["persistent_handles"],
         "num_clients": body["clients"],
+        "limit_bytes": body["limit"],
     }
 
 
