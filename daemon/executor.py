@@ -23,6 +23,8 @@ log = logging.getLogger("genie.daemon")
 
 SEED_OP = "genie::manual_seed"
 PERSIST_OP = "genie::mark_persistent"
+SEND_OP = "genie::send"
+RECV_OP = "genie::recv"
 
 
 class _Poisoned(Exception):
@@ -37,8 +39,12 @@ class OutOfMemoryError(RuntimeError):
 class Executor:
     """Executes requests for all clients on this daemon's devices (one thread calls it)."""
 
-    def __init__(self, devices: list[torch.device], account=None, memory_limit: int = 0, kv_store=None) -> None:
+    def __init__(self, devices: list[torch.device], account=None, memory_limit: int = 0, kv_store=None,
+                 mailbox=None, send_to_peer=None, transfer_timeout: float = 120.0) -> None:
         self.devices = devices
+        self.mailbox = mailbox
+        self.send_to_peer = send_to_peer
+        self.transfer_timeout = transfer_timeout
         self.account = account
         self.memory_limit = memory_limit  # bytes held through handles; 0 = unlimited
         self.kv_store = kv_store
@@ -68,6 +74,10 @@ class Executor:
                 return self._seed(client, call, device)
             if call.name == PERSIST_OP:
                 return self._persist(client, call)
+            if call.name == SEND_OP:
+                return self._send(client, call)
+            if call.name == RECV_OP:
+                return self._recv(client, call, device)
             op = op_table.resolve(call.name)
             args = [self._resolve(client, a, frames, device, 0) for a in call.args]
             kwargs = {k: self._resolve(client, v, frames, device, 0) for k, v in call.kwargs.items()}
@@ -112,6 +122,29 @@ class Executor:
         client.generator(device).manual_seed(call.args[0] & ((1 << 64) - 1))
         return None
 
+    def _send(self, client: ClientState, call: OpCall):
+        """Ship a tensor to a peer daemon (for the client's genie::recv there)."""
+        from .peers import check_transfer_id
+
+        if len(call.args) != 3 or not isinstance(call.args[0], HandleRef) or not isinstance(call.args[1], str):
+            raise ProtocolError(f"{SEND_OP} takes [handle, peer endpoint, transfer id]")
+        found = client.get(call.args[0].id)
+        if isinstance(found, Poison):
+            raise _Poisoned(found)
+        self.send_to_peer(call.args[1], check_transfer_id(call.args[2]), found)
+        return None
+
+    def _recv(self, client: ClientState, call: OpCall, device: torch.device):
+        from .peers import check_transfer_id
+
+        if len(call.args) != 1 or type(call.outs) is not int:
+            raise ProtocolError(f"{RECV_OP} takes [transfer id] and one output handle")
+        tensor = self.mailbox.take(check_transfer_id(call.args[0]), self.transfer_timeout)
+        tensor = tensor.to(device) if device.type != "cpu" else tensor  # CPU: keep the frame, no copy
+        client.put(call.outs, tensor)
+        self._enforce_limit(client, call)
+        return tensor
+
     def _persist(self, client: ClientState, call: OpCall):
         """Mark handles as long-lived state (KV caches): reported in stats, first to keep under pressure."""
         for ref in call.args:
@@ -137,7 +170,11 @@ class Executor:
             t = buffer_to_tensor(frames[value.frame].buffer, value.dtype, value.shape)
             return t.to(device) if device.type != "cpu" else t
         if isinstance(value, DeviceRef):
-            return device if value.type == "remote" else torch.device("cpu")
+            if value.type == "cpu":
+                return torch.device("cpu")
+            if value.index >= len(self.devices):
+                raise ProtocolError(f"device index {value.index} out of range ({len(self.devices)} devices)")
+            return self.devices[value.index]
         if isinstance(value, dict):
             raise ProtocolError("maps are not valid operator arguments")
         return value

@@ -22,6 +22,7 @@ from genie.transport.errors import ProtocolError
 
 from .executor import Executor, RemoteOpError
 from .handles import ClientState, MemoryAccount
+from .peers import Mailbox, PeerLinks, check_transfer_id
 
 log = logging.getLogger("genie.daemon")
 
@@ -65,7 +66,10 @@ class DaemonServer:
         self.client_lease_s = client_lease_s
         self.memory_limit = memory_limit
         self.account = MemoryAccount()
-        self.executor = Executor(devices, self.account, memory_limit)
+        self.mailbox = Mailbox()
+        self.peers: PeerLinks | None = None
+        self.executor = Executor(devices, self.account, memory_limit, mailbox=self.mailbox,
+                                 send_to_peer=lambda *a: self.peers.send(*a))
         self.clients: dict[bytes, ClientState] = {}
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="genie-exec")
         self._ctx = zmq.asyncio.Context()
@@ -91,6 +95,7 @@ class DaemonServer:
     async def serve(self) -> None:
         if self._socket is None:
             self.bind()
+        self.peers = PeerLinks(self._ctx, asyncio.get_running_loop())
         sweeper = asyncio.create_task(self._sweep_idle_clients())
         receiver = asyncio.create_task(self._receive_loop())
         await self._stopping.wait()
@@ -98,6 +103,7 @@ class DaemonServer:
         sweeper.cancel()
         # Let work already handed to the worker finish before closing.
         await asyncio.get_running_loop().run_in_executor(None, self._worker.shutdown, True)
+        self.peers.close()
         self._socket.close(linger=0)
         self._ctx.term()
         log.info("daemon stopped")
@@ -141,6 +147,13 @@ class DaemonServer:
         rid = request.request_id
         if request.kind == "ping":
             self._reply(identity, rid, {})
+        elif request.kind == "deposit":
+            try:
+                self._deposit(request.body, payload)
+            except ProtocolError as e:
+                self._reply_error(identity, rid, e)
+                return
+            self._reply(identity, rid, {})
         elif request.kind == "probe":
             # Bandwidth probe: the client times sending these frames and getting this answer.
             self._reply(identity, rid, {"bytes": sum(len(p) for p in payload)})
@@ -181,6 +194,14 @@ class DaemonServer:
             return
         body, frames = result if isinstance(result, tuple) else (result, [])
         self._reply(identity, rid, body, frames)
+
+    def _deposit(self, body: dict, payload: list) -> None:
+        from genie.transport.tensors import buffer_to_tensor, check_shape, parse_dtype
+
+        if len(payload) != 1:
+            raise ProtocolError("a deposit carries exactly one frame")
+        tensor = buffer_to_tensor(payload[0].buffer, parse_dtype(body.get("dtype")), check_shape(body.get("shape")))
+        self.mailbox.put(check_transfer_id(body.get("tid")), tensor)
 
     # ------------------------------------------------------------ worker-side requests
 

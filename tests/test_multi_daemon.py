@@ -65,3 +65,35 @@ def test_memory_is_per_daemon(two_daemons):
     assert ra.memory_allocated(1) == base1 + 4000
     assert ra.memory_allocated(0) == base0
     del x
+
+
+def test_daemon_to_daemon_copy_bypasses_the_client(two_daemons):
+    x = torch.randn(512, 512, device="remote_accelerator:0")  # 1 MiB, made on daemon 0
+    expected = x.sum().item()
+    before = genie.transport_stats()
+    y = x.to("remote_accelerator:1")
+    assert y.device == torch.device("remote_accelerator:1")
+    assert abs(y.sum().item() - expected) < 1e-2
+    z = torch.empty(512, 512, device="remote_accelerator:1")
+    z.copy_(x * 2)
+    assert abs(z.sum().item() - 2 * expected) < 1e-2
+    after = genie.transport_stats()
+    moved = sum(after[k]["bytes_sent"] + after[k]["bytes_received"]
+                - before[k]["bytes_sent"] - before[k]["bytes_received"] for k in after)
+    assert moved < 64 * 1024, f"{moved} bytes went through the client for 2 MiB of transfers"
+
+
+def test_one_daemon_with_two_devices(daemon_endpoint):
+    with DaemonProcess(extra=["--device", "cpu,cpu"]) as d:
+        genie.init(d.endpoint)
+        try:
+            assert torch.remote_accelerator.device_count() == 2
+            x = torch.arange(6.0, device="remote_accelerator:0").reshape(2, 3).t()
+            y = x.to("remote_accelerator:1")
+            del x  # the copy must not depend on the source's Python object
+            assert y.device.index == 1 and y.is_contiguous()
+            assert y.cpu().tolist() == [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]]
+            z = torch.ones(3, device="remote_accelerator:1") + torch.tensor(1.0)
+            assert z.cpu().tolist() == [2.0, 2.0, 2.0]
+        finally:
+            genie.shutdown()

@@ -110,7 +110,13 @@ def _encode(value, stream):
     if isinstance(value, torch.dtype):
         return protocol.encode_dtype(value)
     if isinstance(value, torch.device):
-        return protocol.encode_device("remote" if value.type == REMOTE else "cpu", value.index or 0)
+        if value.type != REMOTE:
+            return protocol.encode_device("cpu", 0)
+        target = stream if value.index is None else get_runtime().stream(value.index)
+        if target.link is not stream.link:
+            raise RuntimeError(f"Expected all tensors to be on the same device, but found {value} "
+                               f"and {stream.device}")
+        return protocol.encode_device("remote", target.local_index)
     if isinstance(value, torch.memory_format):
         return protocol.encode_memory_format(value)
     if isinstance(value, torch.layout):
@@ -267,6 +273,11 @@ def _to_copy(func, args, kwargs):
     target = kwargs.get("device")
     if target is None or (target.type == REMOTE and (target.index is None or target.index == src.device.index)):
         return capture(func, args, kwargs)
+    if target.type == REMOTE:
+        # Remote to remote: directly between daemons, never through this process.
+        rest = {k: v for k, v in kwargs.items() if k != "device"}
+        moved = move_between_devices(src, get_runtime().stream(target.index))
+        return capture(func, (moved,), rest) if rest else moved
     from .materialize import to_cpu
 
     rest = {k: v for k, v in kwargs.items() if k != "device"}
@@ -284,11 +295,51 @@ def _copy_(func, args, kwargs):
 
         return dst.copy_(to_cpu(src), *args[2:], **kwargs)
     if type(src) is LazyTensor and src._genie.stream is not dst._genie.stream:
-        from .materialize import to_cpu
-
-        src = to_cpu(src)
+        src = move_between_devices(src, dst._genie.stream)
         return capture(func, (dst, src, *args[2:]), kwargs)
     return capture(func, args, kwargs)
+
+
+SEND_OP, RECV_OP = "genie::send", "genie::recv"
+
+
+def move_between_devices(src: LazyTensor, dst_stream) -> LazyTensor:
+    """A copy of `src` on dst_stream's device. Different daemons: daemon to daemon (genie::send on the
+    source, genie::recv on the destination); the same daemon: a device-to-device copy there."""
+    import secrets
+
+    src_stream = src._genie.stream
+    if src_stream.link is dst_stream.link:
+        # One daemon, one handle table: copy there. Flushing around the op keeps the source's
+        # handle alive until the copy has run (frees of the source travel after it).
+        src_stream.flush()
+        with dst_stream.lock:
+            h = dst_stream.new_handle()
+            out = LazyTensor(dst_stream, h, src.shape, _contiguous_strides(src.shape), 0, src.dtype,
+                             src.numel() * src.element_size())
+            dst_stream.append(["aten::_to_copy", [protocol.encode_handle(src._genie.id)],
+                               {"device": protocol.encode_device("remote", dst_stream.local_index),
+                                "memory_format": protocol.encode_memory_format(torch.contiguous_format)}, h])
+        dst_stream.flush()
+        return out
+    tid = secrets.token_hex(16)
+    with src_stream.lock:
+        src_stream.append([SEND_OP, [protocol.encode_handle(src._genie.id), dst_stream.link.endpoint, tid], {}, None])
+    src_stream.flush()
+    with dst_stream.lock:
+        h = dst_stream.new_handle()
+        out = LazyTensor(dst_stream, h, src.shape, _contiguous_strides(src.shape), 0, src.dtype,
+                         src.numel() * src.element_size())
+        dst_stream.append([RECV_OP, [tid], {}, h])
+    return out
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(strides))
 
 
 _SPECIAL = {

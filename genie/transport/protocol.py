@@ -10,6 +10,7 @@ Client -> daemon header: ``[kind, request_id, body]``
   stats  {dev}                                -> {allocated, reserved, peak, handles, clients}
   ping   {}                                   -> {}
   probe  {} + frames                          -> {bytes}  (bandwidth measurement)
+  deposit {tid, dtype, shape} + 1 frame       -> {}   (daemon to daemon: a tensor for `genie::recv`)
   bye    {}                                   -> {}   (frees everything the client holds)
 
 Daemon -> client header: ``[request_id, ok, body]``; when ok is false, body is
@@ -22,7 +23,7 @@ extension types stand for what msgpack cannot say:
   1 HANDLE  int64 little-endian: a tensor resident on the daemon (client-scoped id)
   2 TENSOR  msgpack [frame, dtype, shape]: an inline tensor carried in a frame
   3 DTYPE   dtype name (`tensors.DTYPES`)
-  4 DEVICE  msgpack [type, index]: "remote" means the exec's device, else "cpu"
+  4 DEVICE  msgpack [type, index]: "remote" with the daemon's device index, or "cpu"
   5 MEMFMT  memory format name
   6 LAYOUT  layout name
   7 COMPLEX msgpack [real, imag]
@@ -72,7 +73,7 @@ MAX_NESTING = 16
 _OP_NAME = re.compile(r"^[a-z_][a-z0-9_]*::[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?$")
 _HANDLE = struct.Struct("<q")
 
-KINDS = ("hello", "exec", "stats", "ping", "probe", "bye")
+KINDS = ("hello", "exec", "stats", "ping", "probe", "deposit", "bye")
 
 
 # ---------------------------------------------------------------- value markers
