@@ -25,6 +25,8 @@ SEED_OP = "genie::manual_seed"
 PERSIST_OP = "genie::mark_persistent"
 SEND_OP = "genie::send"
 RECV_OP = "genie::recv"
+EVENT_RECORD_OP = "genie::event_record"
+EVENT_WAIT_OP = "genie::event_wait"
 
 
 class _Poisoned(Exception):
@@ -57,11 +59,12 @@ class Executor:
         device = self.devices[request.device]
         started = time.time()
         reported = None
-        for i, call in enumerate(request.ops):
-            last = request.report and i == len(request.ops) - 1
-            result = self._run_op(client, call, frames, device, raise_errors=last)
-            if last:
-                reported = self._describe(call.outs, result)
+        with client.streams.context(device, request.stream):
+            for i, call in enumerate(request.ops):
+                last = request.report and i == len(request.ops) - 1
+                result = self._run_op(client, call, frames, device, raise_errors=last)
+                if last:
+                    reported = self._describe(call.outs, result)
         for handle in request.frees:
             client.free(handle)
         out_frames: list = []
@@ -74,6 +77,10 @@ class Executor:
                 return self._seed(client, call, device)
             if call.name == PERSIST_OP:
                 return self._persist(client, call)
+            if call.name == EVENT_RECORD_OP:
+                return client.streams.record(_int_arg(call, 0), bool(call.args[1:2] and call.args[1]), device)
+            if call.name == EVENT_WAIT_OP:
+                return client.streams.wait(_int_arg(call, 0), device)
             if call.name == SEND_OP:
                 return self._send(client, call)
             if call.name == RECV_OP:
@@ -245,6 +252,12 @@ class _RemoteOpError(Exception):
 
 
 RemoteOpError = _RemoteOpError
+
+
+def _int_arg(call: OpCall, i: int) -> int:
+    if len(call.args) <= i or type(call.args[i]) is not int:
+        raise ProtocolError(f"{call.name} takes an integer id")
+    return call.args[i]
 
 
 def _handles_in(outs):

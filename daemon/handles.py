@@ -65,6 +65,9 @@ class ClientState:
         self._account = account
         self.generators: dict[str, torch.Generator] = {}
         self.persistent: set[int] = set()  # handles marked as long-lived state (KV caches)
+        from .streams import ClientStreams
+
+        self.streams = ClientStreams()
         self.last_seen = time.monotonic()
 
     def get(self, handle: int) -> torch.Tensor | Poison:

@@ -147,6 +147,11 @@ class DaemonServer:
         rid = request.request_id
         if request.kind == "ping":
             self._reply(identity, rid, {})
+        elif request.kind == "event":
+            try:
+                self._reply(identity, rid, self._event(client, request.body))
+            except ProtocolError as e:
+                self._reply_error(identity, rid, e)
         elif request.kind == "deposit":
             try:
                 self._deposit(request.body, payload)
@@ -194,6 +199,19 @@ class DaemonServer:
             return
         body, frames = result if isinstance(result, tuple) else (result, [])
         self._reply(identity, rid, body, frames)
+
+    @staticmethod
+    def _event(client: ClientState, body: dict) -> dict:
+        """Event queries are answered at once, without waiting behind queued work."""
+        if "query" in body:
+            ids = body["query"]
+            if not isinstance(ids, list) or not all(type(i) is int for i in ids):
+                raise ProtocolError("query takes a list of event ids")
+            return {"done": [client.streams.query(i) for i in ids]}
+        pair = body.get("elapsed")
+        if not isinstance(pair, list) or len(pair) != 2 or not all(type(i) is int for i in pair):
+            raise ProtocolError("elapsed takes [start event id, end event id]")
+        return {"ms": client.streams.elapsed_ms(*pair)}
 
     def _deposit(self, body: dict, payload: list) -> None:
         from genie.transport.tensors import buffer_to_tensor, check_shape, parse_dtype

@@ -16,6 +16,7 @@ import torch
 from genie.runtime import get_runtime
 
 from . import capture
+from .streams import Event, Stream, current_stream, default_stream, set_stream, stream
 
 NAME = "remote_accelerator"
 SEED_OP = "genie::manual_seed"
@@ -210,5 +211,6 @@ __all__ = [
     "device_count", "is_available", "is_initialized", "current_device", "set_device", "device",
     "get_device_name", "get_device_properties", "synchronize", "memory_stats", "memory_allocated",
     "max_memory_allocated", "memory_reserved", "manual_seed", "manual_seed_all", "seed", "seed_all",
-    "initial_seed", "register", "capture",
+    "initial_seed", "register", "capture", "Stream", "Event", "current_stream", "default_stream",
+    "set_stream", "stream",
 ]

@@ -29,6 +29,22 @@ if TYPE_CHECKING:
 log = logging.getLogger("genie.runtime")
 
 
+# The current remote stream id per device, per thread (like CUDA's current stream).
+_current = threading.local()
+
+
+def current_stream_id(global_index: int) -> int:
+    ids = getattr(_current, "ids", None)
+    return ids.get(global_index, 0) if ids else 0
+
+
+def set_current_stream_id(global_index: int, stream_id: int) -> None:
+    ids = getattr(_current, "ids", None)
+    if ids is None:
+        ids = _current.ids = {}
+    ids[global_index] = stream_id
+
+
 class HandleRef:
     """Owns one remote handle; when the last Python reference dies, the handle is freed (batched)."""
 
@@ -64,6 +80,7 @@ class DeviceStream:
         self.batch_bytes = batch_bytes
         self._async_error: BaseException | None = None
         self.ops_captured = 0
+        self.batch_stream = 0  # daemon-side stream id of the ops in the current batch
         # (start, end) wall-clock times of recent batches on the daemon, for overlap checks.
         self.exec_log: collections.deque[tuple[float, float]] = collections.deque(maxlen=4096)
 
@@ -79,6 +96,12 @@ class DeviceStream:
         return len(self.frames) - 1
 
     def append(self, entry: list) -> None:
+        sid = current_stream_id(self.global_index)
+        if sid != self.batch_stream:
+            # A batch runs on one daemon-side stream: switching streams closes the batch.
+            if self.ops:
+                self._post(self._take(fetch=[], report=False), wait=False)
+            self.batch_stream = sid
         self.ops.append(entry)
         self.ops_captured += 1
         if len(self.ops) >= self.batch_ops or self.inline_bytes >= self.batch_bytes:
@@ -88,7 +111,8 @@ class DeviceStream:
         frees = []
         while self.frees:
             frees.append(self.frees.popleft())
-        body = {"dev": self.local_index, "ops": self.ops, "frees": frees, "fetch": fetch, "report": report}
+        body = {"dev": self.local_index, "stream": self.batch_stream, "ops": self.ops, "frees": frees,
+                "fetch": fetch, "report": report}
         frames = self.frames
         self.ops, self.frames, self.inline_bytes = [], [], 0
         return body, frames
@@ -146,8 +170,7 @@ class DeviceStream:
     def run_reported(self, entry: list) -> Any:
         """Queue `entry` last and run the batch now, returning its outputs described by the daemon."""
         with self.lock:
-            self.ops.append(entry)
-            self.ops_captured += 1
+            self.append(entry)
             future = self._post(self._take(fetch=[], report=True), wait=True)
         reply = self.link.wait(future)
         self._raise_async_error()

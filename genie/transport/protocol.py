@@ -6,7 +6,8 @@ A message is a ZeroMQ multipart message: frame 0 is a msgpack header, frames
 Client -> daemon header: ``[kind, request_id, body]``
 
   hello  {}                                   -> {version, devices: [{name, type, total_memory, flops}]}
-  exec   {dev, ops, frees, fetch, report}     -> {fetched: [...], report: value | None}
+  exec   {dev, stream, ops, frees, fetch, report} -> {fetched: [...], report: value | None, time: [t0, t1]}
+  event  {query: [ids]} | {elapsed: [a, b]}    -> {done: [bool]} | {ms}  (answered without waiting)
   stats  {dev}                                -> {allocated, reserved, peak, handles, clients}
   ping   {}                                   -> {}
   probe  {} + frames                          -> {bytes}  (bandwidth measurement)
@@ -73,7 +74,7 @@ MAX_NESTING = 16
 _OP_NAME = re.compile(r"^[a-z_][a-z0-9_]*::[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?$")
 _HANDLE = struct.Struct("<q")
 
-KINDS = ("hello", "exec", "stats", "ping", "probe", "deposit", "bye")
+KINDS = ("hello", "exec", "stats", "ping", "probe", "deposit", "event", "bye")
 
 
 # ---------------------------------------------------------------- value markers
@@ -246,6 +247,7 @@ class Exec:
     frees: list[int]
     fetch: list[int]
     report: bool
+    stream: int = 0
 
 
 def _handle_list(value: Any, what: str) -> list[int]:
@@ -290,7 +292,11 @@ def parse_exec(body: dict) -> Exec:
     report = body.get("report", False)
     if type(report) is not bool:
         raise ProtocolError("report must be a bool")
+    stream = body.get("stream", 0)
+    if type(stream) is not int or not 0 <= stream < 1 << 31:
+        raise ProtocolError(f"bad stream id {stream!r}")
     return Exec(
+        stream=stream,
         device=device,
         ops=ops,
         frees=_handle_list(body.get("frees", []), "frees"),
