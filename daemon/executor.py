@@ -27,6 +27,7 @@ SEND_OP = "genie::send"
 RECV_OP = "genie::recv"
 EVENT_RECORD_OP = "genie::event_record"
 EVENT_WAIT_OP = "genie::event_wait"
+KV_APPEND_OP, KV_GET_OP, KV_CLOSE_OP = "genie::kv_append", "genie::kv_get", "genie::kv_close"
 
 
 class _Poisoned(Exception):
@@ -57,6 +58,8 @@ class Executor:
         if request.device >= len(self.devices):
             raise ProtocolError(f"device index {request.device} out of range ({len(self.devices)} devices)")
         device = self.devices[request.device]
+        if self.kv_store is not None:
+            self.kv_store.begin_request()
         started = time.time()
         reported = None
         with client.streams.context(device, request.stream):
@@ -81,6 +84,8 @@ class Executor:
                 return client.streams.record(_int_arg(call, 0), bool(call.args[1:2] and call.args[1]), device)
             if call.name == EVENT_WAIT_OP:
                 return client.streams.wait(_int_arg(call, 0), device)
+            if call.name in (KV_APPEND_OP, KV_GET_OP, KV_CLOSE_OP):
+                return self._kv(client, call, frames, device)
             if call.name == SEND_OP:
                 return self._send(client, call)
             if call.name == RECV_OP:
@@ -128,6 +133,27 @@ class Executor:
             raise ProtocolError(f"{SEED_OP} takes one integer")
         client.generator(device).manual_seed(call.args[0] & ((1 << 64) - 1))
         return None
+
+    def _kv(self, client: ClientState, call: OpCall, frames: list, device: torch.device):
+        store = self.kv_store
+        if call.name == KV_CLOSE_OP:
+            store.close(call.args[0] if call.args else None)
+            return None
+        if call.name == KV_GET_OP:
+            if len(call.args) != 2:
+                raise ProtocolError(f"{KV_GET_OP} takes [session, layer]")
+            result = store.get(*call.args)
+        else:
+            if len(call.args) != 5:
+                raise ProtocolError(f"{KV_APPEND_OP} takes [session, layer, key, value, dim]")
+            sid, layer, k, v, dim = call.args
+            k, v = (self._resolve(client, x, frames, device, 0) for x in (k, v))
+            if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+                raise ProtocolError(f"{KV_APPEND_OP} takes tensors for key and value")
+            result = store.append(sid, layer, k, v, dim)
+        self._store(client, call.outs, result, call.name)
+        self._enforce_limit(client, call)
+        return result
 
     def _send(self, client: ClientState, call: OpCall):
         """Ship a tensor to a peer daemon (for the client's genie::recv there)."""

@@ -22,6 +22,7 @@ from genie.transport.errors import ProtocolError
 
 from .executor import Executor, RemoteOpError
 from .handles import ClientState, MemoryAccount
+from .kv_store import KVStore
 from .peers import Mailbox, PeerLinks, check_transfer_id
 
 log = logging.getLogger("genie.daemon")
@@ -68,7 +69,8 @@ class DaemonServer:
         self.account = MemoryAccount()
         self.mailbox = Mailbox()
         self.peers: PeerLinks | None = None
-        self.executor = Executor(devices, self.account, memory_limit, mailbox=self.mailbox,
+        self.kv_store = KVStore(self.account)
+        self.executor = Executor(devices, self.account, memory_limit, kv_store=self.kv_store, mailbox=self.mailbox,
                                  send_to_peer=lambda *a: self.peers.send(*a))
         self.clients: dict[bytes, ClientState] = {}
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="genie-exec")
@@ -235,6 +237,7 @@ class DaemonServer:
             "persistent_handles": sum(len(c.persistent) for c in self.clients.values()),
             "clients": len(self.clients),
             "limit": self.memory_limit,
+            **self.kv_store.stats(),
         }
         if device.type == "cuda":
             stats.update(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from .errors import GenieConnectionError, GenieError, RemoteExecutionError, UnsupportedOperationError
 from .frontend import device as _device
+from .frontend.kv import KVSession
 from .frontend.lazy_tensor import LazyTensor
 from .runtime import get_runtime
 from . import frontend  # noqa: F401  (genie.frontend.analysis etc. reachable as attributes)
@@ -99,6 +100,6 @@ def capture_stats() -> dict:
 
 __all__ = [
     "init", "shutdown", "capture", "analyze", "analysis_cache_stats", "materialize", "materialize_sync", "synchronize", "transport_stats", "capture_stats",
-    "LazyTensor", "GenieError", "GenieConnectionError", "RemoteExecutionError", "UnsupportedOperationError",
+    "LazyTensor", "KVSession", "GenieError", "GenieConnectionError", "RemoteExecutionError", "UnsupportedOperationError",
     "remote_accelerator",
 ]

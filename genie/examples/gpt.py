@@ -30,16 +30,20 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
         self.proj = nn.Linear(cfg.dim, cfg.dim)
 
-    def forward(self, x: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor] | None):
+    def forward(self, x: torch.Tensor, past, layer: int = 0):
+        """`past`: None, a (keys, values) pair, or a cache object with update(layer, k, v) -> (keys, values)."""
         b, t, d = x.shape
         q, k, v = self.qkv(x).split(d, dim=-1)
         q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        if past is not None:
+        causal = t > 1 and (past is None or (hasattr(past, "update") and not past.has_layer(layer)))
+        if hasattr(past, "update"):
+            k, v = past.update(layer, k, v)  # a KV store keeps the cache (genie.KVSession)
+        elif past is not None:
             k = torch.cat([past[0], k], dim=2)  # the KV cache grows along the sequence axis
             v = torch.cat([past[1], v], dim=2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=past is None and t > 1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         y = y.transpose(1, 2).reshape(b, t, d)
         return self.proj(y), (k, v)
 
@@ -54,8 +58,8 @@ class Block(nn.Module):
             nn.Linear(cfg.dim, cfg.mlp_ratio * cfg.dim), nn.GELU(), nn.Linear(cfg.mlp_ratio * cfg.dim, cfg.dim)
         )
 
-    def forward(self, x, past):
-        a, present = self.attn(self.ln1(x), past)
+    def forward(self, x, past, layer: int = 0):
+        a, present = self.attn(self.ln1(x), past, layer)
         x = x + a
         x = x + self.mlp(self.ln2(x))
         return x, present
@@ -75,23 +79,26 @@ class TinyGPT(nn.Module):
         """idx: (B, T) token ids; pos: (T,) positions; returns logits and the updated cache."""
         x = self.tok_emb(idx) + self.pos_emb(pos)
         presents = []
+        cache_object = hasattr(past_key_values, "update")
         for i, block in enumerate(self.blocks):
-            x, present = block(x, None if past_key_values is None else past_key_values[i])
+            past = past_key_values if cache_object else (None if past_key_values is None else past_key_values[i])
+            x, present = block(x, past, i)
             presents.append(present)
         return self.head(self.ln_f(x)), presents
 
 
 @torch.no_grad()
-def generate(model: TinyGPT, prompt: torch.Tensor, new_tokens: int, on_token=None) -> list[int]:
+def generate(model: TinyGPT, prompt: torch.Tensor, new_tokens: int, on_token=None, kv_session=None) -> list[int]:
     """Greedy decoding with a KV cache. `prompt` is (1, T) on the model's device.
 
     Each step reads only the chosen token (`.item()`); the cache, positions and
-    the next input stay on the model's device.
+    the next input stay on the model's device. With `kv_session` (a genie.KVSession)
+    the daemon's KV store keeps the cache instead of `torch.cat`.
     """
     device = prompt.device
     t = prompt.shape[1]
     pos = torch.arange(t, device=device)
-    logits, past = model(prompt, pos)
+    logits, past = model(prompt, pos, kv_session)
     next_tok = logits[:, -1].argmax(dim=-1, keepdim=True)
     pos = pos[-1:] + 1
     out = []
@@ -100,7 +107,7 @@ def generate(model: TinyGPT, prompt: torch.Tensor, new_tokens: int, on_token=Non
         out.append(token)
         if on_token is not None:
             on_token(token)
-        logits, past = model(next_tok, pos, past)
+        logits, past = model(next_tok, pos, kv_session if kv_session is not None else past)
         next_tok = logits[:, -1].argmax(dim=-1, keepdim=True)
         pos = pos + 1
     return out

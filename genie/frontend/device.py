@@ -122,6 +122,8 @@ def memory_stats(device=None) -> dict:
         "num_persistent_handles": body["persistent_handles"],
         "num_clients": body["clients"],
         "limit_bytes": body["limit"],
+        "kv_sessions": body["kv_sessions"],
+        "kv_bytes": body["kv_bytes"],
     }
 
 

@@ -74,6 +74,17 @@ def local_scalar_dense(self):
     return to_cpu(self).item()
 
 
+def sdpa_whole(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """Keep scaled_dot_product_attention one op on remote tensors (it would otherwise decompose into
+    ~15 ops before capture sees it): the daemon then runs its fused kernel, and the op's arguments
+    carry no sequence lengths. With autograd recording, the decomposition runs, so backward works."""
+    op = torch.ops.aten.scaled_dot_product_attention.default
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, attn_mask)):
+        return op.decompose(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
 def register() -> None:
     global _lib
     if _lib is not None:
@@ -84,4 +95,5 @@ def register() -> None:
     lib.impl("_copy_from", copy_from, "PrivateUse1")
     lib.impl("_copy_from_and_resize", copy_from_and_resize, "PrivateUse1")
     lib.impl("_local_scalar_dense", local_scalar_dense, "PrivateUse1")
+    lib.impl("scaled_dot_product_attention", sdpa_whole, "AutogradPrivateUse1")
     _lib = lib

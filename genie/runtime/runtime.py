@@ -35,7 +35,7 @@ class DaemonLink:
         self.endpoint = endpoint
         self.channel: Channel | None = None
         self.devices: list[dict] = []
-        self.handle_ids = itertools.count(1)
+        self.handle_ids = itertools.count(1 << 16)  # fixed msgpack width, as for request ids
         self._heartbeat: asyncio.Task | None = None
         self.measured_rtt_s: float | None = None
         self.bandwidth: float | None = None  # bytes/s client -> daemon, measured at connect
@@ -119,6 +119,10 @@ class DaemonLink:
             return future.result(timeout)
         except concurrent.futures.TimeoutError:
             raise GenieConnectionError(f"genie-daemon at {self.endpoint} did not answer within {timeout:.0f}s") from None
+        finally:
+            # The future holds its exception, whose traceback holds this frame: drop the local so
+            # that cycle (and every tensor the callers' frames hold) does not wait for the GC.
+            del future
 
     async def close(self, say_bye: bool) -> None:
         if self._heartbeat:
