@@ -22,6 +22,11 @@ class GPTConfig:
     mlp_ratio: int = 4
 
 
+def _is_cache_object(past) -> bool:
+    # Looked up on the type, so that an FX proxy (which answers every attribute) is not one.
+    return callable(getattr(type(past), "update", None)) and not isinstance(past, (list, tuple, dict))
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -37,12 +42,14 @@ class CausalSelfAttention(nn.Module):
         q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        causal = t > 1 and (past is None or (hasattr(past, "update") and not past.has_layer(layer)))
-        if hasattr(past, "update"):
+        if _is_cache_object(past):
+            causal = not past.has_layer(layer) and t > 1
             k, v = past.update(layer, k, v)  # a KV store keeps the cache (genie.KVSession)
-        elif past is not None:
-            k = torch.cat([past[0], k], dim=2)  # the KV cache grows along the sequence axis
-            v = torch.cat([past[1], v], dim=2)
+        else:
+            causal = past is None and t > 1  # (written so that torch.fx can trace it)
+            if past is not None:
+                k = torch.cat([past[0], k], dim=2)  # the KV cache grows along the sequence axis
+                v = torch.cat([past[1], v], dim=2)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         y = y.transpose(1, 2).reshape(b, t, d)
         return self.proj(y), (k, v)
@@ -79,7 +86,7 @@ class TinyGPT(nn.Module):
         """idx: (B, T) token ids; pos: (T,) positions; returns logits and the updated cache."""
         x = self.tok_emb(idx) + self.pos_emb(pos)
         presents = []
-        cache_object = hasattr(past_key_values, "update")
+        cache_object = _is_cache_object(past_key_values)
         for i, block in enumerate(self.blocks):
             past = past_key_values if cache_object else (None if past_key_values is None else past_key_values[i])
             x, present = block(x, past, i)
