@@ -51,6 +51,7 @@ class Executor:
         self.account = account
         self.memory_limit = memory_limit  # bytes held through handles; 0 = unlimited
         self.kv_store = kv_store
+        self._uploaders: dict = {}  # CUDA device -> pinned staging + copy stream
 
     # ------------------------------------------------------------ exec
 
@@ -112,6 +113,14 @@ class Executor:
             if raise_errors:
                 raise _RemoteOpError(poison) from None
             return None
+
+    def _uploader(self, device: torch.device):
+        uploader = self._uploaders.get(device)
+        if uploader is None:
+            from .cuda_staging import Uploader
+
+            uploader = self._uploaders[device] = Uploader(device)
+        return uploader
 
     def _enforce_limit(self, client: ClientState, call: OpCall) -> None:
         if not self.memory_limit or self.account.allocated <= self.memory_limit:
@@ -201,7 +210,7 @@ class Executor:
             if value.frame >= len(frames):
                 raise ProtocolError(f"inline tensor refers to frame {value.frame}, message has {len(frames)}")
             t = buffer_to_tensor(frames[value.frame].buffer, value.dtype, value.shape)
-            return t.to(device) if device.type != "cpu" else t
+            return self._uploader(device).upload(t) if device.type == "cuda" else t
         if isinstance(value, DeviceRef):
             if value.type == "cpu":
                 return torch.device("cpu")

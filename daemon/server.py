@@ -240,13 +240,14 @@ class DaemonServer:
             **self.kv_store.stats(),
         }
         if device.type == "cuda":
-            stats.update(
-                allocated=torch.cuda.memory_allocated(device),
-                reserved=torch.cuda.memory_reserved(device),
-                peak=torch.cuda.max_memory_allocated(device),
-            )
+            from .cuda_staging import memory_figures
+
+            stats.update(memory_figures(device))
         else:
-            stats.update(allocated=self.account.allocated, reserved=self.account.allocated, peak=self.account.peak)
+            # The CPU path has no pooled allocator (tensors come from the system allocator), so
+            # reserved equals allocated and there is no pool fragmentation to report.
+            stats.update(allocated=self.account.allocated, reserved=self.account.allocated, peak=self.account.peak,
+                         fragmentation=0.0)
         return stats
 
     def _drop_client(self, identity: bytes) -> dict:

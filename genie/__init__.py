@@ -80,6 +80,12 @@ def materialize_sync(tensor_or_tensors):
     return to_cpu_many([tensor_or_tensors])[0]
 
 
+def flush() -> None:
+    """Send everything queued so far to the daemons without waiting (lets devices start early)."""
+    for stream in get_runtime().streams:
+        stream.flush()
+
+
 def synchronize() -> None:
     """Wait until every remote device has run everything queued so far."""
     for stream in get_runtime().streams:
@@ -99,7 +105,7 @@ def capture_stats() -> dict:
 
 
 __all__ = [
-    "init", "shutdown", "capture", "analyze", "analysis_cache_stats", "materialize", "materialize_sync", "synchronize", "transport_stats", "capture_stats",
+    "init", "shutdown", "flush", "capture", "analyze", "analysis_cache_stats", "materialize", "materialize_sync", "synchronize", "transport_stats", "capture_stats",
     "LazyTensor", "KVSession", "GenieError", "GenieConnectionError", "RemoteExecutionError", "UnsupportedOperationError",
     "remote_accelerator",
 ]

@@ -116,6 +116,7 @@ def memory_stats(device=None) -> dict:
         "allocated_bytes.all.current": body["allocated"],
         "allocated_bytes.all.peak": body["peak"],
         "reserved_bytes.all.current": body["reserved"],
+        "fragmentation": body["fragmentation"],
         "resident_bytes.all.current": body["resident"],
         "resident_bytes.all.peak": body["resident_peak"],
         "num_handles": body["handles"],

@@ -39,6 +39,9 @@ class DaemonLink:
         self._heartbeat: asyncio.Task | None = None
         self.measured_rtt_s: float | None = None
         self.bandwidth: float | None = None  # bytes/s client -> daemon, measured at connect
+        # Backpressure: payload bytes posted to this daemon and not yet acknowledged.
+        self.inflight_bytes = 0
+        self._inflight = threading.Condition()
 
     async def connect(self, timeout: float, heartbeat: float) -> None:
         self.channel = Channel(self.endpoint, self.runtime.zmq_context)
@@ -87,9 +90,21 @@ class DaemonLink:
 
     def submit_exec(self, body: dict, frames: list, stream: DeviceStream, waited: bool) -> concurrent.futures.Future:
         """Post an exec in order. When nobody waits for it, failures are kept on the stream."""
+        nbytes = sum(memoryview(f).nbytes for f in frames)
+        limit = self.runtime.config.max_inflight_bytes
+        with self._inflight:
+            # Wait while too much is in flight (a single batch larger than the bound still goes alone).
+            if not self._inflight.wait_for(lambda: self.inflight_bytes == 0 or self.inflight_bytes + nbytes <= limit,
+                                           timeout=self.runtime.config.request_timeout):
+                raise GenieConnectionError(f"genie-daemon at {self.endpoint} acknowledged nothing for "
+                                           f"{self.runtime.config.request_timeout:.0f}s ({self.inflight_bytes} bytes in flight)")
+            self.inflight_bytes += nbytes
         future = self.runtime.loop.submit(await_exec(self.channel, body, frames, self.endpoint))
 
         def done(f: concurrent.futures.Future) -> None:
+            with self._inflight:
+                self.inflight_bytes -= nbytes
+                self._inflight.notify_all()
             if f.cancelled():
                 return
             exc = f.exception()

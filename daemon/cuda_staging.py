@@ -1,0 +1,94 @@
+"""GPU data path of the daemon: pinned staging buffers and a copy stream.
+
+Device memory itself comes from torch's CUDA caching allocator: it already does
+what seed 004's chunked allocator describes (large cudaMalloc segments, split
+into blocks, recycled without returning to the driver), it is what every kernel
+torch launches allocates from, and its statistics (allocated, reserved, peak,
+inactive split bytes = fragmentation) are what `stats` reports on a GPU. Writing
+a second allocator beside it would only fragment memory between the two.
+
+What torch does not do for us is the host side of a receive: a payload arriving
+in a ZeroMQ frame is pageable memory, and a copy from pageable memory to the
+GPU is synchronous and slow. `Uploader` copies it into a pinned buffer taken
+from a pool (recycled once the copy that used it has finished), starts a
+non_blocking host-to-device copy on a dedicated copy stream, and makes the
+compute stream wait for it with an event, so compute never waits on the host.
+Nothing here runs on a machine without CUDA.
+"""
+from __future__ import annotations
+
+import collections
+
+import torch
+
+
+class PinnedPool:
+    """Pinned host buffers by power-of-two size class, reused after their copy has completed."""
+
+    def __init__(self, max_cached_bytes: int = 1 << 30) -> None:
+        self._free: dict[int, list[torch.Tensor]] = collections.defaultdict(list)
+        self._in_use: list[tuple[torch.cuda.Event, int, torch.Tensor]] = []
+        self.cached_bytes = 0
+        self.max_cached_bytes = max_cached_bytes
+
+    @staticmethod
+    def _size_class(nbytes: int) -> int:
+        return 1 << max(12, (nbytes - 1).bit_length())
+
+    def _reclaim(self) -> None:
+        still = []
+        for event, size, buf in self._in_use:
+            if event.query():
+                if self.cached_bytes + size <= self.max_cached_bytes:
+                    self._free[size].append(buf)
+                    self.cached_bytes += size
+            else:
+                still.append((event, size, buf))
+        self._in_use = still
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        self._reclaim()
+        size = self._size_class(nbytes)
+        if self._free[size]:
+            self.cached_bytes -= size
+            return self._free[size].pop()
+        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+
+    def give_back_after(self, buf: torch.Tensor, event: torch.cuda.Event) -> None:
+        self._in_use.append((event, buf.numel(), buf))
+
+
+class Uploader:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.copy_stream = torch.cuda.Stream(device=device)
+        self.pool = PinnedPool()
+
+    def upload(self, host: torch.Tensor) -> torch.Tensor:
+        """A device copy of a CPU tensor (from a received frame), ordered before later compute."""
+        nbytes = host.numel() * host.element_size()
+        if nbytes == 0:
+            return host.to(self.device)
+        staging = self.pool.take(nbytes)
+        flat = host.reshape(-1).view(torch.uint8)
+        staging[:nbytes].copy_(flat)
+        with torch.cuda.stream(self.copy_stream):
+            raw = staging[:nbytes].to(self.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.copy_stream)
+        torch.cuda.current_stream(self.device).wait_event(done)
+        raw.record_stream(torch.cuda.current_stream(self.device))
+        self.pool.give_back_after(staging, done)
+        return raw.view(host.dtype).view(host.shape)
+
+
+def memory_figures(device: torch.device) -> dict:
+    stats = torch.cuda.memory_stats(device)
+    reserved = stats.get("reserved_bytes.all.current", 0)
+    inactive = stats.get("inactive_split_bytes.all.current", 0)
+    return {
+        "allocated": stats.get("allocated_bytes.all.current", 0),
+        "reserved": reserved,
+        "peak": stats.get("allocated_bytes.all.peak", 0),
+        "fragmentation": inactive / reserved if reserved else 0.0,
+    }
