@@ -13,6 +13,7 @@ setup(
     version="0.1.0",
     description="Remote GPUs as a PyTorch device: lazy capture, semantic scheduling, ZeroMQ transport",
     python_requires=">=3.10",
+    package_data={"genie": ["csrc/*.cpp"]},
     packages=[
         "genie",
         "genie.frontend",

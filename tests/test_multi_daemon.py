@@ -95,5 +95,14 @@ def test_one_daemon_with_two_devices(daemon_endpoint):
             assert y.cpu().tolist() == [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]]
             z = torch.ones(3, device="remote_accelerator:1") + torch.tensor(1.0)
             assert z.cpu().tolist() == [2.0, 2.0, 2.0]
+            # Autograd on a device index above 0 needs the C++ device guard.
+            w = torch.randn(3, 3, device="remote_accelerator:1", requires_grad=True)
+            (w * 2).sum().backward()
+            assert w.grad.device.index == 1 and w.grad.cpu().tolist() == [[2.0] * 3] * 3
+            # PyTorch's generic Stream/Event work through that guard as well.
+            s = torch.Stream(device="remote_accelerator:1")
+            e = torch.Event(device="remote_accelerator:1", enable_timing=True)
+            e.record(s)
+            assert s.device == torch.device("remote_accelerator:1") and e.query()
         finally:
             genie.shutdown()

@@ -202,9 +202,11 @@ def register() -> types.ModuleType:
 
     if torch._C._get_privateuse1_backend_name() != NAME:
         _setup_privateuseone_for_python_backend(NAME, backend_module=module)
-    from . import factories
+    from . import factories, native_guard
 
     factories.register()
+    if native_guard.load():
+        get_runtime().on_start.append(lambda: native_guard.set_device_count(len(get_runtime().streams)))
     get_runtime().on_start.append(_apply_pending_seed)
     _registered = True
     return module

@@ -1,0 +1,104 @@
+// Device guard for the remote_accelerator (PrivateUse1) device.
+//
+// PyTorch's Python-level guard for a Python backend knows one device only, so
+// autograd on remote_accelerator:1 hits an internal assert and set_device is
+// ignored. This guard keeps a thread-local current device and stream per the
+// DeviceGuardImplInterface contract, reports the device count Genie connected
+// to (deviceCount never throws), and gives events timestamps. The remote work
+// itself is ordered by Genie's streams; these guard-level events are complete
+// when recorded, because everything before them was already submitted in order.
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include <atomic>
+#include <chrono>
+#include <unordered_map>
+
+namespace {
+
+std::atomic<int> g_device_count{1};
+thread_local c10::DeviceIndex t_device = 0;
+thread_local std::unordered_map<c10::DeviceIndex, c10::StreamId> t_streams;
+std::atomic<c10::StreamId> g_next_stream{1};
+
+struct GuardEvent {
+  double time_ms;
+};
+
+double now_ms() {
+  using namespace std::chrono;
+  return duration<double, std::milli>(steady_clock::now().time_since_epoch()).count();
+}
+
+struct RemoteGuardImpl final : public c10::impl::DeviceGuardImplInterface {
+  static constexpr c10::DeviceType kType = c10::DeviceType::PrivateUse1;
+
+  c10::DeviceType type() const override { return kType; }
+
+  c10::Device exchangeDevice(c10::Device d) const override {
+    c10::Device old = getDevice();
+    setDevice(d);
+    return old;
+  }
+  c10::Device getDevice() const override { return c10::Device(kType, t_device); }
+  void setDevice(c10::Device d) const override {
+    TORCH_CHECK(d.type() == kType, "expected a remote_accelerator device, got ", d);
+    TORCH_CHECK(d.index() >= 0 && d.index() < g_device_count.load(),
+                "remote_accelerator:", static_cast<int>(d.index()), " does not exist (",
+                g_device_count.load(), " connected)");
+    t_device = d.index();
+  }
+  void uncheckedSetDevice(c10::Device d) const noexcept override { t_device = d.index(); }
+
+  c10::Stream getStream(c10::Device d) const override {
+    auto it = t_streams.find(d.index());
+    c10::StreamId id = it == t_streams.end() ? 0 : it->second;
+    return c10::Stream(c10::Stream::UNSAFE, d, id);
+  }
+  c10::Stream getDefaultStream(c10::Device d) const override { return c10::Stream(c10::Stream::DEFAULT, d); }
+  c10::Stream getNewStream(c10::Device d, int /*priority*/) const override {
+    return c10::Stream(c10::Stream::UNSAFE, d, g_next_stream.fetch_add(1));
+  }
+  c10::Stream getStreamFromGlobalPool(c10::Device d, bool /*high_priority*/) const override {
+    return getNewStream(d, 0);
+  }
+  c10::Stream exchangeStream(c10::Stream s) const override {
+    c10::Stream old = getStream(s.device());
+    t_streams[s.device_index()] = s.id();
+    return old;
+  }
+
+  c10::DeviceIndex deviceCount() const noexcept override {
+    return static_cast<c10::DeviceIndex>(g_device_count.load());
+  }
+
+  void record(void** event, const c10::Stream& /*stream*/, const c10::DeviceIndex /*device_index*/,
+              const c10::EventFlag /*flag*/) const override {
+    if (*event == nullptr) *event = new GuardEvent{0.0};
+    static_cast<GuardEvent*>(*event)->time_ms = now_ms();
+  }
+  void block(void* /*event*/, const c10::Stream& /*stream*/) const override {}
+  bool queryEvent(void* /*event*/) const override { return true; }
+  void destroyEvent(void* event, const c10::DeviceIndex /*device_index*/) const noexcept override {
+    delete static_cast<GuardEvent*>(event);
+  }
+  bool queryStream(const c10::Stream& /*stream*/) const override { return true; }
+  void synchronizeStream(const c10::Stream& /*stream*/) const override {}
+  void synchronizeEvent(void* /*event*/) const override {}
+  void synchronizeDevice(const c10::DeviceIndex /*device_index*/) const override {}
+  double elapsedTime(void* start, void* end, const c10::DeviceIndex /*device_index*/) const override {
+    TORCH_CHECK(start && end, "both events must be recorded");
+    return static_cast<GuardEvent*>(end)->time_ms - static_cast<GuardEvent*>(start)->time_ms;
+  }
+};
+
+}  // namespace
+
+extern "C" {
+// Called by Genie after (re)connecting: the number of remote devices.
+void genie_set_device_count(int n) { g_device_count.store(n > 0 ? n : 1); }
+// Installs this guard for PrivateUse1, replacing the one-device Python guard.
+void genie_install_guard() {
+  // Registry entries are leaked on purpose (see DeviceGuardImplInterface.h).
+  static c10::impl::DeviceGuardImplRegistrar registrar(c10::DeviceType::PrivateUse1, new RemoteGuardImpl());
+}
+}

@@ -1,0 +1,77 @@
+"""Builds and loads the C++ device guard (genie/csrc/device_guard.cpp) for remote_accelerator.
+
+Compiled with the system C++ compiler against the torch that is actually
+imported (its headers, its libc10, its C++ ABI flag), once, into a cache
+directory keyed by the source and the torch build; loaded with ctypes. Where no
+compiler is available, Genie keeps PyTorch's Python guard, which knows a single
+device: multi-device autograd and `set_device` inside guards then do not work,
+and a warning says so.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+import warnings
+
+import torch
+
+log = logging.getLogger("genie.frontend")
+
+SOURCE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc", "device_guard.cpp")
+_lib: ctypes.CDLL | None = None
+
+
+def _cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "genie")
+
+
+def _build(target: str) -> None:
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler found (set CXX or install g++)")
+    torch_dir = os.path.dirname(torch.__file__)
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(target)) as tmp:
+        out = os.path.join(tmp, "guard.so")
+        cmd = [compiler, "-shared", "-fPIC", "-O2", "-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+               "-I", os.path.join(torch_dir, "include"), SOURCE, "-L", os.path.join(torch_dir, "lib"),
+               "-lc10", f"-Wl,-rpath,{os.path.join(torch_dir, 'lib')}", "-o", out]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if result.returncode != 0:
+            raise RuntimeError(f"compiling the device guard failed:\n{result.stderr[-2000:]}")
+        os.replace(out, target)  # atomic: concurrent builders never load half a file
+
+
+def load() -> bool:
+    """Install the C++ guard (building it if needed). False, with a warning, where that is impossible."""
+    global _lib
+    if _lib is not None:
+        return True
+    with open(SOURCE, "rb") as f:
+        key = hashlib.sha256(f.read() + torch.__version__.encode() + sysconfig.get_platform().encode()).hexdigest()[:16]
+    target = os.path.join(_cache_dir(), f"device_guard-{key}.so")
+    try:
+        if not os.path.exists(target):
+            _build(target)
+        lib = ctypes.CDLL(target, mode=ctypes.RTLD_GLOBAL)
+        lib.genie_install_guard()
+        lib.genie_set_device_count.argtypes = [ctypes.c_int]
+    except Exception as e:  # noqa: BLE001 - any failure: keep the Python guard and say so
+        warnings.warn(f"genie: using PyTorch's single-device Python guard for remote_accelerator ({e}); "
+                      "autograd and device guards on remote_accelerator:1 and above will not work", RuntimeWarning)
+        return False
+    _lib = lib
+    return True
+
+
+def set_device_count(n: int) -> None:
+    if _lib is not None:
+        _lib.genie_set_device_count(int(n))
