@@ -3,8 +3,8 @@
 // PyTorch's Python-level guard for a Python backend knows one device only, so
 // autograd on remote_accelerator:1 hits an internal assert and set_device is
 // ignored. This guard keeps a thread-local current device and stream per the
-// DeviceGuardImplInterface contract, reports the device count Genie connected
-// to (deviceCount never throws), and gives events timestamps. The remote work
+// DeviceGuardImplInterface contract, reports a device count that covers every
+// device Genie connected to (deviceCount never throws), and gives events timestamps. The remote work
 // itself is ordered by Genie's streams; these guard-level events are complete
 // when recorded, because everything before them was already submitted in order.
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -16,6 +16,10 @@
 namespace {
 
 std::atomic<int> g_device_count{1};
+// The autograd engine sizes its per-device queues from deviceCount() once, at the
+// first backward of the process; devices connected later (genie.init with more
+// daemons) must still fit, so the count it sees never drops below this floor.
+constexpr int kDeviceCountFloor = 16;
 thread_local c10::DeviceIndex t_device = 0;
 thread_local std::unordered_map<c10::DeviceIndex, c10::StreamId> t_streams;
 std::atomic<c10::StreamId> g_next_stream{1};
@@ -68,7 +72,8 @@ struct RemoteGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   }
 
   c10::DeviceIndex deviceCount() const noexcept override {
-    return static_cast<c10::DeviceIndex>(g_device_count.load());
+    int n = g_device_count.load();
+    return static_cast<c10::DeviceIndex>(n > kDeviceCountFloor ? n : kDeviceCountFloor);
   }
 
   void record(void** event, const c10::Stream& /*stream*/, const c10::DeviceIndex /*device_index*/,
