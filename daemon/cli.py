@@ -48,6 +48,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--memory-limit", type=float, default=float(os.environ.get("GENIE_MEMORY_LIMIT_GB", "0") or 0),
                    metavar="GB", help="most GiB of tensors all clients together may keep (0: no limit); "
                    "env GENIE_MEMORY_LIMIT_GB")
+    p.add_argument("--max-frame-mb", type=float, default=1024,
+                   help="payloads larger than this go as several ZeroMQ frames (must stay under 2048)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--log-level", default=os.environ.get("GENIE_LOG_LEVEL", "INFO"))
     return p.parse_args(argv)
@@ -86,6 +88,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s genie-daemon[%(process)d] %(levelname)s %(message)s")
+    from genie.transport import tensors
+
+    tensors.MAX_FRAME_BYTES = max(1, int(args.max_frame_mb * 2**20))
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     try:

@@ -14,7 +14,7 @@ import torch
 from genie.transport import protocol
 from genie.transport.errors import ProtocolError
 from genie.transport.protocol import DeviceRef, Exec, HandleRef, InlineTensor, OpCall
-from genie.transport.tensors import buffer_to_tensor, dtype_name, tensor_to_buffer
+from genie.transport.tensors import dtype_name, frames_to_tensor, tensor_to_frames
 
 from . import ops as op_table
 from .handles import ClientState, Poison
@@ -207,9 +207,9 @@ class Executor:
                 raise ProtocolError("arguments nested too deeply")
             return [self._resolve(client, v, frames, device, depth + 1) for v in value]
         if isinstance(value, InlineTensor):
-            if value.frame >= len(frames):
-                raise ProtocolError(f"inline tensor refers to frame {value.frame}, message has {len(frames)}")
-            t = buffer_to_tensor(frames[value.frame].buffer, value.dtype, value.shape)
+            if max(value.frames) >= len(frames):
+                raise ProtocolError(f"inline tensor refers to frame {max(value.frames)}, message has {len(frames)}")
+            t = frames_to_tensor([frames[i].buffer for i in value.frames], value.dtype, value.shape)
             return self._uploader(device).upload(t) if device.type == "cuda" else t
         if isinstance(value, DeviceRef):
             if value.type == "cpu":
@@ -274,8 +274,11 @@ class Executor:
             return {"error": protocol.error_body(e)}
         if isinstance(found, Poison):
             return {"error": found.describe()}
-        out_frames.append(tensor_to_buffer(found.detach()))
-        return [len(out_frames) - 1, dtype_name(found.dtype), list(found.shape)]
+        chunks = tensor_to_frames(found.detach())
+        first = len(out_frames)
+        out_frames.extend(chunks)
+        ref = first if len(chunks) == 1 else list(range(first, first + len(chunks)))
+        return [ref, dtype_name(found.dtype), list(found.shape)]
 
 
 class _RemoteOpError(Exception):

@@ -20,7 +20,7 @@ import zmq.asyncio
 
 from genie.transport import protocol
 from genie.transport.errors import ProtocolError
-from genie.transport.tensors import dtype_name, tensor_to_buffer
+from genie.transport.tensors import dtype_name, tensor_to_frames
 
 log = logging.getLogger("genie.daemon")
 
@@ -75,11 +75,11 @@ class PeerLinks:
         """Thread-safe: called by the executor; the send happens on the loop."""
         if not PEER_ENDPOINT.match(endpoint):
             raise ProtocolError(f"bad peer endpoint {endpoint!r}")
-        payload = tensor_to_buffer(tensor.detach())
+        payload = tensor_to_frames(tensor.detach())
         header_body = {"tid": tid, "dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape)}
         self._loop.call_soon_threadsafe(self._send, endpoint, header_body, payload)
 
-    def _send(self, endpoint: str, body: dict, payload) -> None:
+    def _send(self, endpoint: str, body: dict, payload: list) -> None:
         sock = self._sockets.get(endpoint)
         if sock is None:
             sock = self._ctx.socket(zmq.DEALER)
@@ -88,8 +88,8 @@ class PeerLinks:
             self._sockets[endpoint] = sock
             asyncio.ensure_future(self._drain(endpoint, sock))
         self._ids += 1
-        sock.send_multipart([protocol.pack(["deposit", self._ids, body]), payload], copy=False)
-        self.bytes_sent += memoryview(payload).nbytes
+        sock.send_multipart([protocol.pack(["deposit", self._ids, body]), *payload], copy=False)
+        self.bytes_sent += sum(memoryview(p).nbytes for p in payload)
 
     async def _drain(self, endpoint: str, sock) -> None:
         while True:

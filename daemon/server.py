@@ -78,6 +78,7 @@ class DaemonServer:
         self._socket: zmq.asyncio.Socket | None = None
         self._stopping = asyncio.Event()
         self.bound_endpoint: str | None = None
+        self._pending = 0  # requests handed to the worker and not yet answered
         self.device_info = [describe_device(d) for d in devices]
 
     # ------------------------------------------------------------ lifecycle
@@ -175,6 +176,17 @@ class DaemonServer:
             except ProtocolError as e:
                 self._reply_error(identity, rid, e)
                 return
+            if self._pending == 0 and _small(parsed) and sum(len(p) for p in payload) <= INLINE_MAX_BYTES:
+                # Nothing is queued for the worker: running a small request here keeps program
+                # order and saves two thread hops on the round trip a blocking read waits for.
+                future = concurrent.futures.Future()
+                try:
+                    future.set_result(self.executor.run(client, parsed, payload))
+                except BaseException as e:  # noqa: BLE001 - reported to the client like any failure
+                    future.set_exception(e)
+                self._pending += 1
+                self._finish(identity, rid, future)
+                return
             self._submit(identity, rid, self.executor.run, client, parsed, payload)
         elif request.kind == "stats":
             self._submit(identity, rid, self._stats, request.body)
@@ -182,6 +194,7 @@ class DaemonServer:
             self._submit(identity, rid, self._drop_client, identity)
 
     def _submit(self, identity: bytes, rid: int, fn, *args) -> None:
+        self._pending += 1
         future = self._worker.submit(fn, *args)
         loop = asyncio.get_running_loop()
         future.add_done_callback(
@@ -189,6 +202,7 @@ class DaemonServer:
         )
 
     def _finish(self, identity: bytes, rid: int, future: concurrent.futures.Future) -> None:
+        self._pending -= 1
         try:
             result = future.result()
         except RemoteOpError as e:
@@ -216,11 +230,12 @@ class DaemonServer:
         return {"ms": client.streams.elapsed_ms(*pair)}
 
     def _deposit(self, body: dict, payload: list) -> None:
-        from genie.transport.tensors import buffer_to_tensor, check_shape, parse_dtype
+        from genie.transport.tensors import check_shape, frames_to_tensor, parse_dtype
 
-        if len(payload) != 1:
-            raise ProtocolError("a deposit carries exactly one frame")
-        tensor = buffer_to_tensor(payload[0].buffer, parse_dtype(body.get("dtype")), check_shape(body.get("shape")))
+        if not payload:
+            raise ProtocolError("a deposit carries the tensor's frames")
+        tensor = frames_to_tensor([p.buffer for p in payload], parse_dtype(body.get("dtype")),
+                                  check_shape(body.get("shape")))
         self.mailbox.put(check_transfer_id(body.get("tid")), tensor)
 
     # ------------------------------------------------------------ worker-side requests
@@ -281,6 +296,17 @@ class DaemonServer:
             self._socket.send_multipart(parts, copy=copy)
         except zmq.ZMQError as e:
             log.warning("reply to %s failed: %s", identity.hex(), e)
+
+
+# Requests at most this big may run on the event loop when the worker is idle.
+INLINE_MAX_OPS = 32
+INLINE_MAX_BYTES = 1 << 20
+_BLOCKING_OPS = frozenset({"genie::recv"})
+
+
+def _small(request) -> bool:
+    return (len(request.ops) <= INLINE_MAX_OPS and len(request.fetch) <= 4
+            and not any(op.name in _BLOCKING_OPS for op in request.ops))
 
 
 # Below this size a copying send is cheaper than pinning the buffer for zero-copy.

@@ -10,6 +10,7 @@ GENIE_BATCH_OPS       ops queued per device before a batch is sent without waiti
 GENIE_BATCH_BYTES     inline payload bytes queued before such a send (default 8 MiB).
 GENIE_MAX_INFLIGHT_MB payload MiB sent to one daemon and not yet acknowledged before
                       further sends wait (backpressure; default 256).
+GENIE_FRAME_MB        payloads larger than this MiB are sent as several frames (default 1024).
 GENIE_HEARTBEAT       seconds between keep-alive pings to each daemon (default 10).
 GENIE_DAEMON_THREADS  torch threads for the embedded daemon (default: torch's choice).
 GENIE_LOG_INTERCEPTS  1: log every captured op at DEBUG level on logger "genie.capture".
@@ -38,6 +39,7 @@ class Config:
     batch_ops: int
     batch_bytes: int
     max_inflight_bytes: int
+    max_frame_bytes: int
     heartbeat: float
     daemon_threads: int
     log_intercepts: bool
@@ -51,6 +53,7 @@ def load() -> Config:
         batch_ops=int(_float("GENIE_BATCH_OPS", 256)),
         batch_bytes=int(_float("GENIE_BATCH_BYTES", 8 << 20)),
         max_inflight_bytes=int(_float("GENIE_MAX_INFLIGHT_MB", 256) * (1 << 20)),
+        max_frame_bytes=int(_float("GENIE_FRAME_MB", 1024) * (1 << 20)),
         heartbeat=_float("GENIE_HEARTBEAT", 10.0),
         daemon_threads=int(_float("GENIE_DAEMON_THREADS", 0)),
         log_intercepts=os.environ.get("GENIE_LOG_INTERCEPTS", "") == "1",

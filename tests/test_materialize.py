@@ -117,3 +117,15 @@ def test_gc_frees_remote_memory(dev):
     gc.collect()
     assert ra.memory_allocated() == baseline
     assert ra.memory_stats()["num_handles"] == handles0
+
+
+def test_fetched_tensor_is_a_view_of_the_received_frame(dev):
+    import numpy as np
+
+    x = torch.randn(512, 512, device=dev)
+    stream = x._genie.stream
+    reply = stream.link.wait(stream.fetch_async([x._genie.id]))
+    (value,) = stream.decode_fetched(reply)
+    frame_address = np.frombuffer(reply.frames[0].buffer, dtype=np.uint8).ctypes.data
+    assert value.data_ptr() == frame_address  # no copy between the socket and the tensor
+    assert torch.equal(value, x.cpu())

@@ -106,3 +106,19 @@ def test_one_daemon_with_two_devices(daemon_endpoint):
             assert s.device == torch.device("remote_accelerator:1") and e.query()
         finally:
             genie.shutdown()
+
+
+def test_payloads_larger_than_a_frame_travel_in_chunks(daemon_endpoint, monkeypatch):
+    from genie.transport import tensors
+
+    monkeypatch.setattr(tensors, "MAX_FRAME_BYTES", 1 << 20)  # this client: 1 MiB frames
+    with DaemonProcess(extra=["--max-frame-mb", "1"]) as a, DaemonProcess(extra=["--max-frame-mb", "1"]) as b:
+        genie.init(f"{a.endpoint},{b.endpoint}")
+        try:
+            src = torch.randn(1536, 1024)  # 6 MiB: six frames each way
+            x = src.to("remote_accelerator:0")
+            assert torch.equal(x.cpu(), src)
+            y = (x * 2).to("remote_accelerator:1")  # daemon to daemon, chunked too
+            assert torch.equal(y.cpu(), src * 2)
+        finally:
+            genie.shutdown()

@@ -17,7 +17,7 @@ from genie import config as config_module
 from genie.errors import UnsupportedOperationError
 from genie.runtime import get_runtime
 from genie.transport import protocol
-from genie.transport.tensors import DTYPE_NAMES, parse_dtype, tensor_to_buffer
+from genie.transport.tensors import DTYPE_NAMES, parse_dtype, tensor_to_frames
 
 from . import meta
 from .lazy_tensor import LazyTensor
@@ -97,8 +97,8 @@ def _encode(value, stream):
             return protocol.encode_handle(value._genie.id)
         if value.device.type != "cpu":
             value = value.cpu()
-        frame = stream.add_frame(tensor_to_buffer(value.detach()))
-        return protocol.encode_inline(frame, DTYPE_NAMES[value.dtype], value.shape)
+        frames = [stream.add_frame(b) for b in tensor_to_frames(value.detach())]
+        return protocol.encode_inline(frames[0] if len(frames) == 1 else frames, DTYPE_NAMES[value.dtype], value.shape)
     if isinstance(value, (list, tuple)):
         return [_encode(v, stream) for v in value]
     if value is None or isinstance(value, (bool, float, str)):
@@ -206,10 +206,12 @@ def capture(func, args: tuple, kwargs: dict):
         try:
             plan = meta.plan_op(func, args, kwargs, w.tensors, w.sizes)
         except meta.NeedsRemoteExecution:
-            meta_cache.bypasses += 1
-            return run_reported(func, args, kwargs, w.stream)
+            plan = meta.REMOTE  # remembered: the next identical call skips meta execution
         if key is not None:
             meta_cache.put(key, plan)
+    if plan is meta.REMOTE:
+        meta_cache.bypasses += 1
+        return run_reported(func, args, kwargs, w.stream)
     stream = w.stream
     with stream.lock:
         outputs, outs = _build_outputs(plan.outputs, stream, w.tensors)

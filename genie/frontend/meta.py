@@ -31,6 +31,10 @@ class NeedsRemoteExecution(Exception):
     """Output metadata can only come from running the op on real data."""
 
 
+# Cached in place of a plan for ops whose outputs only the daemon can describe.
+REMOTE = object()
+
+
 @dataclass(frozen=True, slots=True)
 class NewTensor:
     dtype: torch.dtype

@@ -18,11 +18,11 @@ import zmq.asyncio
 
 from genie import config as config_module
 from genie.errors import GenieConnectionError, GenieError
-from genie.transport.channel import Channel, RemoteError
+from genie.transport.channel import Channel, ChannelClosed, RemoteError
 
 from .embedded import LocalDaemon
 from .loop import LoopThread
-from .stream import DeviceStream, await_exec, remote_error
+from .stream import DeviceStream, remote_error
 
 log = logging.getLogger("genie.runtime")
 
@@ -99,7 +99,7 @@ class DaemonLink:
                 raise GenieConnectionError(f"genie-daemon at {self.endpoint} acknowledged nothing for "
                                            f"{self.runtime.config.request_timeout:.0f}s ({self.inflight_bytes} bytes in flight)")
             self.inflight_bytes += nbytes
-        future = self.runtime.loop.submit(await_exec(self.channel, body, frames, self.endpoint))
+        future = self.channel.post_threadsafe(self.runtime.loop.loop, "exec", body, frames)
 
         def done(f: concurrent.futures.Future) -> None:
             with self._inflight:
@@ -110,7 +110,7 @@ class DaemonLink:
             exc = f.exception()
             if exc is not None:
                 if not waited:
-                    stream.record_async_error(exc)
+                    stream.record_async_error(to_genie_error(exc, self.endpoint))
                 return
             timing = f.result().body.get("time")
             if timing:
@@ -119,12 +119,7 @@ class DaemonLink:
         return future
 
     def request(self, kind: str, body: dict, timeout: float | None = None):
-        async def go():
-            try:
-                return await self.channel.post(kind, body)
-            except RemoteError as e:
-                raise remote_error(e, self.endpoint) from None
-        return self.wait(self.runtime.loop.submit(go()), timeout)
+        return self.wait(self.channel.post_threadsafe(self.runtime.loop.loop, kind, body), timeout)
 
     def wait(self, future: concurrent.futures.Future, timeout: float | None = None):
         if self.runtime.loop.in_loop_thread():
@@ -134,6 +129,8 @@ class DaemonLink:
             return future.result(timeout)
         except concurrent.futures.TimeoutError:
             raise GenieConnectionError(f"genie-daemon at {self.endpoint} did not answer within {timeout:.0f}s") from None
+        except (RemoteError, ChannelClosed) as e:
+            raise to_genie_error(e, self.endpoint) from None
         finally:
             # The future holds its exception, whose traceback holds this frame: drop the local so
             # that cycle (and every tensor the callers' frames hold) does not wait for the GC.
@@ -155,6 +152,9 @@ class DaemonLink:
 class Runtime:
     def __init__(self) -> None:
         self.config = config_module.load()
+        from genie.transport import tensors
+
+        tensors.MAX_FRAME_BYTES = max(1, self.config.max_frame_bytes)
         self._lock = threading.RLock()
         self._loop: LoopThread | None = None
         self.zmq_context: zmq.asyncio.Context | None = None
@@ -274,6 +274,15 @@ class Runtime:
             if self.local_daemon is not None:
                 self.local_daemon.stop()
                 self.local_daemon = None
+
+
+def to_genie_error(exc: BaseException, endpoint: str) -> BaseException:
+    """Transport-level failures as the errors users catch."""
+    if isinstance(exc, RemoteError):
+        return remote_error(exc, endpoint)
+    if isinstance(exc, ChannelClosed):
+        return GenieConnectionError(f"connection to {endpoint} closed: {exc}")
+    return exc
 
 
 def _split(urls: str | list[str]) -> list[str]:

@@ -9,7 +9,6 @@ of the next batch, so a free never overtakes an op that still reads it.
 """
 from __future__ import annotations
 
-import asyncio
 import collections
 import concurrent.futures
 import logging
@@ -20,8 +19,8 @@ import torch
 
 from genie.errors import GenieConnectionError, RemoteExecutionError
 from genie.transport import protocol
-from genie.transport.channel import ChannelClosed, RemoteError
-from genie.transport.tensors import buffer_to_tensor, parse_dtype
+from genie.transport.channel import RemoteError
+from genie.transport.tensors import check_frames, frames_to_tensor, parse_dtype
 
 if TYPE_CHECKING:
     from .runtime import DaemonLink
@@ -164,7 +163,8 @@ class DeviceStream:
                 raise RemoteExecutionError(err.get("op"), err.get("message", ""), err.get("type", "RuntimeError"),
                                            daemon=self.link.endpoint)
             frame, dtype, shape = desc
-            out.append(buffer_to_tensor(reply.frames[frame].buffer, parse_dtype(dtype), tuple(shape)))
+            frames = check_frames(frame, len(reply.frames))
+            out.append(frames_to_tensor([reply.frames[i].buffer for i in frames], parse_dtype(dtype), tuple(shape)))
         return out
 
     def run_reported(self, entry: list) -> Any:
@@ -181,13 +181,4 @@ def remote_error(exc: RemoteError, endpoint: str) -> RemoteExecutionError:
     return RemoteExecutionError(exc.op, exc.message, exc.error_type, daemon=endpoint)
 
 
-async def await_exec(channel, body: dict, frames: list, endpoint: str):
-    try:
-        return await channel.post("exec", body, frames)
-    except RemoteError as e:
-        raise remote_error(e, endpoint) from None
-    except (ChannelClosed, asyncio.CancelledError) as e:
-        raise GenieConnectionError(f"connection to {endpoint} closed: {e}") from None
-
-
-__all__ = ["DeviceStream", "HandleRef", "await_exec", "protocol"]
+__all__ = ["DeviceStream", "HandleRef", "remote_error"]

@@ -39,6 +39,15 @@ class ChannelClosed(ConnectionError):
     pass
 
 
+def _chain(source, target) -> None:
+    if source.cancelled():
+        target.set_exception(ChannelClosed("request cancelled: the connection closed"))
+    elif source.exception() is not None:
+        target.set_exception(source.exception())
+    else:
+        target.set_result(source.result())
+
+
 @dataclass
 class Reply:
     body: dict
@@ -79,6 +88,27 @@ class Channel:
         header = protocol.pack([kind, rid, body])
         self._outbox.put_nowait((header, frames or []))
         return future
+
+    def post_threadsafe(self, loop, kind: str, body: dict, frames: list | None = None):
+        """From any thread: queue a request; returns a concurrent.futures.Future of the reply.
+
+        Cheaper than run_coroutine_threadsafe (no task, no coroutine), which matters for the
+        round trip a blocking read waits on. Calls from one thread keep their order.
+        """
+        import concurrent.futures
+
+        result: concurrent.futures.Future = concurrent.futures.Future()
+
+        def start() -> None:
+            try:
+                future = self.post(kind, body, frames)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                result.set_exception(e)
+                return
+            future.add_done_callback(lambda f: _chain(f, result))
+
+        loop.call_soon_threadsafe(start)
+        return result
 
     async def _send_loop(self) -> None:
         sock = self._socket

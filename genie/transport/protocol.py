@@ -22,7 +22,8 @@ as ``"aten::add.Tensor"``; `args`/`kwargs` are msgpack values in which these
 extension types stand for what msgpack cannot say:
 
   1 HANDLE  int64 little-endian: a tensor resident on the daemon (client-scoped id)
-  2 TENSOR  msgpack [frame, dtype, shape]: an inline tensor carried in a frame
+  2 TENSOR  msgpack [frame, dtype, shape]: an inline tensor carried in a frame (or in the
+            frames listed, in order, when it is larger than one frame may be)
   3 DTYPE   dtype name (`tensors.DTYPES`)
   4 DEVICE  msgpack [type, index]: "remote" with the daemon's device index, or "cpu"
   5 MEMFMT  memory format name
@@ -34,7 +35,7 @@ daemon keeps that tensor, null means "do not keep". Ops run in order; when one
 fails, its outputs and the tensors it writes become poisoned with the error, and
 everything computed from them is poisoned in turn. Fetching a poisoned handle
 returns that error, naming the op that failed. `fetch` returns each handle as a
-C-contiguous descriptor ``[frame, dtype, shape]``. `report` asks for the last
+C-contiguous descriptor ``[frame, dtype, shape]`` (frame: an index or a list). `report` asks for the last
 op's outputs described as values: tensors as ``[handle, dtype, shape, stride,
 offset, storage_nbytes]`` (for ops whose output shape depends on data).
 """
@@ -42,14 +43,14 @@ from __future__ import annotations
 
 import re
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 import torch
 
 from .errors import ProtocolError
-from .tensors import DTYPES, check_shape, parse_dtype
+from .tensors import check_frames, check_shape, parse_dtype
 
 VERSION = 1
 
@@ -87,7 +88,7 @@ class HandleRef:
 
 @dataclass(frozen=True, slots=True)
 class InlineTensor:
-    frame: int
+    frames: tuple[int, ...]
     dtype: torch.dtype
     shape: tuple[int, ...]
 
@@ -102,7 +103,8 @@ def encode_handle(handle_id: int) -> msgpack.ExtType:
     return msgpack.ExtType(EXT_HANDLE, _HANDLE.pack(handle_id))
 
 
-def encode_inline(frame: int, dtype_name: str, shape) -> msgpack.ExtType:
+def encode_inline(frame, dtype_name: str, shape) -> msgpack.ExtType:
+    """`frame`: the payload's frame index, or a list of indices for a payload split in chunks."""
     return msgpack.ExtType(EXT_TENSOR, msgpack.packb([frame, dtype_name, list(shape)]))
 
 
@@ -138,9 +140,7 @@ def decode_ext(code: int, data: bytes) -> Any:
         return HandleRef(_HANDLE.unpack(data)[0])
     if code == EXT_TENSOR:
         frame, dtype, shape = _unpack_list(data, 3, "tensor")
-        if type(frame) is not int or frame < 0 or frame >= MAX_FRAMES:
-            raise ProtocolError(f"bad frame index {frame!r}")
-        return InlineTensor(frame, parse_dtype(dtype), check_shape(shape))
+        return InlineTensor(tuple(check_frames(frame, MAX_FRAMES)), parse_dtype(dtype), check_shape(shape))
     if code == EXT_DTYPE:
         return parse_dtype(_text(data))
     if code == EXT_DEVICE:

@@ -26,9 +26,9 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
-# Largest tensor accepted in a single frame; larger payloads are refused rather
-# than risking a ZeroMQ message over its 2 GiB-ish ceiling.
-MAX_FRAME_BYTES = 1 << 31
+# Payloads larger than this travel as several frames (ZeroMQ cannot carry a message
+# part of 2 GiB or more). Settable: the daemon's --max-frame-mb, the client's GENIE_FRAME_MB.
+MAX_FRAME_BYTES = 1 << 30
 
 # Received payloads are used in place only when their address is this aligned.
 ALIGNMENT = 64
@@ -59,6 +59,40 @@ def tensor_to_buffer(t: torch.Tensor) -> memoryview:
     flat = t.as_strided((t.numel(),), (1,), t.storage_offset()).view(torch.uint8)
     # numpy gives a buffer-protocol object that keeps `flat` (and so `t`) alive.
     return memoryview(flat.numpy())
+
+
+def tensor_to_frames(t: torch.Tensor) -> list[memoryview]:
+    """The tensor's bytes as one frame, or as several of at most MAX_FRAME_BYTES each."""
+    buf = tensor_to_buffer(t)
+    n = buf.nbytes
+    if n <= MAX_FRAME_BYTES:
+        return [buf]
+    return [buf[i:i + MAX_FRAME_BYTES] for i in range(0, n, MAX_FRAME_BYTES)]
+
+
+def frames_to_tensor(bufs: list, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Inverse of tensor_to_frames: no copy for one frame; one copy to join several."""
+    if len(bufs) == 1:
+        return buffer_to_tensor(bufs[0], dtype, shape)
+    views = [memoryview(b).cast("B") for b in bufs]
+    total = sum(v.nbytes for v in views)
+    joined = torch.empty(total, dtype=torch.uint8)
+    offset = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        for v in views:
+            if v.nbytes:
+                joined[offset:offset + v.nbytes].copy_(torch.frombuffer(v, dtype=torch.uint8))
+            offset += v.nbytes
+    return buffer_to_tensor(memoryview(joined.numpy()), dtype, shape)
+
+
+def check_frames(frame, limit: int) -> list[int]:
+    """A descriptor's frame reference: one index or a list of them."""
+    frames = frame if isinstance(frame, list) else [frame]
+    if not frames or len(frames) > limit or not all(type(f) is int and 0 <= f < limit for f in frames):
+        raise ProtocolError(f"bad frame reference {frame!r}")
+    return frames
 
 
 def check_shape(shape: object) -> tuple[int, ...]:

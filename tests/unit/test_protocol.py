@@ -25,7 +25,7 @@ def test_extension_values_roundtrip():
     assert out[2] == protocol.DeviceRef("remote", 0)
     assert out[3] is torch.channels_last and out[4] is torch.strided
     assert out[5] == 1 + 2j
-    assert out[6] == protocol.InlineTensor(3, torch.int64, (2, 5))
+    assert out[6] == protocol.InlineTensor((3,), torch.int64, (2, 5))
 
 
 @pytest.mark.parametrize("ext", [
@@ -94,3 +94,16 @@ def test_tensor_frame_checks_length_and_handles_odd_layouts():
     single = torch.ones(1, 1).expand(1, 1)
     assert bytes(tensor_to_buffer(single)) == b"\x00\x00\x80\x3f"
     assert buffer_to_tensor(b"", torch.float32, (0, 3)).shape == (0, 3)
+
+
+def test_large_payloads_split_into_frames_and_join(monkeypatch):
+    from genie.transport import tensors
+
+    monkeypatch.setattr(tensors, "MAX_FRAME_BYTES", 1000)
+    t = torch.arange(1000, dtype=torch.float32).reshape(10, 100)  # 4000 bytes: four frames
+    frames = tensors.tensor_to_frames(t)
+    assert [f.nbytes for f in frames] == [1000] * 4
+    back = tensors.frames_to_tensor([bytes(f) for f in frames], torch.float32, (10, 100))
+    assert torch.equal(back, t)
+    ext = protocol.encode_inline([0, 1, 2, 3], "float32", [10, 100])
+    assert roundtrip([ext])[0].frames == (0, 1, 2, 3)
