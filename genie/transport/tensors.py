@@ -30,8 +30,9 @@ DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 # part of 2 GiB or more). Settable: the daemon's --max-frame-mb, the client's GENIE_FRAME_MB.
 MAX_FRAME_BYTES = 1 << 30
 
-# Received payloads are used in place only when their address is this aligned.
-ALIGNMENT = 64
+def required_alignment(dtype: torch.dtype) -> int:
+    """Alignment a received payload needs to be used in place: natural, and 16 for complex types."""
+    return 16 if dtype.is_complex else dtype.itemsize
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -119,9 +120,9 @@ def buffer_to_tensor(buf, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.T
         # ZeroMQ frames are read-only buffers; the tensor owns this frame alone.
         warnings.simplefilter("ignore", UserWarning)
         raw = torch.frombuffer(buf, dtype=torch.uint8)
-    if raw.data_ptr() % ALIGNMENT:
-        # ZeroMQ keeps small messages inside its message struct, not always aligned; kernels
-        # with aligned SIMD loads (complex128, ...) would fault on them. Copy those few bytes.
+    if raw.data_ptr() % required_alignment(dtype):
+        # ZeroMQ does not align message data (small messages even live inside its message
+        # struct); kernels may assume natural alignment and fault (complex128 did). Copy then.
         raw = raw.clone()
     return raw.view(dtype).view(shape)
 
