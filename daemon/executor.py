@@ -27,6 +27,7 @@ SEND_OP = "genie::send"
 RECV_OP = "genie::recv"
 EVENT_RECORD_OP = "genie::event_record"
 EVENT_WAIT_OP = "genie::event_wait"
+ADOPT_OP = "genie::adopt"
 KV_APPEND_OP, KV_GET_OP, KV_CLOSE_OP = "genie::kv_append", "genie::kv_get", "genie::kv_close"
 
 
@@ -85,6 +86,8 @@ class Executor:
                 return client.streams.record(_int_arg(call, 0), bool(call.args[1:2] and call.args[1]), device)
             if call.name == EVENT_WAIT_OP:
                 return client.streams.wait(_int_arg(call, 0), device)
+            if call.name == ADOPT_OP:
+                return self._adopt(client, call, frames, device)
             if call.name in (KV_APPEND_OP, KV_GET_OP, KV_CLOSE_OP):
                 return self._kv(client, call, frames, device)
             if call.name == SEND_OP:
@@ -163,6 +166,15 @@ class Executor:
         self._store(client, call.outs, result, call.name)
         self._enforce_limit(client, call)
         return result
+
+    def _adopt(self, client: ClientState, call: OpCall, frames: list, device: torch.device):
+        """Keep an uploaded tensor as received (on the CPU: the frame itself, no copy)."""
+        if len(call.args) != 1 or not isinstance(call.args[0], InlineTensor) or type(call.outs) is not int:
+            raise ProtocolError(f"{ADOPT_OP} takes one inline tensor and one output handle")
+        tensor = self._resolve(client, call.args[0], frames, device, 0)
+        client.put(call.outs, tensor)
+        self._enforce_limit(client, call)
+        return tensor
 
     def _send(self, client: ClientState, call: OpCall):
         """Ship a tensor to a peer daemon (for the client's genie::recv there)."""

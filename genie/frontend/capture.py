@@ -290,8 +290,31 @@ def _to_copy(func, args, kwargs):
     return torch.ops.aten._to_copy.default(local, device=target)
 
 
+ADOPT_OP = "genie::adopt"
+
+
+def _try_adopt(dst: LazyTensor, src: torch.Tensor) -> bool:
+    """`.to(device)` of a CPU tensor is empty() then copy_(): when the empty is the last queued op
+    and shapes, dtypes and layouts agree, let the daemon keep the received frame as the tensor
+    instead (no allocation, no copy on the daemon)."""
+    stream = dst._genie.stream
+    if (src.device.type != "cpu" or src.dtype != dst.dtype or src.shape != dst.shape or not dst.is_contiguous()
+            or dst.storage_offset() != 0 or src.requires_grad):
+        return False
+    with stream.lock:
+        last = stream.ops[-1] if stream.ops else None
+        if last is None or last[3] != dst._genie.id or last[0] not in ("aten::empty.memory_format", "aten::empty_strided"):
+            return False
+        stream.ops.pop()
+        stream.append([ADOPT_OP, [_encode(src, stream)], {}, dst._genie.id])
+    return True
+
+
 def _copy_(func, args, kwargs):
     dst, src = args[0], args[1]
+    if type(dst) is LazyTensor and type(src) is not LazyTensor and isinstance(src, torch.Tensor) \
+            and _try_adopt(dst, src):
+        return dst
     if type(dst) is not LazyTensor:
         from .materialize import to_cpu
 
