@@ -1,0 +1,159 @@
+"""`python -m bench`: run the whole suite, write JSON and PNG plots under bench/results/, print a summary.
+
+    python -m bench [--quick] [--only transport_throughput,capture_overhead,...]
+
+Each benchmark runs in its own process (its own daemons); see each module's
+docstring for what it measures. --quick shrinks sizes and repetitions.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+
+SUITE = {
+    "capture_overhead": (["--repeats", "5"], ["--repeats", "3", "--ops", "8000", "--roundtrips", "200"]),
+    "transport_throughput": (["--repeats", "3"], ["--repeats", "2", "--max-mb", "64"]),
+    "end_to_end": (["--repeats", "3"], ["--repeats", "2", "--tokens", "16"]),
+    "many_clients": ([], ["--clients", "1,4", "--requests", "100"]),
+    "pipeline": (["--repeats", "5"], ["--repeats", "2"]),
+    "analysis_cache": ([], ["--steps", "20"]),
+    "rpc_peer": (["--repeats", "3"], ["--repeats", "2", "--tokens", "16"]),
+    "opinfo_sweep": (["--json", os.path.join(RESULTS, "opinfo_sweep.json")],
+                     ["--json", os.path.join(RESULTS, "opinfo_sweep.json"), "--max-samples", "2"]),
+}
+
+
+def load(name: str) -> dict:
+    path = os.path.join(RESULTS, f"{name}.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def plot() -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plots")
+        return []
+    written = []
+    tt = load("transport_throughput")
+    if tt:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+        for ax, (kind, per_size) in zip(axes, tt["results"].items()):
+            sizes = [int(s) for s in per_size]
+            for key, label in (("raw_MBps", "raw socket"), ("zmq_MBps", "pyzmq"), ("genie_up_MBps", "genie upload"),
+                               ("genie_down_MBps", "genie download")):
+                ax.plot(sizes, [per_size[str(s)][key] for s in sizes], marker="o", label=label)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{kind}: MB/s by payload size")
+            ax.set_xlabel("bytes")
+            ax.grid(alpha=0.3)
+        axes[0].set_ylabel("MB/s")
+        axes[0].legend()
+        fig.tight_layout()
+        path = os.path.join(RESULTS, "transport_throughput.png")
+        fig.savefig(path)
+        plt.close(fig)
+        written.append(path)
+    mc = load("many_clients")
+    if mc:
+        runs = mc["runs"]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        xs = [r["clients"] for r in runs]
+        ax.plot(xs, [r["p50_ms"] for r in runs], marker="o", label="p50 latency")
+        ax.plot(xs, [r["p99_ms"] for r in runs], marker="o", label="p99 latency")
+        ax2 = ax.twinx()
+        ax2.bar(xs, [r["requests_per_s"] for r in runs], alpha=0.2, color="gray", label="requests/s")
+        ax.set_xlabel("client processes")
+        ax.set_ylabel("ms")
+        ax2.set_ylabel("requests/s")
+        ax.legend(loc="upper left")
+        fig.tight_layout()
+        path = os.path.join(RESULTS, "many_clients.png")
+        fig.savefig(path)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def summary() -> None:
+    rows = []
+    co = load("capture_overhead")
+    if co:
+        rows.append(("capture per op (target <= 2x floor, < 10 us)",
+                     f"{co['capture_us_per_op']:.1f} us = {co['capture_over_floor']:.2f}x floor"))
+        rows.append(("tiny-op round trip (target <= 1.5x echo)",
+                     f"{co['tiny_op_roundtrip_us']:.0f} us = {co['roundtrip_over_echo']:.2f}x echo"))
+    tt = load("transport_throughput")
+    if tt:
+        for kind, per_size in tt["results"].items():
+            big = [r for s, r in per_size.items() if int(s) >= 4 << 20]
+            if big:
+                worst = min(min(r["genie_up_MBps"], r["genie_down_MBps"]) / r["raw_MBps"] for r in big)
+                rows.append((f"{kind} transfer >= 4 MB vs raw socket (target >= 90%)", f"worst {worst * 100:.0f}%"))
+    e2e = load("end_to_end")
+    if e2e:
+        rows.append(("GPT decode vs local eager (target <= 1.3x)", f"{e2e['gpt']['decode_slowdown']:.1f}x slower"))
+        rows.append(("GPT wire bytes per token", f"{e2e['gpt']['wire_bytes_per_token']:.0f} B"))
+    rp = load("rpc_peer")
+    if rp:
+        rows.append(("torch.distributed.rpc decode tokens/s", f"{rp['decode_tokens_per_s']['rpc']:.0f}"))
+    mc = load("many_clients")
+    for r in mc.get("runs", []):
+        rows.append((f"{r['clients']} clients: requests/s, p50/p99 ms",
+                     f"{r['requests_per_s']:.0f}, {r['p50_ms']:.2f}/{r['p99_ms']:.2f}, {r['wrong']} wrong"))
+    pl = load("pipeline")
+    if pl:
+        rows.append(("two-stage pipeline vs back to back", f"{pl['reduction'] * 100:.0f}% less wall time"))
+    ac = load("analysis_cache_fx")
+    if ac:
+        rows.append(("analysis cache over decode steps", f"{ac['topology_hit_rate'] * 100:.0f}% hits, "
+                                                          f"{ac['analysis_on_topology_hit_ms']:.2f} ms per analysis"))
+    op = load("opinfo_sweep")
+    if op:
+        rows.append(("OpInfo float32 samples equal to CPU", f"{op['pass_rate'] * 100:.1f}%"))
+    from bench.common import print_table
+
+    print("\n# summary")
+    print_table(rows, ("measure", "result"))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--only", default="")
+    args = p.parse_args(argv)
+    os.makedirs(RESULTS, exist_ok=True)
+    names = [n for n in SUITE if not args.only or n in args.only.split(",")]
+    failed = []
+    for name in names:
+        full, quick = SUITE[name]
+        cmd = [sys.executable, "-m", f"bench.{name}", *(quick if args.quick else full)]
+        print(f"\n$ {' '.join(cmd[1:])}", flush=True)
+        t0 = time.perf_counter()
+        rc = subprocess.run(cmd, cwd=os.path.dirname(HERE)).returncode
+        print(f"({name}: {time.perf_counter() - t0:.0f}s, exit {rc})", flush=True)
+        if rc != 0:
+            failed.append(name)
+    for path in plot():
+        print("wrote", path)
+    summary()
+    if failed:
+        print("failed:", ", ".join(failed))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

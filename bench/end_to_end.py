@@ -1,0 +1,118 @@
+"""End to end: the demo's GPT-style decoder and a CNN, remote (a local genie-daemon) vs local eager.
+
+GPT: prefill tokens/s, decode tokens/s (greedy, with the model's torch.cat KV cache
+and with a daemon-side genie.KVSession), and bytes on the wire per generated token.
+CNN: images/s for batched inference. Medians of several runs; the local eager run
+in the same process is the baseline.
+
+    python -m bench.end_to_end [--tokens 32] [--repeats 3]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import torch
+
+import genie
+from bench.common import machine, median, print_table, write_json
+from genie.examples.gpt import GPTConfig, TinyGPT, generate
+from genie.examples.zoo import SmallCNN
+
+DEV = "remote_accelerator:0"
+
+
+def wire_bytes() -> int:
+    return sum(s["bytes_sent"] + s["bytes_received"] for s in genie.transport_stats().values())
+
+
+def time_it(fn, repeats: int) -> float:
+    fn()  # warm (capture caches, allocator)
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - t0)
+    return median(runs)
+
+
+def gpt(tokens: int, prompt_len: int, repeats: int) -> dict:
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig()).eval()
+    prompt = torch.randint(0, model.cfg.vocab_size, (1, prompt_len))
+    remote = copy.deepcopy(model).to(DEV)
+    rprompt = prompt.to(DEV)
+
+    def prefill(m, p):
+        with torch.no_grad():
+            logits, _ = m(p, torch.arange(prompt_len, device=p.device))
+            logits[0, -1, 0].item()
+
+    local_prefill = time_it(lambda: prefill(model, prompt), repeats)
+    remote_prefill = time_it(lambda: prefill(remote, rprompt), repeats)
+    local_gen = time_it(lambda: generate(model, prompt, tokens), repeats)
+    remote_gen = time_it(lambda: generate(remote, rprompt, tokens), repeats)
+
+    def with_session():
+        session = genie.KVSession(DEV)
+        generate(remote, rprompt, tokens, kv_session=session)
+        session.close()
+
+    remote_kv = time_it(with_session, repeats)
+    b0 = wire_bytes()
+    generate(remote, rprompt, tokens)
+    per_token = (wire_bytes() - b0) / tokens
+    assert generate(remote, rprompt, 8) == generate(model, prompt, 8)
+    return {
+        "prefill_tokens_per_s": {"local": prompt_len / local_prefill, "remote": prompt_len / remote_prefill},
+        "decode_tokens_per_s": {"local": tokens / local_gen, "remote": tokens / remote_gen,
+                                "remote_kv_session": tokens / remote_kv},
+        "decode_slowdown": remote_gen / local_gen, "decode_slowdown_kv_session": remote_kv / local_gen,
+        "wire_bytes_per_token": per_token,
+    }
+
+
+def cnn(batch: int, repeats: int) -> dict:
+    torch.manual_seed(0)
+    model = SmallCNN().eval()
+    images = torch.randn(batch, 3, 64, 64)
+    remote = copy.deepcopy(model).to(DEV)
+
+    def run(m, x):
+        with torch.no_grad():
+            m(x).argmax(-1).tolist()
+
+    local = time_it(lambda: run(model, images), repeats)
+    rem = time_it(lambda: run(remote, images.to(DEV)), repeats)
+    return {"images_per_s": {"local": batch / local, "remote": batch / rem}, "slowdown": rem / local}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args(argv)
+    g = gpt(args.tokens, args.prompt_len, args.repeats)
+    c = cnn(args.batch, args.repeats)
+    m = machine()
+    print(f"# end to end, local genie-daemon vs local eager -- {m['cpus']} cpus, torch {m['torch']}, "
+          f"medians of {args.repeats}")
+    print_table([
+        ("GPT prefill tokens/s", f"{g['prefill_tokens_per_s']['local']:.0f}", f"{g['prefill_tokens_per_s']['remote']:.0f}", ""),
+        ("GPT decode tokens/s (torch.cat cache)", f"{g['decode_tokens_per_s']['local']:.0f}",
+         f"{g['decode_tokens_per_s']['remote']:.0f}", f"{g['decode_slowdown']:.1f}x slower"),
+        ("GPT decode tokens/s (KVSession)", "", f"{g['decode_tokens_per_s']['remote_kv_session']:.0f}",
+         f"{g['decode_slowdown_kv_session']:.1f}x slower"),
+        ("GPT bytes on the wire per token", "", f"{g['wire_bytes_per_token']:.0f}", ""),
+        ("CNN images/s (batch 32, 64x64)", f"{c['images_per_s']['local']:.0f}", f"{c['images_per_s']['remote']:.0f}",
+         f"{c['slowdown']:.1f}x slower"),
+    ], ("workload", "local eager", "genie (local daemon)", "ratio"))
+    print("wrote", write_json("end_to_end", {"gpt": g, "cnn": c}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
