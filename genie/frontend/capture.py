@@ -56,6 +56,17 @@ class _Walk:
         self.foreign_device = False  # an explicit non-remote device argument (e.g. device="cpu")
 
 
+def _check_stream(w: _Walk, ref) -> None:
+    """All remote tensors of one op must live on one device (the op's stream)."""
+    if w.stream is None:
+        w.stream = ref.stream
+    elif ref.stream is not w.stream:
+        raise RuntimeError(
+            "Expected all tensors to be on the same device, but found at least two devices, "
+            f"{w.stream.device} and {ref.stream.device}!"
+        )
+
+
 def _walk(value, w: _Walk, seen: dict):
     """Returns the cache-key part of `value`, recording tensors and the device in `w`."""
     if isinstance(value, torch.Tensor):
@@ -66,19 +77,14 @@ def _walk(value, w: _Walk, seen: dict):
             if type(value) is LazyTensor:
                 ref = value._genie
                 w.sizes.append(ref.storage_nbytes)
-                if w.stream is None:
-                    w.stream = ref.stream
-                elif ref.stream is not w.stream:
-                    raise RuntimeError(
-                        "Expected all tensors to be on the same device, but found at least two devices, "
-                        f"{w.stream.device} and {ref.stream.device}!"
-                    )
+                _check_stream(w, ref)
             else:
                 if value.device.type == "meta" or value.is_sparse:
                     raise UnsupportedOperationError("argument", f"{value.device.type}/{value.layout} tensors cannot be sent")
                 w.sizes.append(value.untyped_storage().nbytes())
-        return (type(value) is LazyTensor, idx, value.dtype, value.shape, value.stride(), value.storage_offset(),
-                w.sizes[idx])
+        if type(value) is LazyTensor:
+            return (True, idx, value._genie.meta_key)
+        return (False, idx, value.dtype, value.shape, value.stride(), value.storage_offset(), w.sizes[idx])
     if isinstance(value, (list, tuple)):
         return (type(value), *(_walk(v, w, seen) for v in value))
     if isinstance(value, torch.device):
@@ -92,9 +98,9 @@ def _walk(value, w: _Walk, seen: dict):
 
 
 def _encode(value, stream):
+    if type(value) is LazyTensor:
+        return value._genie.wire
     if isinstance(value, torch.Tensor):
-        if type(value) is LazyTensor:
-            return protocol.encode_handle(value._genie.id)
         if value.device.type != "cpu":
             value = value.cpu()
         frames = [stream.add_frame(b) for b in tensor_to_frames(value.detach())]
@@ -178,6 +184,7 @@ def _apply_mutations(mutations, inputs) -> None:
                 torch.ops.aten.as_strided_.default(t, shape, stride, offset)
             finally:
                 torch._C._set_meta_in_tls_dispatch_include(prev)
+        t._refresh_meta_key()
 
 
 # ---------------------------------------------------------------- dispatch
@@ -190,10 +197,57 @@ def dispatch(func, args: tuple, kwargs: dict):
     return capture(func, args, kwargs)
 
 
+class _Slow(Exception):
+    pass
+
+
+_SCALARS = (int, float, bool)
+
+
+def _fast_walk(args: tuple, w: _Walk, seen: dict) -> tuple[tuple, list]:
+    """Key and wire form in one pass, for the common case: remote tensors, Python scalars, None
+    and lists of ints. Anything else (CPU tensors, dtypes, devices, nested lists) raises _Slow."""
+    key, wire = [], []
+    for a in args:
+        t = type(a)
+        if t is LazyTensor:
+            ref = a._genie
+            idx = seen.get(id(a))
+            if idx is None:
+                idx = seen[id(a)] = len(w.tensors)
+                w.tensors.append(a)
+                w.sizes.append(ref.storage_nbytes)
+                _check_stream(w, ref)
+            key.append((True, idx, ref.meta_key))
+            wire.append(ref.wire)
+        elif t in _SCALARS:
+            if t is int and not _INT64_MIN <= a <= _UINT64_MAX:
+                raise _Slow
+            key.append((t, a))
+            wire.append(a)
+        elif a is None:
+            key.append(None)
+            wire.append(None)
+        elif (t is list or t is tuple) and all(type(x) is int for x in a):
+            key.append((t, *a))
+            wire.append(list(a))
+        else:
+            raise _Slow
+    return tuple(key), wire
+
+
 def capture(func, args: tuple, kwargs: dict):
     w = _Walk()
     seen: dict = {}
-    key = (func, _walk(args, w, seen), _walk(tuple(kwargs.items()), w, seen) if kwargs else None)
+    wire_args = None
+    if not kwargs:
+        try:
+            key_args, wire_args = _fast_walk(args, w, seen)
+            key = (func, key_args, None)
+        except _Slow:
+            w, seen, wire_args = _Walk(), {}, None
+    if wire_args is None:
+        key = (func, _walk(args, w, seen), _walk(tuple(kwargs.items()), w, seen) if kwargs else None)
     if w.stream is None:
         raise UnsupportedOperationError(op_name(func), "no remote tensor among its arguments")
     if w.foreign_device:
@@ -215,7 +269,10 @@ def capture(func, args: tuple, kwargs: dict):
     stream = w.stream
     with stream.lock:
         outputs, outs = _build_outputs(plan.outputs, stream, w.tensors)
-        entry = [op_name(func), _encode(args, stream), {k: _encode(v, stream) for k, v in kwargs.items()}, outs]
+        if wire_args is not None:
+            entry = [op_name(func), wire_args, {}, outs]
+        else:
+            entry = [op_name(func), _encode(args, stream), {k: _encode(v, stream) for k, v in kwargs.items()}, outs]
         stream.append(entry)
     if plan.mutations:
         _apply_mutations(plan.mutations, w.tensors)

@@ -22,8 +22,14 @@ class LazyTensor(torch.Tensor):
             cls, shape, strides=stride, storage_offset=offset, dtype=dtype, device=stream.device,
             requires_grad=requires_grad, storage_size=storage_nbytes,
         )
-        t._genie = HandleRef(stream, handle_id, storage_nbytes)
+        t._genie = ref = HandleRef(stream, handle_id, storage_nbytes)
+        ref.meta_key = (dtype, t.shape, t.stride(), offset, storage_nbytes)
         return t
+
+    def _refresh_meta_key(self) -> None:
+        """After an in-place metadata change (t_, resize via out=, ...)."""
+        ref = self._genie
+        ref.meta_key = (self.dtype, self.shape, self.stride(), self.storage_offset(), ref.storage_nbytes)
 
     # The default __torch_function__ costs far more than the op capture itself.
     __torch_function__ = torch._C._disabled_torch_function_impl

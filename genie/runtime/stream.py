@@ -19,6 +19,7 @@ import torch
 
 from genie.errors import GenieConnectionError, RemoteExecutionError
 from genie.transport import protocol
+from genie.transport import protocol
 from genie.transport.channel import RemoteError
 from genie.transport.tensors import check_frames, frames_to_tensor, parse_dtype
 
@@ -47,12 +48,14 @@ def set_current_stream_id(global_index: int, stream_id: int) -> None:
 class HandleRef:
     """Owns one remote handle; when the last Python reference dies, the handle is freed (batched)."""
 
-    __slots__ = ("stream", "id", "storage_nbytes", "__weakref__")
+    __slots__ = ("stream", "id", "storage_nbytes", "meta_key", "wire", "__weakref__")
 
     def __init__(self, stream: "DeviceStream", handle_id: int, storage_nbytes: int) -> None:
         self.stream = stream
         self.id = handle_id
         self.storage_nbytes = storage_nbytes
+        self.meta_key = None  # the tensor's metadata as a cache-key part (set by the frontend)
+        self.wire = protocol.encode_handle(handle_id)  # encoded once, reused by every op that reads it
 
     def __del__(self) -> None:
         # deque.append is atomic: safe from any thread, and from GC inside a locked section.
