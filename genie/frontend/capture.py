@@ -33,11 +33,12 @@ _names: dict = {}
 
 
 def op_name(func) -> str:
-    name = _names.get(func)
+    # Keyed by id(): OpOverload.__hash__ is Python code, and overloads live as long as torch.
+    name = _names.get(id(func))
     if name is None:
         overload = func._overloadname
         name = func._schema.name + ("" if overload == "default" else "." + overload)
-        _names[func] = name
+        _names[id(func)] = name
     return name
 
 
@@ -191,7 +192,7 @@ def _apply_mutations(mutations, inputs) -> None:
 
 
 def dispatch(func, args: tuple, kwargs: dict):
-    special = _SPECIAL.get(func)
+    special = _SPECIAL.get(id(func))
     if special is not None:
         return special(func, args, kwargs)
     return capture(func, args, kwargs)
@@ -243,11 +244,11 @@ def capture(func, args: tuple, kwargs: dict):
     if not kwargs:
         try:
             key_args, wire_args = _fast_walk(args, w, seen)
-            key = (func, key_args, None)
+            key = (id(func), key_args, None)
         except _Slow:
             w, seen, wire_args = _Walk(), {}, None
     if wire_args is None:
-        key = (func, _walk(args, w, seen), _walk(tuple(kwargs.items()), w, seen) if kwargs else None)
+        key = (id(func), _walk(args, w, seen), _walk(tuple(kwargs.items()), w, seen) if kwargs else None)
     if w.stream is None:
         raise UnsupportedOperationError(op_name(func), "no remote tensor among its arguments")
     if w.foreign_device:
@@ -268,7 +269,13 @@ def capture(func, args: tuple, kwargs: dict):
         return run_reported(func, args, kwargs, w.stream)
     stream = w.stream
     with stream.lock:
-        outputs, outs = _build_outputs(plan.outputs, stream, w.tensors)
+        out_plan = plan.outputs
+        if type(out_plan) is meta.NewTensor:  # the common case, without the general walk
+            outs = stream.new_handle()
+            outputs = LazyTensor(stream, outs, out_plan.shape, out_plan.stride, out_plan.offset, out_plan.dtype,
+                                 out_plan.storage_nbytes)
+        else:
+            outputs, outs = _build_outputs(out_plan, stream, w.tensors)
         if wire_args is not None:
             entry = [op_name(func), wire_args, {}, outs]
         else:
@@ -425,6 +432,11 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
 
 
 _SPECIAL = {
-    torch.ops.aten._to_copy.default: _to_copy,
-    torch.ops.aten.copy_.default: _copy_,
+    id(torch.ops.aten._to_copy.default): _to_copy,
+    id(torch.ops.aten.copy_.default): _copy_,
 }
+
+# LazyTensor.__torch_dispatch__ calls this module's dispatch directly from now on.
+from . import lazy_tensor as _lazy_tensor_module  # noqa: E402
+
+_lazy_tensor_module._dispatch = dispatch

@@ -12,6 +12,16 @@ import torch
 from genie.runtime.stream import DeviceStream, HandleRef
 
 
+_NO_KWARGS: dict = {}
+
+
+def _dispatch(func, args, kwargs):
+    # Replaced by genie.frontend.capture.dispatch when that module loads (it imports this one).
+    from .capture import dispatch
+
+    return dispatch(func, args, kwargs)
+
+
 class LazyTensor(torch.Tensor):
     _genie: HandleRef
 
@@ -36,9 +46,7 @@ class LazyTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from .capture import dispatch
-
-        return dispatch(func, args, kwargs or {})
+        return _dispatch(func, args, kwargs or _NO_KWARGS)
 
     # Having these makes nn.Module._apply swap parameters in place (torch.utils.swap_tensors)
     # instead of creating new ones, so `module.to(device)` keeps tied weights tied.
