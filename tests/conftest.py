@@ -27,3 +27,21 @@ def dev(daemon_endpoint):
     if not rt.started or [link.endpoint for link in rt.links] != [daemon_endpoint]:
         genie.init(daemon_endpoint)
     return "remote_accelerator:0"
+
+
+@pytest.fixture
+def two_daemons(daemon_endpoint):
+    """genie connected to two fresh daemons, one over tcp and one over ipc; disconnected afterwards."""
+    import shutil
+
+    import genie
+    from daemons import ipc_endpoint
+
+    ipc, tmpdir = ipc_endpoint()
+    with DaemonProcess("tcp://127.0.0.1:0") as a, DaemonProcess(ipc) as b:
+        genie.init(f"{a.endpoint},{b.endpoint}")
+        try:
+            yield a, b
+        finally:
+            genie.shutdown()
+    shutil.rmtree(tmpdir, ignore_errors=True)

@@ -8,16 +8,6 @@ import genie
 from daemons import DaemonProcess, ipc_endpoint
 
 
-@pytest.fixture
-def two_daemons(daemon_endpoint):
-    ipc, tmpdir = ipc_endpoint()
-    with DaemonProcess("tcp://127.0.0.1:0") as a, DaemonProcess(ipc) as b:
-        genie.init(f"{a.endpoint},{b.endpoint}")
-        try:
-            yield
-        finally:
-            genie.shutdown()
-    shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 def test_stage_two_starts_while_stage_one_still_runs(two_daemons):

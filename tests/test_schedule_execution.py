@@ -10,16 +10,6 @@ from genie.examples.gpt import GPTConfig, TinyGPT
 from genie.examples.zoo import TwoTower
 
 
-@pytest.fixture
-def two_daemons(daemon_endpoint):
-    ipc, tmpdir = ipc_endpoint()
-    with DaemonProcess("tcp://127.0.0.1:0") as a, DaemonProcess(ipc) as b:
-        genie.init(f"{a.endpoint},{b.endpoint}")
-        try:
-            yield
-        finally:
-            genie.shutdown()
-    shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 def overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
