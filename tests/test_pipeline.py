@@ -1,11 +1,9 @@
 """Pipelining across two daemons: the next stage's transfer starts before the previous stage is done."""
-import shutil
 
 import pytest
 import torch
 
 import genie
-from daemons import DaemonProcess, ipc_endpoint
 
 
 

@@ -1,11 +1,8 @@
 """The runtime obeys the schedule: captured graphs run where the scheduler placed them."""
-import shutil
 
-import pytest
 import torch
 
 import genie
-from daemons import DaemonProcess, ipc_endpoint
 from genie.examples.gpt import GPTConfig, TinyGPT
 from genie.examples.zoo import TwoTower
 
