@@ -50,6 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "env GENIE_MEMORY_LIMIT_GB")
     p.add_argument("--max-frame-mb", type=float, default=1024,
                    help="payloads larger than this go as several ZeroMQ frames (must stay under 2048)")
+    p.add_argument("--no-bulk-lane", action="store_true",
+                   help="send large payloads over ZeroMQ only (no second socket for bulk transfers)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--log-level", default=os.environ.get("GENIE_LOG_LEVEL", "INFO"))
     return p.parse_args(argv)
@@ -71,7 +73,7 @@ async def _watch_parent(pid: int, server: DaemonServer) -> None:
 async def _run(args: argparse.Namespace) -> None:
     devices = pick_devices(args.device)
     server = DaemonServer(args.listen, devices, client_lease_s=args.client_lease,
-                          memory_limit=int(args.memory_limit * 2**30))
+                          memory_limit=int(args.memory_limit * 2**30), bulk_lanes=not args.no_bulk_lane)
     endpoint = server.bind()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

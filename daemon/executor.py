@@ -13,8 +13,8 @@ import torch
 
 from genie.transport import protocol
 from genie.transport.errors import ProtocolError
-from genie.transport.protocol import DeviceRef, Exec, HandleRef, InlineTensor, OpCall
-from genie.transport.tensors import dtype_name, frames_to_tensor, tensor_to_frames
+from genie.transport.protocol import BulkTensor, DeviceRef, Exec, HandleRef, InlineTensor, OpCall
+from genie.transport.tensors import dtype_name, frames_to_tensor, tensor_to_buffer, tensor_to_frames
 
 from . import ops as op_table
 from .handles import ClientState, Poison
@@ -44,8 +44,9 @@ class Executor:
     """Executes requests for all clients on this daemon's devices (one thread calls it)."""
 
     def __init__(self, devices: list[torch.device], account=None, memory_limit: int = 0, kv_store=None,
-                 mailbox=None, send_to_peer=None, transfer_timeout: float = 120.0) -> None:
+                 mailbox=None, send_to_peer=None, transfer_timeout: float = 120.0, bulk=None) -> None:
         self.devices = devices
+        self.bulk = bulk  # BulkListener, or None when the daemon offers no bulk lanes
         self.mailbox = mailbox
         self.send_to_peer = send_to_peer
         self.transfer_timeout = transfer_timeout
@@ -73,7 +74,7 @@ class Executor:
         for handle in request.frees:
             client.free(handle)
         out_frames: list = []
-        fetched = [self._fetch(client, h, out_frames) for h in request.fetch]
+        fetched = [self._fetch(client, h, out_frames, request.bulk_min) for h in request.fetch]
         return {"fetched": fetched, "report": reported, "time": [started, time.time()]}, out_frames
 
     def _run_op(self, client: ClientState, call: OpCall, frames: list, device: torch.device, raise_errors: bool):
@@ -169,7 +170,7 @@ class Executor:
 
     def _adopt(self, client: ClientState, call: OpCall, frames: list, device: torch.device):
         """Keep an uploaded tensor as received (on the CPU: the frame itself, no copy)."""
-        if len(call.args) != 1 or not isinstance(call.args[0], InlineTensor) or type(call.outs) is not int:
+        if len(call.args) != 1 or not isinstance(call.args[0], (InlineTensor, BulkTensor)) or type(call.outs) is not int:
             raise ProtocolError(f"{ADOPT_OP} takes one inline tensor and one output handle")
         tensor = self._resolve(client, call.args[0], frames, device, 0)
         client.put(call.outs, tensor)
@@ -222,6 +223,9 @@ class Executor:
             if max(value.frames) >= len(frames):
                 raise ProtocolError(f"inline tensor refers to frame {max(value.frames)}, message has {len(frames)}")
             t = frames_to_tensor([frames[i].buffer for i in value.frames], value.dtype, value.shape)
+            return self._uploader(device).upload(t) if device.type == "cuda" else t
+        if isinstance(value, BulkTensor):
+            t = self._bulk_upload(client, value)
             return self._uploader(device).upload(t) if device.type == "cuda" else t
         if isinstance(value, DeviceRef):
             if value.type == "cpu":
@@ -279,13 +283,36 @@ class Executor:
             return protocol.encode_dtype(result)
         raise ProtocolError(f"cannot report a {type(result).__name__}")
 
-    def _fetch(self, client: ClientState, handle: int, out_frames: list):
+    def _bulk_upload(self, client: ClientState, value: BulkTensor) -> torch.Tensor:
+        """The payload the client sent on its bulk lane, as a tensor over the received buffer."""
+        if self.bulk is None:
+            raise ProtocolError("this daemon has no bulk lanes")
+        raw = self.bulk.take_upload(client.identity, value.xfer, self.transfer_timeout)
+        numel = 1
+        for s in value.shape:
+            numel *= s
+        if raw.nbytes != numel * value.dtype.itemsize:
+            raise ProtocolError(f"bulk transfer {value.xfer} holds {raw.nbytes} bytes, header says "
+                                f"{numel * value.dtype.itemsize} ({value.dtype}, {list(value.shape)})")
+        if numel == 0:
+            return torch.empty(value.shape, dtype=value.dtype)
+        return raw.view(value.dtype).view(value.shape)  # pooled buffers are page aligned
+
+    def _fetch(self, client: ClientState, handle: int, out_frames: list, bulk_min: int = 0):
         try:
             found = client.get(handle)
         except KeyError as e:
             return {"error": protocol.error_body(e)}
         if isinstance(found, Poison):
             return {"error": found.describe()}
+        nbytes = found.numel() * found.element_size()
+        if bulk_min and nbytes >= bulk_min and self.bulk is not None:
+            try:
+                xfer = self.bulk.send_download(client.identity, tensor_to_buffer(found.detach()))
+            except ConnectionError as e:
+                return {"error": protocol.error_body(e)}
+            if xfer is not None:
+                return {"bulk": xfer, "dtype": dtype_name(found.dtype), "shape": list(found.shape)}
         chunks = tensor_to_frames(found.detach())
         first = len(out_frames)
         out_frames.extend(chunks)

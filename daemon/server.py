@@ -20,6 +20,9 @@ import zmq.asyncio
 from genie.transport import calibration, protocol
 from genie.transport.errors import ProtocolError
 
+from genie.transport.protocol import BulkTensor
+
+from .bulk_server import BulkListener
 from .executor import Executor, RemoteOpError
 from .handles import ClientState, MemoryAccount
 from .kv_store import KVStore
@@ -61,8 +64,10 @@ def _describe_hardware(device: torch.device) -> dict:
 
 class DaemonServer:
     def __init__(self, endpoint: str, devices: list[torch.device], client_lease_s: float = 60.0,
-                 memory_limit: int = 0) -> None:
+                 memory_limit: int = 0, bulk_lanes: bool = True) -> None:
         self.endpoint = endpoint
+        self.bulk_lanes = bulk_lanes
+        self.bulk: BulkListener | None = None
         self.devices = devices
         self.client_lease_s = client_lease_s
         self.memory_limit = memory_limit
@@ -90,7 +95,20 @@ class DaemonServer:
         sock.bind(self.endpoint)
         self._socket = sock
         self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self.bulk_lanes:
+            self._open_bulk_lanes()
         return self.bound_endpoint
+
+    def _open_bulk_lanes(self) -> None:
+        total = _describe_hardware(torch.device("cpu"))["total_memory"] or (1 << 40)
+        try:
+            self.bulk = BulkListener(self.bound_endpoint, lambda token: token in self.clients,
+                                     max_transfer=self.memory_limit or total)
+        except OSError as e:
+            log.warning("no bulk lane (large payloads go over ZeroMQ): %s", e)
+            return
+        self.executor.bulk = self.bulk
+        log.info("bulk lane listening: %s", " ".join(map(str, self.bulk.advertised)))
 
     def stop(self) -> None:
         self._stopping.set()
@@ -107,6 +125,8 @@ class DaemonServer:
         # Let work already handed to the worker finish before closing.
         await asyncio.get_running_loop().run_in_executor(None, self._worker.shutdown, True)
         self.peers.close()
+        if self.bulk is not None:
+            self.bulk.close()
         self._socket.close(linger=0)
         self._ctx.term()
         log.info("daemon stopped")
@@ -142,10 +162,11 @@ class DaemonServer:
         except ProtocolError as e:
             self._reply_error(identity, protocol.request_id_of(header), e)
             return
-        client = self.clients.get(identity)
+        key = client_key(identity)
+        client = self.clients.get(key)
         if client is None:
-            client = self.clients[identity] = ClientState(identity, self.account)
-            log.info("client %s connected", identity.hex())
+            client = self.clients[key] = ClientState(key, self.account)
+            log.info("client %s connected", key.hex())
         client.last_seen = time.monotonic()
         rid = request.request_id
         if request.kind == "ping":
@@ -166,10 +187,10 @@ class DaemonServer:
             # Bandwidth probe: the client times sending these frames and getting this answer.
             self._reply(identity, rid, {"bytes": sum(len(p) for p in payload)})
         elif request.kind == "hello":
-            self._reply(identity, rid, {
-                "version": protocol.VERSION,
-                "devices": self.device_info,
-            })
+            hello = {"version": protocol.VERSION, "devices": self.device_info}
+            if self.bulk is not None:
+                hello["bulk"] = self.bulk.advertised
+            self._reply(identity, rid, hello)
         elif request.kind == "exec":
             try:
                 parsed = protocol.parse_exec(request.body)
@@ -191,7 +212,7 @@ class DaemonServer:
         elif request.kind == "stats":
             self._submit(identity, rid, self._stats, request.body)
         elif request.kind == "bye":
-            self._submit(identity, rid, self._drop_client, identity)
+            self._submit(identity, rid, self._drop_client, key)
 
     def _submit(self, identity: bytes, rid: int, fn, *args) -> None:
         self._pending += 1
@@ -270,6 +291,8 @@ class DaemonServer:
         if client is not None:
             client.free_all()
             log.info("client %s left", identity.hex())
+        if self.bulk is not None:
+            self.bulk.drop(identity)
         return {}
 
     async def _sweep_idle_clients(self) -> None:
@@ -298,6 +321,11 @@ class DaemonServer:
             log.warning("reply to %s failed: %s", identity.hex(), e)
 
 
+def client_key(routing_id: bytes) -> bytes:
+    """The client a routing id belongs to: a client's direct socket uses its 16-byte id plus one byte."""
+    return routing_id[:16] if len(routing_id) == 17 else routing_id
+
+
 # Requests at most this big may run on the event loop when the worker is idle.
 INLINE_MAX_OPS = 32
 INLINE_MAX_BYTES = 1 << 20
@@ -305,8 +333,13 @@ _BLOCKING_OPS = frozenset({"genie::recv"})
 
 
 def _small(request) -> bool:
-    return (len(request.ops) <= INLINE_MAX_OPS and len(request.fetch) <= 4
-            and not any(op.name in _BLOCKING_OPS for op in request.ops))
+    # Bulk transfers wait on (or write to) a socket: never on the event loop.
+    return (len(request.ops) <= INLINE_MAX_OPS and len(request.fetch) <= 4 and not request.bulk_min
+            and not any(op.name in _BLOCKING_OPS or _has_bulk(op.args) for op in request.ops))
+
+
+def _has_bulk(args: list) -> bool:
+    return any(isinstance(a, BulkTensor) or (isinstance(a, list) and _has_bulk(a)) for a in args)
 
 
 # Below this size a copying send is cheaper than pinning the buffer for zero-copy.

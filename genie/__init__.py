@@ -97,6 +97,12 @@ def transport_stats() -> dict:
     return get_runtime().transport_stats()
 
 
+def transport_info() -> dict:
+    """How data travels to each daemon (ZeroMQ, plus a tcp or unix bulk lane for large payloads),
+    and which faster paths this process has (RDMA libraries, CUDA, CuPy), said plainly."""
+    return get_runtime().transport_info()
+
+
 def capture_stats() -> dict:
     """Metadata-cache statistics of the op capture (hits, misses, bypasses)."""
     from .frontend.capture import meta_cache
@@ -105,7 +111,7 @@ def capture_stats() -> dict:
 
 
 __all__ = [
-    "init", "shutdown", "flush", "capture", "analyze", "analysis_cache_stats", "materialize", "materialize_sync", "synchronize", "transport_stats", "capture_stats",
+    "init", "shutdown", "flush", "capture", "analyze", "analysis_cache_stats", "materialize", "materialize_sync", "synchronize", "transport_stats", "transport_info", "capture_stats",
     "LazyTensor", "KVSession", "GenieError", "GenieConnectionError", "RemoteExecutionError", "UnsupportedOperationError",
     "remote_accelerator",
 ]

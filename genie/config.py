@@ -11,6 +11,9 @@ GENIE_BATCH_BYTES     inline payload bytes queued before such a send (default 8 
 GENIE_MAX_INFLIGHT_MB payload MiB sent to one daemon and not yet acknowledged before
                       further sends wait (backpressure; default 256).
 GENIE_FRAME_MB        payloads larger than this MiB are sent as several frames (default 1024).
+GENIE_BULK_MIN_KB     payloads of at least this many KiB go over the daemon's bulk lane, a
+                      plain stream socket beside ZeroMQ (default 4096; 0: never).
+GENIE_HOST_POOL_MB    MiB of idle receive buffers kept for reuse (default 1024).
 GENIE_HEARTBEAT       seconds between keep-alive pings to each daemon (default 10).
 GENIE_DAEMON_THREADS  torch threads for the embedded daemon (default: torch's choice).
 GENIE_LOG_INTERCEPTS  1: log every captured op at DEBUG level on logger "genie.capture".
@@ -40,6 +43,8 @@ class Config:
     batch_bytes: int
     max_inflight_bytes: int
     max_frame_bytes: int
+    bulk_min_bytes: int
+    host_pool_bytes: int
     heartbeat: float
     daemon_threads: int
     log_intercepts: bool
@@ -54,6 +59,8 @@ def load() -> Config:
         batch_bytes=int(_float("GENIE_BATCH_BYTES", 8 << 20)),
         max_inflight_bytes=int(_float("GENIE_MAX_INFLIGHT_MB", 256) * (1 << 20)),
         max_frame_bytes=int(_float("GENIE_FRAME_MB", 1024) * (1 << 20)),
+        bulk_min_bytes=int(_float("GENIE_BULK_MIN_KB", 4096) * 1024),
+        host_pool_bytes=int(_float("GENIE_HOST_POOL_MB", 1024) * (1 << 20)),
         heartbeat=_float("GENIE_HEARTBEAT", 10.0),
         daemon_threads=int(_float("GENIE_DAEMON_THREADS", 0)),
         log_intercepts=os.environ.get("GENIE_LOG_INTERCEPTS", "") == "1",

@@ -112,7 +112,8 @@ def test_payloads_larger_than_a_frame_travel_in_chunks(daemon_endpoint, monkeypa
     from genie.transport import tensors
 
     monkeypatch.setattr(tensors, "MAX_FRAME_BYTES", 1 << 20)  # this client: 1 MiB frames
-    with DaemonProcess(extra=["--max-frame-mb", "1"]) as a, DaemonProcess(extra=["--max-frame-mb", "1"]) as b:
+    chunked = ["--max-frame-mb", "1", "--no-bulk-lane"]  # large payloads over ZeroMQ, in 1 MiB frames
+    with DaemonProcess(extra=chunked) as a, DaemonProcess(extra=chunked) as b:
         genie.init(f"{a.endpoint},{b.endpoint}")
         try:
             src = torch.randn(1536, 1024)  # 6 MiB: six frames each way

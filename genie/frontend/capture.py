@@ -104,6 +104,9 @@ def _encode(value, stream):
     if isinstance(value, torch.Tensor):
         if value.device.type != "cpu":
             value = value.cpu()
+        xfer = stream.send_bulk(value.detach())
+        if xfer is not None:
+            return protocol.encode_bulk(xfer, DTYPE_NAMES[value.dtype], value.shape)
         frames = [stream.add_frame(b) for b in tensor_to_frames(value.detach())]
         return protocol.encode_inline(frames[0] if len(frames) == 1 else frames, DTYPE_NAMES[value.dtype], value.shape)
     if isinstance(value, (list, tuple)):
@@ -334,6 +337,21 @@ def run_locally(func, args, kwargs):
 # ---------------------------------------------------------------- special cases
 
 
+def _same_as_source(name: str, value, src) -> bool:
+    """A `_to_copy` keyword that asks for nothing the fetched CPU tensor does not already have."""
+    if value is None or name == "non_blocking":
+        return True
+    if name == "dtype":
+        return value == src.dtype
+    if name == "layout":
+        return value == torch.strided
+    if name == "memory_format":
+        return value in (torch.preserve_format, torch.contiguous_format) and src.is_contiguous()
+    if name == "pin_memory":
+        return value is False
+    return False
+
+
 def _to_copy(func, args, kwargs):
     src = args[0]
     target = kwargs.get("device")
@@ -346,8 +364,8 @@ def _to_copy(func, args, kwargs):
         return capture(func, (moved,), rest) if rest else moved
     from .materialize import to_cpu
 
-    rest = {k: v for k, v in kwargs.items() if k != "device"}
-    cpu = to_cpu(src)
+    rest = {k: v for k, v in kwargs.items() if k != "device" and not _same_as_source(k, v, src)}
+    cpu = to_cpu(src)  # already a fresh tensor: no second copy unless something changes
     local = torch.ops.aten._to_copy.default(cpu, **rest) if rest else cpu
     if target.type == "cpu":
         return local

@@ -30,7 +30,10 @@ def to_cpu_many(tensors: list) -> list[torch.Tensor]:
     tensors = [_check(t) for t in tensors]
     out: list = [None] * len(tensors)
     groups = _group(tensors)
-    futures = [(s, idx, s.fetch_async([tensors[i]._genie.id for i in idx])) for s, idx in groups.items()]
+    # One group: block on it directly. Several: post them all first so the daemons work in parallel.
+    direct = len(groups) == 1
+    futures = [(s, idx, s.fetch_async([tensors[i]._genie.id for i in idx], direct=direct))
+               for s, idx in groups.items()]
     for stream, idx, future in futures:
         reply = stream.link.wait(future)
         stream._raise_async_error()
@@ -53,9 +56,18 @@ async def materialize_many(tensors: list) -> list[torch.Tensor]:
     replies = await asyncio.gather(*(f for _, _, f in pending))
     for (stream, idx, _), reply in zip(pending, replies):
         stream._raise_async_error()
+        await _bulk_arrived(stream, reply)
         for i, value in zip(idx, stream.decode_fetched(reply)):
             out[i] = value
     return out
+
+
+async def _bulk_arrived(stream, reply, poll_s: float = 0.0005) -> None:
+    """Wait, without blocking the caller's loop, until the reply's bulk transfers have landed."""
+    lane = stream.link.bulk_lane
+    for xfer in stream.bulk_transfers(reply):
+        while lane is not None and not lane.arrivals.ready(xfer):
+            await asyncio.sleep(poll_s)
 
 
 def replace_lazy(tree):

@@ -11,6 +11,7 @@ import atexit
 import concurrent.futures
 import itertools
 import logging
+import socket
 import threading
 import time
 
@@ -18,7 +19,9 @@ import zmq.asyncio
 
 from genie import config as config_module
 from genie.errors import GenieConnectionError, GenieError
+from genie.transport import bulk
 from genie.transport.channel import Channel, ChannelClosed, RemoteError
+from genie.transport.hostmem import HostBufferPool
 
 from .embedded import LocalDaemon
 from .loop import LoopThread
@@ -42,9 +45,13 @@ class DaemonLink:
         # Backpressure: payload bytes posted to this daemon and not yet acknowledged.
         self.inflight_bytes = 0
         self._inflight = threading.Condition()
+        self._outstanding = 0  # exec requests posted through the loop and not yet answered
+        self._direct_busy = False  # a caller thread is in a direct request (see `direct_exec`)
+        self.token = bulk.new_token()  # this client's routing id on the daemon; also opens its bulk lane
+        self.bulk_lane: bulk.Lane | None = None
 
     async def connect(self, timeout: float, heartbeat: float) -> None:
-        self.channel = Channel(self.endpoint, self.runtime.zmq_context)
+        self.channel = Channel(self.endpoint, self.runtime.zmq_context, routing_id=self.token)
         await self.channel.open()
         start = time.perf_counter()
         try:
@@ -60,9 +67,26 @@ class DaemonLink:
         if not isinstance(devices, list) or not devices:
             raise GenieConnectionError(f"genie-daemon at {self.endpoint} reported no devices")
         self.devices = devices
+        await self._open_bulk_lane(reply.body.get("bulk"), timeout)
         await self._probe_link()
         if heartbeat > 0:
             self._heartbeat = asyncio.create_task(self._beat(heartbeat))
+
+    async def _open_bulk_lane(self, advertised, timeout: float) -> None:
+        config = self.runtime.config
+        address = bulk.connect_address(advertised, self.endpoint)
+        if address is None or config.bulk_min_bytes <= 0:
+            return
+        try:
+            self.bulk_lane = await asyncio.get_running_loop().run_in_executor(
+                None, bulk.open_client_lane, address, self.token, self.runtime.host_pool, 1 << 40, min(timeout, 10.0))
+        except (OSError, ConnectionError) as e:
+            log.warning("no bulk lane to %s (large payloads go over ZeroMQ): %s", self.endpoint, e)
+
+    def transport_path(self) -> str:
+        if self.bulk_lane is None or self.bulk_lane.closed:
+            return "zmq"
+        return "zmq+bulk-" + ("unix" if self.bulk_lane.sock.family == socket.AF_UNIX else "tcp")
 
     async def _probe_link(self, payload: int = 4 << 20) -> None:
         """Measure this link: latency (best of a few pings) and bandwidth (a 4 MiB upload)."""
@@ -94,16 +118,19 @@ class DaemonLink:
         limit = self.runtime.config.max_inflight_bytes
         with self._inflight:
             # Wait while too much is in flight (a single batch larger than the bound still goes alone).
-            if not self._inflight.wait_for(lambda: self.inflight_bytes == 0 or self.inflight_bytes + nbytes <= limit,
-                                           timeout=self.runtime.config.request_timeout):
+            if not self._inflight.wait_for(lambda: not self._direct_busy and (
+                    self.inflight_bytes == 0 or self.inflight_bytes + nbytes <= limit),
+                    timeout=self.runtime.config.request_timeout):
                 raise GenieConnectionError(f"genie-daemon at {self.endpoint} acknowledged nothing for "
                                            f"{self.runtime.config.request_timeout:.0f}s ({self.inflight_bytes} bytes in flight)")
             self.inflight_bytes += nbytes
+            self._outstanding += 1
         future = self.channel.post_threadsafe(self.runtime.loop.loop, "exec", body, frames)
 
         def done(f: concurrent.futures.Future) -> None:
             with self._inflight:
                 self.inflight_bytes -= nbytes
+                self._outstanding -= 1
                 self._inflight.notify_all()
             if f.cancelled():
                 return
@@ -116,6 +143,36 @@ class DaemonLink:
             if timing:
                 stream.exec_log.append(tuple(timing))
         future.add_done_callback(done)
+        return future
+
+    def direct_exec(self, body: dict, frames: list, stream: DeviceStream) -> concurrent.futures.Future | None:
+        """Run an exec as a direct request on the calling thread when nothing else is in flight.
+
+        Returns a finished future, or None when the loop path must be used (requests in flight,
+        another direct request running, or called on the loop thread).
+        """
+        if self.runtime.loop.in_loop_thread() or self.channel is None or self.channel.closed:
+            return None
+        with self._inflight:
+            if self._outstanding or self._direct_busy:
+                return None
+            self._direct_busy = True
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            reply = self.channel.request_sync("exec", body, frames, self.runtime.config.request_timeout,
+                                              alive=lambda: not self.channel.closed)
+            timing = reply.body.get("time")
+            if timing:
+                stream.exec_log.append(tuple(timing))
+            future.set_result(reply)
+        except TimeoutError as e:
+            future.set_exception(GenieConnectionError(str(e)))
+        except Exception as e:  # noqa: BLE001 - handed to the waiter like a loop-path failure
+            future.set_exception(e)
+        finally:
+            with self._inflight:
+                self._direct_busy = False
+                self._inflight.notify_all()
         return future
 
     def request(self, kind: str, body: dict, timeout: float | None = None):
@@ -139,6 +196,8 @@ class DaemonLink:
     async def close(self, say_bye: bool) -> None:
         if self._heartbeat:
             self._heartbeat.cancel()
+        if self.bulk_lane is not None:
+            self.bulk_lane.close()
         if self.channel is None:
             return
         if say_bye and not self.channel.closed:
@@ -165,6 +224,7 @@ class Runtime:
         self.current_device = 0
         self._atexit_registered = False
         self.on_start: list = []  # callbacks run after each (re)connection, e.g. to replay a seed
+        self.host_pool = HostBufferPool(self.config.host_pool_bytes)  # receive buffers of bulk downloads
 
     @property
     def loop(self) -> LoopThread:
@@ -212,7 +272,8 @@ class Runtime:
                 self._atexit_registered = True
             for callback in self.on_start:
                 callback()
-            log.info("genie connected to %s (%d devices)", ", ".join(endpoints), len(self.streams))
+            log.info("genie connected to %s (%d devices); data paths: %s", ", ".join(endpoints), len(self.streams),
+                     ", ".join(f"{link.endpoint} {link.transport_path()}" for link in links))
 
     def ensure_started(self) -> None:
         if not self._started:
@@ -248,12 +309,31 @@ class Runtime:
         stats = {}
         for link in self.links:
             ch = link.channel
+            lane = link.bulk_lane
+            bulk_sent = lane.bytes_sent if lane else 0
+            bulk_received = lane.bytes_received if lane else 0
             stats[link.endpoint] = {
-                "bytes_sent": ch.bytes_sent, "bytes_received": ch.bytes_received,
+                "bytes_sent": ch.bytes_sent + bulk_sent, "bytes_received": ch.bytes_received + bulk_received,
+                "bulk_bytes_sent": bulk_sent, "bulk_bytes_received": bulk_received,
                 "messages_sent": ch.messages_sent, "latency_s": link.measured_rtt_s,
                 "bandwidth_Bps": link.bandwidth,
             }
         return stats
+
+    def transport_info(self) -> dict:
+        """The data path to each daemon, and what this process could use."""
+        from genie.transport.paths import local_capabilities
+
+        self.ensure_started()
+        links = {}
+        for link in self.links:
+            lane = link.bulk_lane
+            links[link.endpoint] = {
+                "path": link.transport_path(),
+                "bulk_min_bytes": self.config.bulk_min_bytes if lane is not None else None,
+                "encrypted": False,
+            }
+        return {"links": links, "local": local_capabilities()}
 
     def shutdown(self) -> None:
         with self._lock:

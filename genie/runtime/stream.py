@@ -19,9 +19,9 @@ import torch
 
 from genie.errors import GenieConnectionError, RemoteExecutionError
 from genie.transport import protocol
-from genie.transport import protocol
 from genie.transport.channel import RemoteError
-from genie.transport.tensors import check_frames, frames_to_tensor, parse_dtype
+from genie.transport.bulk import tensor_bytes
+from genie.transport.tensors import check_frames, check_shape, frames_to_tensor, parse_dtype
 
 if TYPE_CHECKING:
     from .runtime import DaemonLink
@@ -97,6 +97,24 @@ class DeviceStream:
         self.inline_bytes += memoryview(buffer).nbytes
         return len(self.frames) - 1
 
+    def send_bulk(self, value: torch.Tensor) -> int | None:
+        """Send a large CPU tensor's bytes on the bulk lane now; its transfer id, or None to inline it.
+
+        Sent at capture time, like a blocking host-to-device copy: later writes to `value` do not
+        change what the daemon receives.
+        """
+        lane = self.link.bulk_lane
+        nbytes = value.numel() * value.element_size()
+        if lane is None or lane.closed or nbytes < self.link.runtime.config.bulk_min_bytes:
+            return None
+        xfer = lane.next_id()
+        try:
+            lane.send(xfer, tensor_bytes(value))
+        except ConnectionError:
+            return None  # the lane died: this payload (and later ones) go inline
+        self.inline_bytes += nbytes  # counts toward sending the batch, so the daemon claims it soon
+        return xfer
+
     def append(self, entry: list) -> None:
         sid = current_stream_id(self.global_index)
         if sid != self.batch_stream:
@@ -115,12 +133,20 @@ class DeviceStream:
             frees.append(self.frees.popleft())
         body = {"dev": self.local_index, "stream": self.batch_stream, "ops": self.ops, "frees": frees,
                 "fetch": fetch, "report": report}
+        lane = self.link.bulk_lane
+        if fetch and lane is not None and not lane.closed:
+            body["bulk_min"] = self.link.runtime.config.bulk_min_bytes
         frames = self.frames
         self.ops, self.frames, self.inline_bytes = [], [], 0
         return body, frames
 
-    def _post(self, batch: tuple[dict, list], wait: bool) -> concurrent.futures.Future:
+    def _post(self, batch: tuple[dict, list], wait: bool, direct: bool = False) -> concurrent.futures.Future:
+        """Send a batch; `direct`: the caller is about to block on it, so it may go on its own thread."""
         body, frames = batch
+        if direct:
+            done = self.link.direct_exec(body, frames, self)
+            if done is not None:
+                return done
         return self.link.submit_exec(body, frames, self, waited=wait)
 
     # ------------------------------------------------------------ errors from batches nobody waited for
@@ -145,22 +171,30 @@ class DeviceStream:
     def synchronize(self) -> None:
         """Wait until every op queued so far has run on the daemon."""
         with self.lock:
-            future = self._post(self._take(fetch=[], report=False), wait=True)
+            future = self._post(self._take(fetch=[], report=False), wait=True, direct=True)
         self.link.wait(future)
         self._raise_async_error()
 
-    def fetch_async(self, handles: list[int]) -> concurrent.futures.Future:
+    def fetch_async(self, handles: list[int], direct: bool = False) -> concurrent.futures.Future:
+        """`direct=True` only for callers that block on the result right away."""
         with self.lock:
-            return self._post(self._take(fetch=handles, report=False), wait=True)
+            return self._post(self._take(fetch=handles, report=False), wait=True, direct=direct)
 
     def fetch(self, handles: list[int]) -> list[torch.Tensor]:
-        reply = self.link.wait(self.fetch_async(handles))
+        reply = self.link.wait(self.fetch_async(handles, direct=True))
         self._raise_async_error()
         return self.decode_fetched(reply)
+
+    def bulk_transfers(self, reply) -> list[int]:
+        """Transfer ids of the fetched tensors that come on the bulk lane."""
+        return [d["bulk"] for d in reply.body["fetched"] if isinstance(d, dict) and "bulk" in d]
 
     def decode_fetched(self, reply) -> list[torch.Tensor]:
         out = []
         for desc in reply.body["fetched"]:
+            if isinstance(desc, dict) and "bulk" in desc:
+                out.append(self._take_bulk(desc))
+                continue
             if isinstance(desc, dict):
                 err = desc.get("error") or {}
                 raise RemoteExecutionError(err.get("op"), err.get("message", ""), err.get("type", "RuntimeError"),
@@ -170,11 +204,29 @@ class DeviceStream:
             out.append(frames_to_tensor([reply.frames[i].buffer for i in frames], parse_dtype(dtype), tuple(shape)))
         return out
 
+    def _take_bulk(self, desc: dict) -> torch.Tensor:
+        lane = self.link.bulk_lane
+        xfer, dtype, shape = desc.get("bulk"), parse_dtype(desc.get("dtype")), check_shape(desc.get("shape"))
+        if lane is None or type(xfer) is not int:
+            raise GenieConnectionError(f"genie-daemon at {self.link.endpoint} sent a bulk transfer this client "
+                                       "cannot receive")
+        try:
+            raw = lane.arrivals.take(xfer, self.link.runtime.config.request_timeout)
+        except (TimeoutError, ConnectionError) as e:
+            raise GenieConnectionError(f"genie-daemon at {self.link.endpoint}: {e}") from None
+        numel = 1
+        for s in shape:
+            numel *= s
+        if raw.nbytes != numel * dtype.itemsize:
+            raise GenieConnectionError(f"genie-daemon at {self.link.endpoint} sent {raw.nbytes} bytes for a "
+                                       f"{dtype} tensor of shape {list(shape)}")
+        return raw.view(dtype).view(shape) if numel else torch.empty(shape, dtype=dtype)
+
     def run_reported(self, entry: list) -> Any:
         """Queue `entry` last and run the batch now, returning its outputs described by the daemon."""
         with self.lock:
             self.append(entry)
-            future = self._post(self._take(fetch=[], report=True), wait=True)
+            future = self._post(self._take(fetch=[], report=True), wait=True, direct=True)
         reply = self.link.wait(future)
         self._raise_async_error()
         return reply.body["report"]

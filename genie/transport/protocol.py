@@ -6,7 +6,8 @@ A message is a ZeroMQ multipart message: frame 0 is a msgpack header, frames
 Client -> daemon header: ``[kind, request_id, body]``
 
   hello  {}                                   -> {version, devices: [{name, type, total_memory, flops}]}
-  exec   {dev, stream, ops, frees, fetch, report} -> {fetched: [...], report: value | None, time: [t0, t1]}
+  hello  {} -> also {bulk: ["tcp", port] | ["unix", path]} when the daemon offers a bulk lane (see `bulk`)
+  exec   {dev, stream, ops, frees, fetch, report, bulk_min?} -> {fetched: [...], report: value | None, time: [t0, t1]}
   event  {query: [ids]} | {elapsed: [a, b]}    -> {done: [bool]} | {ms}  (answered without waiting)
   stats  {dev}                                -> {allocated, reserved, peak, handles, clients}
   ping   {}                                   -> {}
@@ -29,13 +30,17 @@ extension types stand for what msgpack cannot say:
   5 MEMFMT  memory format name
   6 LAYOUT  layout name
   7 COMPLEX msgpack [real, imag]
+  8 BULK    msgpack [transfer id, dtype, shape]: an inline tensor whose bytes travel on the
+            client's bulk lane (`bulk`), under that transfer id
 
 `outs` mirrors the op's return value: an int is the handle id under which the
 daemon keeps that tensor, null means "do not keep". Ops run in order; when one
 fails, its outputs and the tensors it writes become poisoned with the error, and
 everything computed from them is poisoned in turn. Fetching a poisoned handle
 returns that error, naming the op that failed. `fetch` returns each handle as a
-C-contiguous descriptor ``[frame, dtype, shape]`` (frame: an index or a list). `report` asks for the last
+C-contiguous descriptor ``[frame, dtype, shape]`` (frame: an index or a list), or, when
+the request set `bulk_min` and the tensor has at least that many bytes, ``{bulk: transfer id,
+dtype, shape}`` with the bytes sent on the client's bulk lane before the reply. `report` asks for the last
 op's outputs described as values: tensors as ``[handle, dtype, shape, stride,
 offset, storage_nbytes]`` (for ops whose output shape depends on data).
 """
@@ -54,7 +59,7 @@ from .tensors import check_frames, check_shape, parse_dtype
 
 VERSION = 1
 
-EXT_HANDLE, EXT_TENSOR, EXT_DTYPE, EXT_DEVICE, EXT_MEMFMT, EXT_LAYOUT, EXT_COMPLEX = range(1, 8)
+EXT_HANDLE, EXT_TENSOR, EXT_DTYPE, EXT_DEVICE, EXT_MEMFMT, EXT_LAYOUT, EXT_COMPLEX, EXT_BULK = range(1, 9)
 
 MEMORY_FORMATS = {
     "contiguous_format": torch.contiguous_format,
@@ -94,6 +99,13 @@ class InlineTensor:
 
 
 @dataclass(frozen=True, slots=True)
+class BulkTensor:
+    xfer: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class DeviceRef:
     type: str  # "remote" (the exec's device) or "cpu"
     index: int
@@ -106,6 +118,10 @@ def encode_handle(handle_id: int) -> msgpack.ExtType:
 def encode_inline(frame, dtype_name: str, shape) -> msgpack.ExtType:
     """`frame`: the payload's frame index, or a list of indices for a payload split in chunks."""
     return msgpack.ExtType(EXT_TENSOR, msgpack.packb([frame, dtype_name, list(shape)]))
+
+
+def encode_bulk(xfer: int, dtype_name: str, shape) -> msgpack.ExtType:
+    return msgpack.ExtType(EXT_BULK, msgpack.packb([xfer, dtype_name, list(shape)]))
 
 
 def encode_dtype(dtype: torch.dtype) -> msgpack.ExtType:
@@ -141,6 +157,11 @@ def decode_ext(code: int, data: bytes) -> Any:
     if code == EXT_TENSOR:
         frame, dtype, shape = _unpack_list(data, 3, "tensor")
         return InlineTensor(tuple(check_frames(frame, MAX_FRAMES)), parse_dtype(dtype), check_shape(shape))
+    if code == EXT_BULK:
+        xfer, dtype, shape = _unpack_list(data, 3, "bulk tensor")
+        if type(xfer) is not int or not 0 < xfer < 1 << 63:
+            raise ProtocolError(f"bad bulk transfer id {xfer!r}")
+        return BulkTensor(xfer, parse_dtype(dtype), check_shape(shape))
     if code == EXT_DTYPE:
         return parse_dtype(_text(data))
     if code == EXT_DEVICE:
@@ -248,6 +269,7 @@ class Exec:
     fetch: list[int]
     report: bool
     stream: int = 0
+    bulk_min: int = 0  # fetch tensors of at least this many bytes over the bulk lane; 0: never
 
 
 def _handle_list(value: Any, what: str) -> list[int]:
@@ -295,7 +317,11 @@ def parse_exec(body: dict) -> Exec:
     stream = body.get("stream", 0)
     if type(stream) is not int or not 0 <= stream < 1 << 31:
         raise ProtocolError(f"bad stream id {stream!r}")
+    bulk_min = body.get("bulk_min", 0)
+    if type(bulk_min) is not int or not 0 <= bulk_min < 1 << 62:
+        raise ProtocolError(f"bad bulk_min {bulk_min!r}")
     return Exec(
+        bulk_min=bulk_min,
         stream=stream,
         device=device,
         ops=ops,

@@ -1,0 +1,149 @@
+"""The daemon's end of the bulk lanes (see `genie.transport.bulk`).
+
+One listening socket beside the ZeroMQ endpoint; each connection must open
+with the magic and the routing id of a client the daemon already knows, within
+a few seconds, or it is closed. Uploads land in recycled host buffers and wait
+there, per client, until the op that reads them runs; downloads are written
+from the tensor's memory by the executor thread, with a send timeout so a
+client that stops reading cannot stall the daemon.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import struct
+import threading
+from typing import Callable
+
+import torch
+
+from genie.transport import bulk
+from genie.transport.errors import ProtocolError
+from genie.transport.hostmem import HostBufferPool
+
+log = logging.getLogger("genie.daemon")
+
+GREETING_TIMEOUT_S = 5.0
+
+
+class BulkListener:
+    def __init__(self, zmq_endpoint: str, is_known_client: Callable[[bytes], bool], max_transfer: int,
+                 pool_bytes: int = 2 << 30, send_timeout_s: float = 60.0) -> None:
+        address = bulk.listen_address_for(zmq_endpoint)
+        if address is None:
+            raise OSError(f"no bulk lane for endpoint {zmq_endpoint}")
+        kind, where = address
+        if kind == "tcp":
+            family = socket.AF_INET6 if ":" in where else socket.AF_INET
+            self._sock = socket.socket(family, socket.SOCK_STREAM)
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._sock.bind((where, 0))
+            self.advertised = ["tcp", self._sock.getsockname()[1]]
+        else:
+            if os.path.exists(where):
+                os.unlink(where)
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._sock.bind(where)
+            self.advertised = ["unix", where]
+        self._path = where if kind == "unix" else None
+        self._sock.listen(64)
+        self._is_known = is_known_client
+        self.max_transfer = max_transfer
+        self.pool = HostBufferPool(pool_bytes)
+        self.send_timeout_s = send_timeout_s
+        self._lanes: dict[bytes, bulk.Lane] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        threading.Thread(target=self._accept_loop, name="genie-bulk-accept", daemon=True).start()
+
+    # ------------------------------------------------------------ connections
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._greet, args=(conn,), name="genie-bulk-greet", daemon=True).start()
+
+    def _greet(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(GREETING_TIMEOUT_S)
+            greeting = bulk.recv_exactly(conn, len(bulk.MAGIC) + bulk.TOKEN_BYTES)
+            token = greeting[len(bulk.MAGIC):]
+            if greeting[:len(bulk.MAGIC)] != bulk.MAGIC or not self._is_known(token):
+                raise ProtocolError("bad bulk greeting or unknown client")
+            conn.sendall(b"\x01")
+            conn.settimeout(None)
+            if conn.family != socket.AF_UNIX:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # Bound each send, not receives: an idle lane waits for uploads indefinitely.
+            seconds = int(self.send_timeout_s)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                            struct.pack("ll", seconds, int((self.send_timeout_s - seconds) * 1e6)))
+        except (OSError, ConnectionError, ProtocolError) as e:
+            log.warning("refused a bulk connection: %s", e)
+            conn.close()
+            return
+        lane = bulk.Lane(conn, self.pool, self.max_transfer, name=token.hex()[:8], on_close=self._forget)
+        with self._lock:
+            old = self._lanes.pop(token, None)
+            self._lanes[token] = lane
+        if old is not None:
+            old.close()
+
+    def _forget(self, lane: bulk.Lane) -> None:
+        with self._lock:
+            for token, known in list(self._lanes.items()):
+                if known is lane:
+                    del self._lanes[token]
+
+    def lane(self, identity: bytes) -> bulk.Lane | None:
+        with self._lock:
+            return self._lanes.get(identity)
+
+    def drop(self, identity: bytes) -> None:
+        with self._lock:
+            lane = self._lanes.pop(identity, None)
+        if lane is not None:
+            lane.arrivals.clear()
+            lane.close()
+
+    # ------------------------------------------------------------ transfers (executor thread)
+
+    def take_upload(self, identity: bytes, xfer: int, timeout: float) -> torch.Tensor:
+        lane = self.lane(identity)
+        if lane is None:
+            raise ProtocolError("this client has no bulk lane open")
+        try:
+            return lane.arrivals.take(xfer, timeout)
+        except (TimeoutError, ConnectionError) as e:
+            raise ProtocolError(str(e)) from None
+
+    def send_download(self, identity: bytes, payload: memoryview) -> int | None:
+        """Send a payload to the client; its transfer id, or None when the client has no lane."""
+        lane = self.lane(identity)
+        if lane is None:
+            return None
+        xfer = lane.next_id()
+        lane.send(xfer, payload)
+        return xfer
+
+    def waiting_bytes(self) -> int:
+        with self._lock:
+            lanes = list(self._lanes.values())
+        return sum(lane.arrivals.pending_bytes() for lane in lanes)
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+        with self._lock:
+            lanes, self._lanes = list(self._lanes.values()), {}
+        for lane in lanes:
+            lane.close()
+        if self._path and os.path.exists(self._path):
+            os.unlink(self._path)

@@ -1,0 +1,92 @@
+"""The bulk lane: large payloads over a plain socket beside ZeroMQ, into recycled buffers."""
+from __future__ import annotations
+
+import shutil
+import socket
+
+import pytest
+import torch
+
+import genie
+from daemons import DaemonProcess, ipc_endpoint
+
+BIG = 1536 * 1024  # float32 elements: 6 MiB, above the 4 MiB default bulk threshold
+
+
+def _lane():
+    return genie.get_runtime().links[0].bulk_lane
+
+
+def test_large_tensors_travel_on_the_tcp_bulk_lane(dev):
+    info = genie.transport_info()
+    assert next(iter(info["links"].values()))["path"] == "zmq+bulk-tcp"
+    lane = _lane()
+    sent, received = lane.bytes_sent, lane.bytes_received
+    src = torch.randn(BIG)
+    original = src.clone()
+    x = src.to(dev)
+    src.add_(1)  # the upload was taken at .to() time, like a blocking host-to-device copy
+    y = (x * 2).cpu()
+    assert torch.equal(y, original * 2)
+    assert lane.bytes_sent - sent >= BIG * 4 and lane.bytes_received - received >= BIG * 4
+
+
+def test_ipc_daemon_gets_a_unix_bulk_lane():
+    ipc, tmpdir = ipc_endpoint()
+    try:
+        with DaemonProcess(ipc) as d:
+            genie.init(d.endpoint)
+            try:
+                assert genie.transport_info()["links"][d.endpoint]["path"] == "zmq+bulk-unix"
+                src = torch.arange(BIG, dtype=torch.float32)
+                assert torch.equal((src.to("remote_accelerator:0") + 1).cpu(), src + 1)
+                assert _lane().bytes_received >= BIG * 4
+            finally:
+                genie.shutdown()
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def test_bulk_download_lands_in_a_recycled_buffer_without_a_copy(dev):
+    pool = genie.get_runtime().host_pool
+    x = torch.randn(BIG, device=dev)
+    first = x.cpu()
+    blocks = [b.data_ptr() for sizes in pool._blocks.values() for b in sizes]
+    assert first.data_ptr() in blocks  # the socket wrote straight into the pooled block
+    address = first.data_ptr()
+    del first
+    reuses = pool.reuses
+    second = (x + 0).cpu()
+    assert second.data_ptr() == address and pool.reuses == reuses + 1  # same block, recycled
+
+
+def test_without_a_bulk_lane_large_payloads_go_over_zeromq():
+    with DaemonProcess(extra=["--no-bulk-lane"]) as d:
+        genie.init(d.endpoint)
+        try:
+            assert genie.transport_info()["links"][d.endpoint]["path"] == "zmq"
+            src = torch.randn(BIG)
+            assert torch.equal(src.to("remote_accelerator:0").cpu(), src)
+        finally:
+            genie.shutdown()
+
+
+def test_daemon_refuses_a_bulk_connection_from_an_unknown_client(dev):
+    port = _lane().sock.getpeername()[1]
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"GNB1" + b"\x00" * 16)  # a token no client owns
+        assert s.recv(1) == b""  # closed without the accepting byte
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"HTTP/1.1 GET /\r\n\r\n")
+        assert s.recv(1) == b""
+    x = torch.randn(BIG, device=dev)  # the real client's lane still works
+    assert x.cpu().shape == (BIG,)
+
+
+def test_transport_info_says_what_paths_exist(dev):
+    local = genie.transport_info()["local"]
+    assert set(local) >= {"rdma_libraries", "gpudirect_rdma", "cuda", "cupy"}
+    if not local["rdma_libraries"]:
+        assert local["gpudirect_rdma"].startswith("none")
+    if not torch.cuda.is_available():
+        assert local["cuda"] is False
