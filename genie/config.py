@@ -14,7 +14,9 @@ GENIE_FRAME_MB        payloads larger than this MiB are sent as several frames (
 GENIE_BULK_MIN_KB     payloads of at least this many KiB go over the daemon's bulk lane, a
                       plain stream socket beside ZeroMQ (default 4096; 0: never).
 GENIE_HOST_POOL_MB    MiB of idle receive buffers kept for reuse (default 1024).
-GENIE_HEARTBEAT       seconds between keep-alive pings to each daemon (default 10).
+GENIE_HEARTBEAT       seconds between keep-alive pings to each daemon (default 1).
+GENIE_HEARTBEAT_TIMEOUT seconds a ping may stay unanswered before the daemon is declared
+                      lost and everything waiting on it fails (default 3).
 GENIE_DAEMON_THREADS  torch threads for the embedded daemon (default: torch's choice).
 GENIE_LOG_INTERCEPTS  1: log every captured op at DEBUG level on logger "genie.capture".
 """
@@ -46,6 +48,7 @@ class Config:
     bulk_min_bytes: int
     host_pool_bytes: int
     heartbeat: float
+    heartbeat_timeout: float
     daemon_threads: int
     log_intercepts: bool
 
@@ -61,7 +64,8 @@ def load() -> Config:
         max_frame_bytes=int(_float("GENIE_FRAME_MB", 1024) * (1 << 20)),
         bulk_min_bytes=int(_float("GENIE_BULK_MIN_KB", 4096) * 1024),
         host_pool_bytes=int(_float("GENIE_HOST_POOL_MB", 1024) * (1 << 20)),
-        heartbeat=_float("GENIE_HEARTBEAT", 10.0),
+        heartbeat=_float("GENIE_HEARTBEAT", 1.0),
+        heartbeat_timeout=_float("GENIE_HEARTBEAT_TIMEOUT", 3.0),
         daemon_threads=int(_float("GENIE_DAEMON_THREADS", 0)),
         log_intercepts=os.environ.get("GENIE_LOG_INTERCEPTS", "") == "1",
     )

@@ -47,11 +47,13 @@ class DaemonLink:
         self._inflight = threading.Condition()
         self._outstanding = 0  # exec requests posted through the loop and not yet answered
         self._direct_busy = False  # a caller thread is in a direct request (see `direct_exec`)
+        self.lost: str | None = None  # why this daemon was declared lost, once it is
         self.token = bulk.new_token()  # this client's routing id on the daemon; also opens its bulk lane
         self.bulk_lane: bulk.Lane | None = None
 
     async def connect(self, timeout: float, heartbeat: float) -> None:
         self.channel = Channel(self.endpoint, self.runtime.zmq_context, routing_id=self.token)
+        self.channel.on_disconnect = self.lose
         await self.channel.open()
         start = time.perf_counter()
         try:
@@ -103,14 +105,46 @@ class DaemonLink:
         self.bandwidth = payload / max(elapsed - self.measured_rtt_s, 1e-6)
 
     async def _beat(self, period: float) -> None:
-        while True:
+        """Ping every `period`; a ping unanswered for the heartbeat timeout means the daemon is lost.
+
+        The clock starts when the oldest unanswered ping was sent, by this loop: if this process
+        itself was stalled, its pings went out late too, and nothing is declared lost for that.
+        """
+        timeout = self.runtime.config.heartbeat_timeout
+        oldest_unanswered: float | None = None
+        while self.lost is None:
             await asyncio.sleep(period)
+            now = time.monotonic()
+            if oldest_unanswered is not None and self.channel.last_heard >= oldest_unanswered:
+                oldest_unanswered = None
+            if oldest_unanswered is not None and timeout > 0 and now - oldest_unanswered > timeout:
+                self.lose(f"no answer to heartbeats for {now - oldest_unanswered:.1f}s")
+                return
             try:
                 pong = self.channel.post("ping", {})
             except Exception:
                 return
+            if oldest_unanswered is None:
+                oldest_unanswered = now
             # Nobody awaits a ping: consume its outcome so a closed channel logs nothing.
             pong.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    def lose(self, reason: str) -> None:
+        """The daemon is gone: fail everything waiting on it, at once, with a message that says so."""
+        if self.lost is not None:
+            return
+        waiting = len(self.channel._pending) if self.channel else 0
+        self.lost = (f"genie-daemon at {self.endpoint} was lost ({reason}); {waiting} request(s) in flight failed "
+                     "and tensors that lived only on it are gone; the next use of a remote device reconnects")
+        log.error("%s", self.lost)
+        error = GenieConnectionError(self.lost)
+        if self.channel is not None:
+            self.channel.fail_pending(error)
+            asyncio.get_running_loop().create_task(self.channel.close())  # lose() runs on the loop
+        if self.bulk_lane is not None:
+            self.bulk_lane.close(error)
+        with self._inflight:
+            self._inflight.notify_all()
 
     def submit_exec(self, body: dict, frames: list, stream: DeviceStream, waited: bool) -> concurrent.futures.Future:
         """Post an exec in order. When nobody waits for it, failures are kept on the stream."""
@@ -118,11 +152,13 @@ class DaemonLink:
         limit = self.runtime.config.max_inflight_bytes
         with self._inflight:
             # Wait while too much is in flight (a single batch larger than the bound still goes alone).
-            if not self._inflight.wait_for(lambda: not self._direct_busy and (
+            if not self._inflight.wait_for(lambda: self.lost is not None or not self._direct_busy and (
                     self.inflight_bytes == 0 or self.inflight_bytes + nbytes <= limit),
                     timeout=self.runtime.config.request_timeout):
                 raise GenieConnectionError(f"genie-daemon at {self.endpoint} acknowledged nothing for "
                                            f"{self.runtime.config.request_timeout:.0f}s ({self.inflight_bytes} bytes in flight)")
+            if self.lost is not None:
+                raise GenieConnectionError(self.lost)
             self.inflight_bytes += nbytes
             self._outstanding += 1
         future = self.channel.post_threadsafe(self.runtime.loop.loop, "exec", body, frames)
@@ -160,13 +196,15 @@ class DaemonLink:
         future: concurrent.futures.Future = concurrent.futures.Future()
         try:
             reply = self.channel.request_sync("exec", body, frames, self.runtime.config.request_timeout,
-                                              alive=lambda: not self.channel.closed)
+                                              alive=lambda: self.lost is None and not self.channel.closed)
             timing = reply.body.get("time")
             if timing:
                 stream.exec_log.append(tuple(timing))
             future.set_result(reply)
         except TimeoutError as e:
             future.set_exception(GenieConnectionError(str(e)))
+        except ChannelClosed as e:
+            future.set_exception(GenieConnectionError(self.lost or str(e)))
         except Exception as e:  # noqa: BLE001 - handed to the waiter like a loop-path failure
             future.set_exception(e)
         finally:
@@ -199,6 +237,9 @@ class DaemonLink:
         if self.bulk_lane is not None:
             self.bulk_lane.close()
         if self.channel is None:
+            return
+        if self.lost is not None:
+            await self.channel.close()
             return
         if say_bye and not self.channel.closed:
             try:
@@ -281,12 +322,26 @@ class Runtime:
                 if not self._started:
                     self.init()
 
+    def _reconnect(self) -> None:
+        """A daemon was lost: connect again to the same endpoints (a fresh embedded daemon if that was
+        the one). Tensors made before keep pointing at the lost streams and raise when used."""
+        with self._lock:
+            lost = [link for link in self.links if link.lost]
+            if not lost:
+                return
+            endpoints = None if self.local_daemon is not None else [link.endpoint for link in self.links]
+            log.warning("reconnecting after: %s", "; ".join(link.lost for link in lost))
+            self.shutdown()
+            self.init(endpoints)
+
     @property
     def started(self) -> bool:
         return self._started
 
     def stream(self, index: int | None) -> DeviceStream:
         self.ensure_started()
+        if any(link.lost for link in self.links):
+            self._reconnect()
         if index is None:
             index = self.current_device
         if not 0 <= index < len(self.streams):

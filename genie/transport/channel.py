@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 import zmq
@@ -74,6 +75,8 @@ class Channel:
         self._direct: zmq.Socket | None = None  # the caller-thread socket of `request_sync`
         self._sync_ctx: zmq.Context | None = None
         self._direct_lock = threading.Lock()
+        self.last_heard = 0.0  # time.monotonic() of the last reply from the daemon
+        self.on_disconnect = None  # callback(reason): set before open() to learn of dropped connections
 
     async def open(self) -> None:
         sock = self._ctx.socket(zmq.DEALER)
@@ -84,6 +87,29 @@ class Channel:
         self._socket = sock
         self._outbox = asyncio.Queue()
         self._tasks = [asyncio.create_task(self._send_loop()), asyncio.create_task(self._receive_loop())]
+        if self.on_disconnect is not None:
+            self._tasks.append(asyncio.create_task(self._watch_connection(sock)))
+
+    async def _watch_connection(self, sock) -> None:
+        """Report a dropped connection at once: replies to anything in flight are lost with it."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        connected = False
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_CONNECTED:
+                    connected = True
+                elif event["event"] == zmq.EVENT_DISCONNECTED and connected:
+                    self.on_disconnect("the connection dropped")
+                    return
+        finally:
+            try:
+                sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            monitor.close(linger=0)
 
     def post(self, kind: str, body: dict, frames: list | None = None) -> asyncio.Future:
         """Queue a request; the future resolves to a `Reply` or raises `RemoteError`."""
@@ -131,6 +157,7 @@ class Channel:
         sock = self._socket
         while True:
             parts = await sock.recv_multipart(copy=False)
+            self.last_heard = time.monotonic()
             self.bytes_received += sum(len(p) for p in parts)
             try:
                 header = protocol.unpack_header(parts[0].buffer)
@@ -182,6 +209,7 @@ class Channel:
                     raise TimeoutError(f"genie-daemon at {self.endpoint} did not answer within {timeout:.0f}s")
                 continue
             parts = sock.recv_multipart(copy=False)
+            self.last_heard = time.monotonic()
             self.bytes_received += sum(len(p) for p in parts)
             try:
                 got_rid, ok, reply_body = protocol.unpack_header(parts[0].buffer)

@@ -1,0 +1,85 @@
+"""Faults: a daemon killed or frozen mid-run fails waiting work fast, and the client reconnects."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+import genie
+from daemons import DaemonProcess
+from genie import GenieConnectionError
+
+DEV = "remote_accelerator:0"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _long_work(n_ops: int = 400):
+    """Queue several seconds of daemon work (1 thread: roughly 25 ms per step)."""
+    x = torch.randn(512, 512, device=DEV)
+    y = x
+    for _ in range(n_ops):
+        y = (y @ x).tanh()
+    return x, y
+
+
+def _signal_later(proc, sig, delay: float, when: list) -> threading.Timer:
+    def fire():
+        when.append(time.monotonic())
+        os.kill(proc.pid, sig)
+
+    timer = threading.Timer(delay, fire)
+    timer.start()
+    return timer
+
+
+def test_kill_9_fails_the_materialization_within_5s_and_the_client_reconnects():
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    first, second = DaemonProcess(endpoint), DaemonProcess(endpoint)
+    first.start()
+    try:
+        genie.init(endpoint)
+        x, y = _long_work()
+        killed: list = []
+        _signal_later(first.proc, signal.SIGKILL, 1.0, killed)
+        with pytest.raises(GenieConnectionError) as caught:
+            y.sum().item()
+        assert killed, "the materialization ended before the daemon was killed: make the work longer"
+        assert time.monotonic() - killed[0] < 5.0
+        message = str(caught.value)
+        assert endpoint in message and "lost" in message
+
+        second.start()  # the same endpoint comes back
+        z = torch.full((4,), 3.0, device=DEV)  # next use reconnects
+        assert z.sum().item() == 12.0
+        with pytest.raises(GenieConnectionError, match="lost"):
+            x.cpu()  # lived only on the dead daemon
+    finally:
+        genie.shutdown()
+        first.stop()
+        second.stop()
+
+
+def test_a_frozen_daemon_is_detected_by_heartbeats():
+    """SIGSTOP keeps the TCP connection open and silent, like a dropped network: heartbeats catch it."""
+    with DaemonProcess() as d:
+        genie.init(d.endpoint)
+        try:
+            _, y = _long_work()
+            stopped: list = []
+            _signal_later(d.proc, signal.SIGSTOP, 0.5, stopped)
+            with pytest.raises(GenieConnectionError, match="heartbeats"):
+                y.sum().item()
+            assert time.monotonic() - stopped[0] < 5.0
+        finally:
+            os.kill(d.proc.pid, signal.SIGCONT)
+            genie.shutdown()
