@@ -50,6 +50,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "env GENIE_MEMORY_LIMIT_GB")
     p.add_argument("--max-frame-mb", type=float, default=1024,
                    help="payloads larger than this go as several ZeroMQ frames (must stay under 2048)")
+    p.add_argument("--curve-secret", default=os.environ.get("GENIE_CURVE_SECRET"), metavar="FILE",
+                   help="this daemon's .key_secret file (from `genie-daemon keygen`): turns CURVE on; "
+                   "env GENIE_CURVE_SECRET")
+    p.add_argument("--allow-keys", default=os.environ.get("GENIE_CURVE_ALLOW"), metavar="DIR",
+                   help="directory of the client public .key files to accept (with --curve-secret); "
+                   "env GENIE_CURVE_ALLOW")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow listening on a non-loopback address without CURVE keys (anyone who can reach "
+                   "the port can run work here)")
     p.add_argument("--no-bulk-lane", action="store_true",
                    help="send large payloads over ZeroMQ only (no second socket for bulk transfers)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
@@ -70,10 +79,31 @@ async def _watch_parent(pid: int, server: DaemonServer) -> None:
             pass
 
 
+def security_from(args: argparse.Namespace):
+    """CURVE keys from the flags, and the rule: no open daemon on a network unless --insecure."""
+    from genie.transport import security
+
+    if bool(args.curve_secret) != bool(args.allow_keys):
+        raise SystemExit("genie-daemon: --curve-secret and --allow-keys go together")
+    if args.curve_secret:
+        try:
+            return security.server_keys(args.curve_secret, args.allow_keys)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"genie-daemon: {e}") from None
+    if not security.is_loopback_endpoint(args.listen):
+        if not args.insecure:
+            raise SystemExit(f"genie-daemon: refusing to listen on {args.listen} without CURVE keys: anyone who "
+                             "can reach it could run work here. Use `genie-daemon keygen`, --curve-secret and "
+                             "--allow-keys, or pass --insecure on a network you trust.")
+        log.warning("listening on %s WITHOUT authentication or encryption (--insecure)", args.listen)
+    return None
+
+
 async def _run(args: argparse.Namespace) -> None:
     devices = pick_devices(args.device)
     server = DaemonServer(args.listen, devices, client_lease_s=args.client_lease,
-                          memory_limit=int(args.memory_limit * 2**30), bulk_lanes=not args.no_bulk_lane)
+                          memory_limit=int(args.memory_limit * 2**30), bulk_lanes=not args.no_bulk_lane,
+                          curve=security_from(args))
     endpoint = server.bind()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -86,7 +116,24 @@ async def _run(args: argparse.Namespace) -> None:
         watcher.cancel()
 
 
+def keygen(argv: list[str]) -> None:
+    """`genie-daemon keygen DIR [--name NAME]`: write a CURVE key pair."""
+    from genie.transport import security
+
+    p = argparse.ArgumentParser(prog="genie-daemon keygen",
+                                description="Write a CURVE key pair: NAME.key (public) and NAME.key_secret.")
+    p.add_argument("directory")
+    p.add_argument("--name", default="genie")
+    args = p.parse_args(argv)
+    public, secret = security.write_key_pair(args.directory, args.name)
+    print(f"public key: {public}\nsecret key: {secret} (keep it private)")
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["keygen"]:
+        keygen(argv[1:])
+        return
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s genie-daemon[%(process)d] %(levelname)s %(message)s")

@@ -64,8 +64,9 @@ class Mailbox:
 class PeerLinks:
     """DEALER sockets from this daemon to its peers, used only on the event loop."""
 
-    def __init__(self, context: zmq.asyncio.Context, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, context: zmq.asyncio.Context, loop: asyncio.AbstractEventLoop, curve=None) -> None:
         self._ctx = context
+        self._curve = curve  # ClientKeys: this daemon's key pair, peers' (shared) public key
         self._loop = loop
         self._sockets: dict[str, zmq.asyncio.Socket] = {}
         self._ids = 0
@@ -84,6 +85,8 @@ class PeerLinks:
         if sock is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            if self._curve is not None:
+                self._curve.apply(sock)
             sock.connect(endpoint)
             self._sockets[endpoint] = sock
             asyncio.ensure_future(self._drain(endpoint, sock))

@@ -64,9 +64,11 @@ def _describe_hardware(device: torch.device) -> dict:
 
 class DaemonServer:
     def __init__(self, endpoint: str, devices: list[torch.device], client_lease_s: float = 60.0,
-                 memory_limit: int = 0, bulk_lanes: bool = True) -> None:
+                 memory_limit: int = 0, bulk_lanes: bool = True, curve=None) -> None:
         self.endpoint = endpoint
-        self.bulk_lanes = bulk_lanes
+        self.curve = curve  # ServerKeys: CURVE on, only allow-listed clients; None: plaintext, open
+        self.bulk_lanes = bulk_lanes and curve is None  # the bulk lane is plaintext
+        self._authenticator = None
         self.bulk: BulkListener | None = None
         self.devices = devices
         self.client_lease_s = client_lease_s
@@ -91,6 +93,9 @@ class DaemonServer:
     def bind(self) -> str:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            self._start_authenticator()
+            self.curve.apply(sock)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         sock.bind(self.endpoint)
         self._socket = sock
@@ -98,6 +103,16 @@ class DaemonServer:
         if self.bulk_lanes:
             self._open_bulk_lanes()
         return self.bound_endpoint
+
+    def _start_authenticator(self) -> None:
+        """ZAP handler: the CURVE handshake succeeds only for public keys in the allow directory."""
+        from zmq.auth.thread import ThreadAuthenticator
+
+        sync_context = zmq.Context.shadow(self._ctx.underlying)  # same context: ZAP is per context
+        self._authenticator = ThreadAuthenticator(sync_context, log=logging.getLogger("genie.daemon.auth"))
+        self._authenticator.start()
+        self._authenticator.configure_curve(domain="*", location=self.curve.allow_dir)
+        log.info("CURVE on: accepting the public keys in %s", self.curve.allow_dir)
 
     def _open_bulk_lanes(self) -> None:
         total = _describe_hardware(torch.device("cpu"))["total_memory"] or (1 << 40)
@@ -116,7 +131,8 @@ class DaemonServer:
     async def serve(self) -> None:
         if self._socket is None:
             self.bind()
-        self.peers = PeerLinks(self._ctx, asyncio.get_running_loop())
+        peer_keys = self.curve.as_client_of(self.curve.public) if self.curve is not None else None
+        self.peers = PeerLinks(self._ctx, asyncio.get_running_loop(), curve=peer_keys)
         sweeper = asyncio.create_task(self._sweep_idle_clients())
         receiver = asyncio.create_task(self._receive_loop())
         await self._stopping.wait()
@@ -128,6 +144,8 @@ class DaemonServer:
         if self.bulk is not None:
             self.bulk.close()
         self._socket.close(linger=0)
+        if self._authenticator is not None:
+            self._authenticator.stop()
         self._ctx.term()
         log.info("daemon stopped")
 

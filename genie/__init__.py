@@ -26,9 +26,15 @@ __version__ = "0.1.0"
 remote_accelerator = _device.register()
 
 
-def init(urls: str | list[str] | None = None) -> None:
-    """Connect to daemons: "tcp://a:5555,ipc:///tmp/b" or a list. None: GENIE_SERVER_URL, else a local daemon."""
-    get_runtime().init(urls)
+def init(urls: str | list[str] | None = None, *, client_key: str | None = None,
+         server_key: str | None = None) -> None:
+    """Connect to daemons: "tcp://a:5555,ipc:///tmp/b" or a list. None: GENIE_SERVER_URL, else a local daemon.
+
+    CURVE: `client_key` is this client's .key_secret file, `server_key` the daemons' public .key file
+    (defaults: GENIE_CURVE_CLIENT_KEY, GENIE_CURVE_SERVER_KEY). With both set, every connection is
+    authenticated and encrypted, and a daemon that does not hold the server key is refused.
+    """
+    get_runtime().init(urls, client_key=client_key, server_key=server_key)
 
 
 def capture(model=None):

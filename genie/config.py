@@ -17,6 +17,9 @@ GENIE_HOST_POOL_MB    MiB of idle receive buffers kept for reuse (default 1024).
 GENIE_HEARTBEAT       seconds between keep-alive pings to each daemon (default 1).
 GENIE_HEARTBEAT_TIMEOUT seconds a ping may stay unanswered before the daemon is declared
                       lost and everything waiting on it fails (default 3).
+GENIE_CURVE_CLIENT_KEY this client's CURVE .key_secret file (with GENIE_CURVE_SERVER_KEY).
+GENIE_CURVE_SERVER_KEY the daemons' CURVE public .key file: connections are authenticated
+                      and encrypted, and only a daemon holding its secret is accepted.
 GENIE_DAEMON_THREADS  torch threads for the embedded daemon (default: torch's choice).
 GENIE_LOG_INTERCEPTS  1: log every captured op at DEBUG level on logger "genie.capture".
 """
@@ -50,6 +53,8 @@ class Config:
     heartbeat: float
     heartbeat_timeout: float
     daemon_threads: int
+    curve_client_key: str | None
+    curve_server_key: str | None
     log_intercepts: bool
 
 
@@ -67,5 +72,7 @@ def load() -> Config:
         heartbeat=_float("GENIE_HEARTBEAT", 1.0),
         heartbeat_timeout=_float("GENIE_HEARTBEAT_TIMEOUT", 3.0),
         daemon_threads=int(_float("GENIE_DAEMON_THREADS", 0)),
+        curve_client_key=os.environ.get("GENIE_CURVE_CLIENT_KEY") or None,
+        curve_server_key=os.environ.get("GENIE_CURVE_SERVER_KEY") or None,
         log_intercepts=os.environ.get("GENIE_LOG_INTERCEPTS", "") == "1",
     )

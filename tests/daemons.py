@@ -66,3 +66,59 @@ class DaemonProcess:
 def ipc_endpoint() -> tuple[str, str]:
     d = tempfile.mkdtemp(prefix="genie-test-")
     return f"ipc://{os.path.join(d, 'd.sock')}", d
+
+
+class RecordingProxy:
+    """A loopback TCP forwarder that keeps a copy of every byte it carries (to check encryption)."""
+
+    def __init__(self, target_port: int) -> None:
+        import socket
+
+        self.target_port = target_port
+        self.recorded = bytearray()
+        self._lock = threading.Lock()
+        self._listener = socket.socket()
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(16)
+        self.port = self._listener.getsockname()[1]
+        self._open: list = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            self._open += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src, dst) -> None:
+        try:
+            while True:
+                data = src.recv(1 << 16)
+                if not data:
+                    break
+                with self._lock:
+                    self.recorded += data
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._listener.close()
+        for s in self._open:
+            try:
+                s.close()
+            except OSError:
+                pass

@@ -52,7 +52,8 @@ class DaemonLink:
         self.bulk_lane: bulk.Lane | None = None
 
     async def connect(self, timeout: float, heartbeat: float) -> None:
-        self.channel = Channel(self.endpoint, self.runtime.zmq_context, routing_id=self.token)
+        self.channel = Channel(self.endpoint, self.runtime.zmq_context, routing_id=self.token,
+                               curve=self.runtime.curve)
         self.channel.on_disconnect = self.lose
         await self.channel.open()
         start = time.perf_counter()
@@ -77,7 +78,7 @@ class DaemonLink:
     async def _open_bulk_lane(self, advertised, timeout: float) -> None:
         config = self.runtime.config
         address = bulk.connect_address(advertised, self.endpoint)
-        if address is None or config.bulk_min_bytes <= 0:
+        if address is None or config.bulk_min_bytes <= 0 or self.runtime.curve is not None:  # lane is plaintext
             return
         try:
             self.bulk_lane = await asyncio.get_running_loop().run_in_executor(
@@ -266,6 +267,7 @@ class Runtime:
         self._atexit_registered = False
         self.on_start: list = []  # callbacks run after each (re)connection, e.g. to replay a seed
         self.host_pool = HostBufferPool(self.config.host_pool_bytes)  # receive buffers of bulk downloads
+        self.curve = None  # security.ClientKeys when connections use CURVE
 
     @property
     def loop(self) -> LoopThread:
@@ -276,11 +278,13 @@ class Runtime:
 
     # ------------------------------------------------------------ connecting
 
-    def init(self, urls: str | list[str] | None = None) -> None:
+    def init(self, urls: str | list[str] | None = None, client_key: str | None = None,
+             server_key: str | None = None) -> None:
         """Connect to the given daemons (comma-separated string or list); None: config or embedded."""
         with self._lock:
             if self._started:
                 self.shutdown()
+            self.curve = self._curve_keys(client_key, server_key)
             if urls is None:
                 urls = self.config.server_url
             endpoints = _split(urls) if urls else []
@@ -322,6 +326,20 @@ class Runtime:
                 if not self._started:
                     self.init()
 
+    def _curve_keys(self, client_key: str | None, server_key: str | None):
+        from genie.transport import security
+
+        client_key = client_key or self.config.curve_client_key
+        server_key = server_key or self.config.curve_server_key
+        if not client_key and not server_key:
+            return None
+        if not (client_key and server_key):
+            raise GenieError("CURVE needs both a client key (.key_secret) and the daemon's public key (.key)")
+        try:
+            return security.client_keys(client_key, server_key)
+        except (OSError, ValueError) as e:
+            raise GenieError(f"CURVE keys: {e}") from None
+
     def _reconnect(self) -> None:
         """A daemon was lost: connect again to the same endpoints (a fresh embedded daemon if that was
         the one). Tensors made before keep pointing at the lost streams and raise when used."""
@@ -331,8 +349,10 @@ class Runtime:
                 return
             endpoints = None if self.local_daemon is not None else [link.endpoint for link in self.links]
             log.warning("reconnecting after: %s", "; ".join(link.lost for link in lost))
+            curve = self.curve
             self.shutdown()
             self.init(endpoints)
+            self.curve = curve
 
     @property
     def started(self) -> bool:
@@ -386,7 +406,7 @@ class Runtime:
             links[link.endpoint] = {
                 "path": link.transport_path(),
                 "bulk_min_bytes": self.config.bulk_min_bytes if lane is not None else None,
-                "encrypted": False,
+                "encrypted": self.curve is not None,
             }
         return {"links": links, "local": local_capabilities()}
 

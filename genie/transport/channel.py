@@ -57,8 +57,10 @@ class Reply:
 
 
 class Channel:
-    def __init__(self, endpoint: str, context: zmq.asyncio.Context, routing_id: bytes | None = None) -> None:
+    def __init__(self, endpoint: str, context: zmq.asyncio.Context, routing_id: bytes | None = None,
+                 curve=None) -> None:
         self.endpoint = endpoint
+        self.curve = curve  # security.ClientKeys, or None for a plaintext connection
         self.routing_id = routing_id
         self._ctx = context
         self._socket: zmq.asyncio.Socket | None = None
@@ -83,6 +85,8 @@ class Channel:
         sock.setsockopt(zmq.LINGER, 0)
         if self.routing_id:
             sock.setsockopt(zmq.ROUTING_ID, self.routing_id)
+        if self.curve is not None:
+            self.curve.apply(sock)
         sock.connect(self.endpoint)
         self._socket = sock
         self._outbox = asyncio.Queue()
@@ -94,11 +98,17 @@ class Channel:
         """Report a dropped connection at once: replies to anything in flight are lost with it."""
         from zmq.utils.monitor import parse_monitor_message
 
-        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        handshake_failures = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                              | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | handshake_failures)
         connected = False
         try:
             while True:
                 event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] & handshake_failures:
+                    self.on_disconnect("the CURVE handshake failed: the daemon's key or this client's is not "
+                                       "the expected one" if self.curve else "the ZeroMQ handshake failed")
+                    return
                 if event["event"] == zmq.EVENT_CONNECTED:
                     connected = True
                 elif event["event"] == zmq.EVENT_DISCONNECTED and connected:
@@ -229,6 +239,8 @@ class Channel:
             sock.setsockopt(zmq.LINGER, 0)
             if self.routing_id:
                 sock.setsockopt(zmq.ROUTING_ID, self.routing_id + b"\x01")
+            if self.curve is not None:
+                self.curve.apply(sock)
             sock.connect(self.endpoint)
             self._direct = sock
         return self._direct
