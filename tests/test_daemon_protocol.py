@@ -79,3 +79,18 @@ def test_exec_and_fetch_roundtrip(sock):
     assert ok
     frame, dtype, shape = body["fetched"][0]
     assert dtype == "float32" and shape == [3] and payload[frame] == b"\x00\x00\x80\x40" * 3
+
+
+def test_another_clients_handles_cannot_be_read_freed_or_overwritten(sock, dev):
+    import torch
+
+    victim = torch.full((4,), 7.0, device=dev)
+    victim_id = victim._genie.id
+    torch.remote_accelerator.synchronize()
+    read, _ = call(sock, [protocol.pack(["exec", 1, {"fetch": [victim_id]}])])
+    assert "error" in read[2]["fetched"][0]  # no such handle for this client
+    write, _ = call(sock, [protocol.pack(["exec", 2, {"ops": [op("aten::zero_", [protocol.encode_handle(victim_id)],
+                                                                   None)], "report": True}])])
+    assert write[1] is False
+    call(sock, [protocol.pack(["exec", 3, {"frees": [victim_id]}])])
+    assert victim.cpu().tolist() == [7.0] * 4  # untouched, still there
