@@ -39,6 +39,7 @@ def two_daemons(daemon_endpoint):
 
     ipc, tmpdir = ipc_endpoint()
     with DaemonProcess("tcp://127.0.0.1:0") as a, DaemonProcess(ipc) as b:
+        assert a.endpoint.startswith("tcp://") and b.endpoint.startswith("ipc://")
         genie.init(f"{a.endpoint},{b.endpoint}")
         try:
             yield a, b

@@ -1,24 +1,9 @@
 """Several daemons at once: one started over tcp, another over ipc, both through `genie-daemon`."""
-import shutil
-
 import pytest
 import torch
 
 import genie
-from daemons import DaemonProcess, ipc_endpoint
-
-
-@pytest.fixture
-def two_daemons(daemon_endpoint):
-    ipc, tmpdir = ipc_endpoint()
-    with DaemonProcess("tcp://127.0.0.1:0") as a, DaemonProcess(ipc) as b:
-        assert a.endpoint.startswith("tcp://") and b.endpoint.startswith("ipc://")
-        genie.init(f"{a.endpoint},{b.endpoint}")
-        try:
-            yield a, b
-        finally:
-            genie.shutdown()
-    shutil.rmtree(tmpdir, ignore_errors=True)
+from daemons import DaemonProcess
 
 
 def test_devices_enumerate_daemons_in_order(two_daemons):
