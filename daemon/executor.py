@@ -14,7 +14,7 @@ import torch
 from genie.transport import protocol
 from genie.transport.errors import ProtocolError
 from genie.transport.protocol import BulkTensor, DeviceRef, Exec, HandleRef, InlineTensor, OpCall
-from genie.transport.tensors import dtype_name, frames_to_tensor, tensor_to_buffer, tensor_to_frames
+from genie.transport.tensors import bytes_as_tensor, dtype_name, frames_to_tensor, tensor_to_buffer, tensor_to_frames
 
 from . import ops as op_table
 from .handles import ClientState, Poison
@@ -288,15 +288,7 @@ class Executor:
         if self.bulk is None:
             raise ProtocolError("this daemon has no bulk lanes")
         raw = self.bulk.take_upload(client.identity, value.xfer, self.transfer_timeout)
-        numel = 1
-        for s in value.shape:
-            numel *= s
-        if raw.nbytes != numel * value.dtype.itemsize:
-            raise ProtocolError(f"bulk transfer {value.xfer} holds {raw.nbytes} bytes, header says "
-                                f"{numel * value.dtype.itemsize} ({value.dtype}, {list(value.shape)})")
-        if numel == 0:
-            return torch.empty(value.shape, dtype=value.dtype)
-        return raw.view(value.dtype).view(value.shape)  # pooled buffers are page aligned
+        return bytes_as_tensor(raw, value.dtype, value.shape, f"bulk transfer {value.xfer}")
 
     def _fetch(self, client: ClientState, handle: int, out_frames: list, bulk_min: int = 0):
         try:

@@ -21,7 +21,8 @@ from genie.errors import GenieConnectionError, RemoteExecutionError
 from genie.transport import protocol
 from genie.transport.channel import RemoteError
 from genie.transport.bulk import tensor_bytes
-from genie.transport.tensors import check_frames, check_shape, frames_to_tensor, parse_dtype
+from genie.transport.errors import ProtocolError
+from genie.transport.tensors import bytes_as_tensor, check_frames, check_shape, frames_to_tensor, parse_dtype
 
 if TYPE_CHECKING:
     from .runtime import DaemonLink
@@ -212,15 +213,9 @@ class DeviceStream:
                                        "cannot receive")
         try:
             raw = lane.arrivals.take(xfer, self.link.runtime.config.request_timeout)
-        except (TimeoutError, ConnectionError) as e:
+            return bytes_as_tensor(raw, dtype, shape, f"bulk transfer {xfer}")
+        except (TimeoutError, ConnectionError, ProtocolError) as e:
             raise GenieConnectionError(f"genie-daemon at {self.link.endpoint}: {e}") from None
-        numel = 1
-        for s in shape:
-            numel *= s
-        if raw.nbytes != numel * dtype.itemsize:
-            raise GenieConnectionError(f"genie-daemon at {self.link.endpoint} sent {raw.nbytes} bytes for a "
-                                       f"{dtype} tensor of shape {list(shape)}")
-        return raw.view(dtype).view(shape) if numel else torch.empty(shape, dtype=dtype)
 
     def run_reported(self, entry: list) -> Any:
         """Queue `entry` last and run the batch now, returning its outputs described by the daemon."""

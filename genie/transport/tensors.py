@@ -105,6 +105,18 @@ def check_shape(shape: object) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def bytes_as_tensor(raw: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], what: str) -> torch.Tensor:
+    """A received uint8 tensor (page-aligned: a recycled host block) viewed as `dtype` and `shape`,
+    after checking its length against them."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    if raw.nbytes != numel * dtype.itemsize:
+        raise ProtocolError(f"{what} holds {raw.nbytes} bytes, header says {numel * dtype.itemsize} "
+                            f"({dtype}, {list(shape)})")
+    return raw.view(dtype).view(shape) if numel else torch.empty(shape, dtype=dtype)
+
+
 def buffer_to_tensor(buf, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """Wrap a received frame as a tensor, without copying, after checking its length."""
     numel = 1
