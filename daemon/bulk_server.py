@@ -25,11 +25,12 @@ from genie.transport.hostmem import HostBufferPool
 log = logging.getLogger("genie.daemon")
 
 GREETING_TIMEOUT_S = 5.0
+BULK_POOL_BYTES = 2 << 30  # most bytes of idle receive buffers the daemon keeps for reuse
 
 
 class BulkListener:
     def __init__(self, zmq_endpoint: str, is_known_client: Callable[[bytes], bool], max_transfer: int,
-                 pool_bytes: int = 2 << 30, send_timeout_s: float = 60.0) -> None:
+                 pool_bytes: int = BULK_POOL_BYTES, send_timeout_s: float = 60.0) -> None:
         address = bulk.listen_address_for(zmq_endpoint)
         if address is None:
             raise OSError(f"no bulk lane for endpoint {zmq_endpoint}")
@@ -55,6 +56,7 @@ class BulkListener:
         self._lanes: dict[bytes, bulk.Lane] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self.on_arrival: Callable[[], None] | None = None  # told (from a lane's thread) when an upload lands
         threading.Thread(target=self._accept_loop, name="genie-bulk-accept", daemon=True).start()
 
     # ------------------------------------------------------------ connections
@@ -87,6 +89,7 @@ class BulkListener:
             conn.close()
             return
         lane = bulk.Lane(conn, self.pool, self.max_transfer, name=token.hex()[:8], on_close=self._forget)
+        lane.arrivals.on_change = self.on_arrival
         with self._lock:
             old = self._lanes.pop(token, None)
             self._lanes[token] = lane
@@ -111,6 +114,11 @@ class BulkListener:
             lane.close()
 
     # ------------------------------------------------------------ transfers (executor thread)
+
+    def upload_ready(self, identity: bytes, xfer: int) -> bool:
+        """Whether `take_upload` would return (or fail) at once: the bytes are in, or there is no lane."""
+        lane = self.lane(identity)
+        return lane is None or lane.arrivals.ready(xfer)
 
     def take_upload(self, identity: bytes, xfer: int, timeout: float) -> torch.Tensor:
         lane = self.lane(identity)

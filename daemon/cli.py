@@ -10,6 +10,8 @@ import sys
 
 import torch
 
+from .bulk_server import BULK_POOL_BYTES
+from .memory_guard import cap_process_memory
 from .server import DaemonServer
 
 log = logging.getLogger("genie.daemon")
@@ -61,6 +63,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "the port can run work here)")
     p.add_argument("--no-bulk-lane", action="store_true",
                    help="send large payloads over ZeroMQ only (no second socket for bulk transfers)")
+    p.add_argument("--transfer-timeout", type=float, default=120.0, metavar="S",
+                   help="seconds a request may wait for a peer daemon's tensor or its bulk-lane bytes")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--log-level", default=os.environ.get("GENIE_LOG_LEVEL", "INFO"))
     return p.parse_args(argv)
@@ -101,9 +105,11 @@ def security_from(args: argparse.Namespace):
 
 async def _run(args: argparse.Namespace) -> None:
     devices = pick_devices(args.device)
+    memory_limit = int(args.memory_limit * 2**30)
     server = DaemonServer(args.listen, devices, client_lease_s=args.client_lease,
-                          memory_limit=int(args.memory_limit * 2**30), bulk_lanes=not args.no_bulk_lane,
-                          curve=security_from(args))
+                          memory_limit=memory_limit, bulk_lanes=not args.no_bulk_lane,
+                          curve=security_from(args), transfer_timeout=args.transfer_timeout)
+    server.process_cap = cap_process_memory(devices, memory_limit, BULK_POOL_BYTES)
     endpoint = server.bind()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -18,6 +18,7 @@ from genie.transport.tensors import bytes_as_tensor, dtype_name, frames_to_tenso
 
 from . import ops as op_table
 from .handles import ClientState, Poison
+from .memory_guard import is_allocation_failure
 
 log = logging.getLogger("genie.daemon")
 
@@ -111,6 +112,8 @@ class Executor:
                 raise _RemoteOpError(p.poison) from None
             return None
         except Exception as e:  # the op failed (or was refused): record it where the client will look
+            if is_allocation_failure(e):
+                e = OutOfMemoryError(f"genie-daemon could not allocate memory for {call.name}: {str(e).strip()}")
             poison = Poison(call.name, type(e).__name__, str(e).strip())
             log.debug("op %s failed: %s", call.name, e)
             self._poison(client, call, poison)

@@ -35,20 +35,43 @@ def check_transfer_id(tid) -> str:
 
 
 class Mailbox:
-    """Tensors that arrived from peers, waiting for the `genie::recv` that claims them."""
+    """Tensors that arrived from peers, waiting for the `genie::recv` that claims them.
 
-    def __init__(self, ttl_s: float = 300.0) -> None:
+    A deposit nobody claims within `ttl_s` is dropped, and the mailbox holds at most
+    `max_bytes` in all, so deposits alone cannot fill the daemon's memory.
+    """
+
+    def __init__(self, ttl_s: float = 300.0, max_bytes: int = 0) -> None:
         self._items: dict[str, tuple[float, torch.Tensor]] = {}
         self._cond = threading.Condition()
         self.ttl_s = ttl_s
+        self.max_bytes = max_bytes  # 0: no bound
+        self.bytes = 0
 
     def put(self, tid: str, tensor: torch.Tensor) -> None:
         with self._cond:
-            now = time.monotonic()
-            for key in [k for k, (t, _) in self._items.items() if now - t > self.ttl_s]:
-                del self._items[key]  # never claimed: drop
-            self._items[tid] = (now, tensor)
+            self._expire_locked()
+            if self.max_bytes and self.bytes + tensor.nbytes > self.max_bytes:
+                raise ProtocolError(f"mailbox full: {self.bytes} bytes wait unclaimed (limit {self.max_bytes})")
+            old = self._items.pop(tid, None)
+            if old is not None:
+                self.bytes -= old[1].nbytes
+            self._items[tid] = (time.monotonic(), tensor)
+            self.bytes += tensor.nbytes
             self._cond.notify_all()
+
+    def has(self, tid: str) -> bool:
+        with self._cond:
+            return tid in self._items
+
+    def expire(self) -> None:
+        with self._cond:
+            self._expire_locked()
+
+    def _expire_locked(self) -> None:
+        now = time.monotonic()
+        for key in [k for k, (t, _) in self._items.items() if now - t > self.ttl_s]:
+            self.bytes -= self._items.pop(key)[1].nbytes  # never claimed: drop
 
     def take(self, tid: str, timeout: float) -> torch.Tensor:
         deadline = time.monotonic() + timeout
@@ -56,9 +79,11 @@ class Mailbox:
             while tid not in self._items:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"no tensor arrived from the peer daemon for transfer {tid} within {timeout:.0f}s")
+                    raise TimeoutError(f"no tensor arrived from the peer daemon for transfer {tid}")
                 self._cond.wait(left)
-            return self._items.pop(tid)[1]
+            tensor = self._items.pop(tid)[1]
+            self.bytes -= tensor.nbytes
+            return tensor
 
 
 class PeerLinks:

@@ -9,6 +9,7 @@ reply; nothing a client sends can stop the loop.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import time
@@ -17,7 +18,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from genie.transport import calibration, protocol
+from genie.transport import calibration, protocol, tensors
 from genie.transport.errors import ProtocolError
 
 from genie.transport.protocol import BulkTensor
@@ -64,7 +65,7 @@ def _describe_hardware(device: torch.device) -> dict:
 
 class DaemonServer:
     def __init__(self, endpoint: str, devices: list[torch.device], client_lease_s: float = 60.0,
-                 memory_limit: int = 0, bulk_lanes: bool = True, curve=None) -> None:
+                 memory_limit: int = 0, bulk_lanes: bool = True, curve=None, transfer_timeout: float = 120.0) -> None:
         self.endpoint = endpoint
         self.curve = curve  # ServerKeys: CURVE on, only allow-listed clients; None: plaintext, open
         self.bulk_lanes = bulk_lanes and curve is None  # the bulk lane is plaintext
@@ -74,11 +75,14 @@ class DaemonServer:
         self.client_lease_s = client_lease_s
         self.memory_limit = memory_limit
         self.account = MemoryAccount()
-        self.mailbox = Mailbox()
+        self.transfer_timeout = transfer_timeout  # how long a request may wait for its peer or bulk bytes
+        self.mailbox = Mailbox(ttl_s=2 * transfer_timeout, max_bytes=memory_limit)
         self.peers: PeerLinks | None = None
         self.kv_store = KVStore(self.account)
+        # The server waits for transfers before a request reaches the executor (see `_park`), so the
+        # executor never waits: what has not arrived by then never will.
         self.executor = Executor(devices, self.account, memory_limit, kv_store=self.kv_store, mailbox=self.mailbox,
-                                 send_to_peer=lambda *a: self.peers.send(*a))
+                                 send_to_peer=lambda *a: self.peers.send(*a), transfer_timeout=0.0)
         self.clients: dict[bytes, ClientState] = {}
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="genie-exec")
         self._ctx = zmq.asyncio.Context()
@@ -86,7 +90,10 @@ class DaemonServer:
         self._stopping = asyncio.Event()
         self.bound_endpoint: str | None = None
         self._pending = 0  # requests handed to the worker and not yet answered
+        self._parked: dict[bytes, collections.deque] = {}  # client key -> requests waiting, in order
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.device_info = [describe_device(d) for d in devices]
+        self.process_cap: int | None = None  # bytes the process may map (memory_guard), reported in stats
 
     # ------------------------------------------------------------ lifecycle
 
@@ -97,6 +104,8 @@ class DaemonServer:
             self._start_authenticator()
             self.curve.apply(sock)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        # A frame bigger than any valid one (header or payload chunk) drops that peer, unallocated.
+        sock.setsockopt(zmq.MAXMSGSIZE, max(tensors.MAX_FRAME_BYTES, protocol.MAX_HEADER_BYTES) + 4096)
         sock.bind(self.endpoint)
         self._socket = sock
         self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -123,6 +132,7 @@ class DaemonServer:
             log.warning("no bulk lane (large payloads go over ZeroMQ): %s", e)
             return
         self.executor.bulk = self.bulk
+        self.bulk.on_arrival = self._wake_threadsafe
         log.info("bulk lane listening: %s", " ".join(map(str, self.bulk.advertised)))
 
     def stop(self) -> None:
@@ -132,7 +142,8 @@ class DaemonServer:
         if self._socket is None:
             self.bind()
         peer_keys = self.curve.as_client_of(self.curve.public) if self.curve is not None else None
-        self.peers = PeerLinks(self._ctx, asyncio.get_running_loop(), curve=peer_keys)
+        self._loop = asyncio.get_running_loop()
+        self.peers = PeerLinks(self._ctx, self._loop, curve=peer_keys)
         sweeper = asyncio.create_task(self._sweep_idle_clients())
         receiver = asyncio.create_task(self._receive_loop())
         await self._stopping.wait()
@@ -163,8 +174,13 @@ class DaemonServer:
                 continue
             try:
                 self._handle(parts)
-            except Exception:  # a bug here must not stop the daemon
+                # Awaiting a socket with messages queued does not yield; yield here so callbacks
+                # (replies from the worker, peer sends) are not starved by a burst of requests.
+                await asyncio.sleep(0)
+            except Exception as e:  # a bug here must not stop the daemon, and the client still gets an answer
                 log.exception("unexpected error handling a message")
+                if len(parts) >= 2:
+                    self._reply_error(parts[0].bytes, 0, RuntimeError(f"genie-daemon internal error: {e!r}"))
 
     def _handle(self, parts: list) -> None:
         if len(parts) < 2:
@@ -201,6 +217,8 @@ class DaemonServer:
                 self._reply_error(identity, rid, e)
                 return
             self._reply(identity, rid, {})
+            if self._parked:
+                self._release_parked()
         elif request.kind == "probe":
             # Bandwidth probe: the client times sending these frames and getting this answer.
             self._reply(identity, rid, {"bytes": sum(len(p) for p in payload)})
@@ -215,6 +233,10 @@ class DaemonServer:
             except ProtocolError as e:
                 self._reply_error(identity, rid, e)
                 return
+            waits = _transfers_awaited(parsed)
+            if key in self._parked or (waits and not self._transfers_ready(key, waits)):
+                self._park(key, waits, identity, rid, self.executor.run, client, parsed, payload)
+                return
             if self._pending == 0 and _small(parsed) and sum(len(p) for p in payload) <= INLINE_MAX_BYTES:
                 # Nothing is queued for the worker: running a small request here keeps program
                 # order and saves two thread hops on the round trip a blocking read waits for.
@@ -228,9 +250,58 @@ class DaemonServer:
                 return
             self._submit(identity, rid, self.executor.run, client, parsed, payload)
         elif request.kind == "stats":
-            self._submit(identity, rid, self._stats, request.body)
+            self._submit_in_order(key, identity, rid, self._stats, request.body)
         elif request.kind == "bye":
-            self._submit(identity, rid, self._drop_client, key)
+            self._submit_in_order(key, identity, rid, self._drop_client, key)
+
+    # ------------------------------------------------------------ requests that wait for transfers
+
+    def _submit_in_order(self, key: bytes, identity: bytes, rid: int, fn, *args) -> None:
+        """Submit now, or behind this client's parked requests so its requests keep their order."""
+        if key in self._parked:
+            self._park(key, [], identity, rid, fn, *args)
+        else:
+            self._submit(identity, rid, fn, *args)
+
+    def _park(self, key: bytes, waits: list, identity: bytes, rid: int, fn, *args) -> None:
+        """Hold a request whose peer or bulk bytes have not arrived, off the executor thread.
+
+        Waiting on the executor would stall every client behind one missing transfer; parked,
+        only this client's later requests wait (behind it, to keep its program order).
+        """
+        queue = self._parked.setdefault(key, collections.deque())
+        queue.append((time.monotonic() + self.transfer_timeout, waits, identity, rid, fn, args))
+        if len(queue) == 1:
+            self._loop.call_later(min(self.transfer_timeout, PARK_POLL_S), self._release_parked)
+
+    def _transfers_ready(self, key: bytes, waits: list) -> bool:
+        for kind, ident in waits:
+            if kind == "recv" and not self.mailbox.has(ident):
+                return False
+            if kind == "bulk" and self.bulk is not None and not self.bulk.upload_ready(key, ident):
+                return False
+        return True
+
+    def _wake_threadsafe(self) -> None:
+        loop = self._loop
+        if loop is not None and self._parked:
+            loop.call_soon_threadsafe(self._release_parked)
+
+    def _release_parked(self) -> None:
+        """Submit parked requests whose transfers are in (or whose wait ran out: they fail there)."""
+        now = time.monotonic()
+        for key, queue in list(self._parked.items()):
+            while queue:
+                deadline, waits, identity, rid, fn, args = queue[0]
+                if now < deadline and waits and not self._transfers_ready(key, waits):
+                    break
+                queue.popleft()
+                self._submit(identity, rid, fn, *args)
+            if not queue:
+                del self._parked[key]
+        if self._parked:
+            soonest = min(q[0][0] for q in self._parked.values())
+            self._loop.call_later(min(max(soonest - now, 0.0), PARK_POLL_S), self._release_parked)
 
     def _submit(self, identity: bytes, rid: int, fn, *args) -> None:
         self._pending += 1
@@ -290,7 +361,10 @@ class DaemonServer:
             "handles": sum(len(c.tensors) for c in self.clients.values()),
             "persistent_handles": sum(len(c.persistent) for c in self.clients.values()),
             "clients": len(self.clients),
+            "mailbox_bytes": self.mailbox.bytes,
+            "parked_requests": sum(len(q) for q in self._parked.values()),
             "limit": self.memory_limit,
+            "process_cap": self.process_cap or 0,
             **self.kv_store.stats(),
         }
         if device.type == "cuda":
@@ -315,10 +389,11 @@ class DaemonServer:
 
     async def _sweep_idle_clients(self) -> None:
         while True:
-            await asyncio.sleep(max(self.client_lease_s / 4, 0.05))
+            await asyncio.sleep(max(min(self.client_lease_s, self.mailbox.ttl_s) / 4, 0.05))
+            self.mailbox.expire()
             now = time.monotonic()
             for identity, client in list(self.clients.items()):
-                if now - client.last_seen > self.client_lease_s:
+                if now - client.last_seen > self.client_lease_s and identity not in self._parked:
                     log.info("client %s lease expired; freeing its memory", identity.hex())
                     self._worker.submit(self._drop_client, identity)
 
@@ -344,6 +419,30 @@ def client_key(routing_id: bytes) -> bytes:
     return routing_id[:16] if len(routing_id) == 17 else routing_id
 
 
+# A parked request is re-checked at least this often (arrivals also wake it at once).
+PARK_POLL_S = 0.05
+
+
+def _transfers_awaited(request) -> list:
+    """("recv", transfer id) and ("bulk", transfer number) for each transfer the request consumes."""
+    from .executor import RECV_OP
+
+    waits = []
+    for op in request.ops:
+        if op.name == RECV_OP and op.args and isinstance(op.args[0], str):
+            waits.append(("recv", op.args[0]))
+        waits.extend(("bulk", b.xfer) for b in _bulk_args([*op.args, *op.kwargs.values()]))
+    return waits
+
+
+def _bulk_args(args: list, depth: int = 0):
+    for a in args:
+        if isinstance(a, BulkTensor):
+            yield a
+        elif isinstance(a, list) and depth < protocol.MAX_NESTING:
+            yield from _bulk_args(a, depth + 1)
+
+
 # Requests at most this big may run on the event loop when the worker is idle.
 INLINE_MAX_OPS = 32
 INLINE_MAX_BYTES = 1 << 20
@@ -351,13 +450,11 @@ _BLOCKING_OPS = frozenset({"genie::recv"})
 
 
 def _small(request) -> bool:
-    # Bulk transfers wait on (or write to) a socket: never on the event loop.
-    return (len(request.ops) <= INLINE_MAX_OPS and len(request.fetch) <= 4 and not request.bulk_min
-            and not any(op.name in _BLOCKING_OPS or _has_bulk(op.args) for op in request.ops))
-
-
-def _has_bulk(args: list) -> bool:
-    return any(isinstance(a, BulkTensor) or (isinstance(a, list) and _has_bulk(a)) for a in args)
+    # Only requests a client is blocked on (it fetches or asks for a report) gain from running inline;
+    # bulk transfers wait on (or write to) a socket: never on the event loop.
+    return ((request.fetch or request.report) and len(request.ops) <= INLINE_MAX_OPS and len(request.fetch) <= 4 and not request.bulk_min
+            and not any(op.name in _BLOCKING_OPS or any(_bulk_args([*op.args, *op.kwargs.values()]))
+                        for op in request.ops))
 
 
 # Below this size a copying send is cheaper than pinning the buffer for zero-copy.

@@ -23,7 +23,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _long_work(n_ops: int = 400):
+def _long_work(n_ops: int = 1000):
     """Queue several seconds of daemon work (1 thread: roughly 25 ms per step)."""
     x = torch.randn(512, 512, device=DEV)
     y = x

@@ -69,25 +69,30 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 class Arrivals:
     """Transfers received and not yet claimed, keyed by transfer id; waiters block on a condition."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_change: Callable[[], None] | None = None) -> None:
         self._done: dict[int, torch.Tensor] = {}
         self._cond = threading.Condition()
         self.failure: BaseException | None = None
+        self.on_change = on_change  # called (on the receiving thread) after each arrival or failure
 
     def put(self, xfer: int, data: torch.Tensor) -> None:
         with self._cond:
             self._done[xfer] = data
             self._cond.notify_all()
+        if self.on_change is not None:
+            self.on_change()
 
     def fail(self, exc: BaseException) -> None:
         with self._cond:
             self.failure = exc
             self._cond.notify_all()
+        if self.on_change is not None:
+            self.on_change()
 
     def take(self, xfer: int, timeout: float) -> torch.Tensor:
         with self._cond:
             if not self._cond.wait_for(lambda: xfer in self._done or self.failure is not None, timeout):
-                raise TimeoutError(f"bulk transfer {xfer} did not arrive within {timeout:.0f}s")
+                raise TimeoutError(f"bulk transfer {xfer} did not arrive" + (f" within {timeout:.0f}s" if timeout else ""))
             if xfer in self._done:
                 return self._done.pop(xfer)
             raise ConnectionError(f"bulk lane failed before transfer {xfer} arrived: {self.failure}")
