@@ -109,8 +109,8 @@ async def _run(args: argparse.Namespace) -> None:
     server = DaemonServer(args.listen, devices, client_lease_s=args.client_lease,
                           memory_limit=memory_limit, bulk_lanes=not args.no_bulk_lane,
                           curve=security_from(args), transfer_timeout=args.transfer_timeout)
-    server.process_cap = cap_process_memory(devices, memory_limit, BULK_POOL_BYTES)
     endpoint = server.bind()
+    server.process_cap = cap_process_memory(devices, memory_limit, BULK_POOL_BYTES if server.bulk else 0)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.stop)

@@ -97,6 +97,7 @@ class Executor:
             if call.name == RECV_OP:
                 return self._recv(client, call, device)
             op = op_table.resolve(call.name)
+            op_table.check_call(op, call.args, call.kwargs)
             args = [self._resolve(client, a, frames, device, 0) for a in call.args]
             kwargs = {k: self._resolve(client, v, frames, device, 0) for k, v in call.kwargs.items()}
             if op_table.takes_generator(op) and kwargs.get("generator") is None:

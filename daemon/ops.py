@@ -51,6 +51,19 @@ def resolve(name: str) -> torch._ops.OpOverload:
 
 
 @functools.lru_cache(maxsize=4096)
+def _unsafe_flags(op: torch._ops.OpOverload) -> tuple[tuple[int, str], ...]:
+    return tuple((i, a.name) for i, a in enumerate(op._schema.arguments) if a.name == "unsafe")
+
+
+def check_call(op: torch._ops.OpOverload, args: list, kwargs: dict) -> None:
+    """Refuse a call that switches off the op's own bounds checks (e.g. `_index_put_impl_(unsafe=True)`)."""
+    for position, name in _unsafe_flags(op):
+        value = args[position] if position < len(args) else kwargs.get(name)
+        if value:
+            raise OpRefused(f"operator {op._schema.name} with {name}=True skips bounds checks and is not allowed")
+
+
+@functools.lru_cache(maxsize=4096)
 def written_arguments(op: torch._ops.OpOverload) -> tuple[tuple[int, str], ...]:
     """(position, name) of each argument the op writes to (in-place and out= ops)."""
     return tuple(
