@@ -149,12 +149,17 @@ class DaemonServer:
         await self._stopping.wait()
         receiver.cancel()
         sweeper.cancel()
-        # Let work already handed to the worker finish before closing.
+        # Drain: work already handed to the worker finishes and is answered; parked work is refused.
+        for queue in self._parked.values():
+            for _, _, identity, rid, _, _ in queue:
+                self._reply_error(identity, rid, ConnectionAbortedError("genie-daemon is shutting down"))
+        self._parked.clear()
         await asyncio.get_running_loop().run_in_executor(None, self._worker.shutdown, True)
+        await asyncio.sleep(0)  # the last replies' callbacks
         self.peers.close()
         if self.bulk is not None:
             self.bulk.close()
-        self._socket.close(linger=0)
+        self._socket.close(linger=DRAIN_LINGER_MS)  # let queued replies reach their clients
         if self._authenticator is not None:
             self._authenticator.stop()
         self._ctx.term()
@@ -419,6 +424,8 @@ def client_key(routing_id: bytes) -> bytes:
     return routing_id[:16] if len(routing_id) == 17 else routing_id
 
 
+# On shutdown, how long queued replies may take to leave before the socket closes.
+DRAIN_LINGER_MS = 2000
 # A parked request is re-checked at least this often (arrivals also wake it at once).
 PARK_POLL_S = 0.05
 

@@ -51,3 +51,22 @@ def test_bye_and_lease_expiry_free_client_memory():
         for s in (watcher, leaver, silent):
             s.close()
     ctx.term()
+
+
+def test_sigterm_drains_work_in_flight_and_answers_it():
+    ctx = zmq.Context()
+    with DaemonProcess() as d:
+        s = client(ctx, d.endpoint)
+        # About a second of matmuls, then a fetch: in flight when the signal arrives.
+        ops = [["aten::ones", [[256, 256]], {}, 1]]
+        ops += [["aten::mm", [protocol.encode_handle(1), protocol.encode_handle(1)], {}, 1] for _ in range(1500)]
+        ops += [["aten::sum", [protocol.encode_handle(1)], {}, 2]]
+        s.send_multipart([protocol.pack(["exec", 7, {"ops": ops, "fetch": [2]}])])
+        time.sleep(0.3)
+        d.proc.send_signal(signal.SIGTERM)
+        header = s.recv_multipart()[0]  # the answer still comes (RCVTIMEO bounds the wait)
+        rid, ok, body = protocol.unpack_header(header)
+        assert rid == 7 and ok and "error" not in body["fetched"][0], body
+        assert d.proc.wait(10) == 0
+        s.close()
+    ctx.term()
