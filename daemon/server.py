@@ -21,7 +21,6 @@ import zmq.asyncio
 from genie.transport import calibration, protocol, tensors
 from genie.transport.errors import ProtocolError
 
-from genie.transport.protocol import BulkTensor
 
 from .bulk_server import BulkListener
 from .executor import Executor, RemoteOpError
@@ -181,7 +180,8 @@ class DaemonServer:
                 self._handle(parts)
                 # Awaiting a socket with messages queued does not yield; yield here so callbacks
                 # (replies from the worker, peer sends) are not starved by a burst of requests.
-                await asyncio.sleep(0)
+                if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    await asyncio.sleep(0)
             except Exception as e:  # a bug here must not stop the daemon, and the client still gets an answer
                 log.exception("unexpected error handling a message")
                 if len(parts) >= 2:
@@ -196,7 +196,8 @@ class DaemonServer:
         try:
             if len(payload) > protocol.MAX_FRAMES:
                 raise ProtocolError(f"{len(payload)} frames exceed the limit of {protocol.MAX_FRAMES}")
-            header = protocol.unpack_header(header_raw.buffer)
+            bulk_refs: list = []
+            header = protocol.unpack_header(header_raw.buffer, bulk_refs)
             request = protocol.parse_request(header)
         except ProtocolError as e:
             self._reply_error(identity, protocol.request_id_of(header), e)
@@ -238,26 +239,30 @@ class DaemonServer:
             except ProtocolError as e:
                 self._reply_error(identity, rid, e)
                 return
-            waits = _transfers_awaited(parsed)
+            waits = _transfers_awaited(parsed, bulk_refs)
             if key in self._parked or (waits and not self._transfers_ready(key, waits)):
                 self._park(key, waits, identity, rid, self.executor.run, client, parsed, payload)
                 return
-            if self._pending == 0 and _small(parsed) and sum(len(p) for p in payload) <= INLINE_MAX_BYTES:
-                # Nothing is queued for the worker: running a small request here keeps program
-                # order and saves two thread hops on the round trip a blocking read waits for.
-                future = concurrent.futures.Future()
-                try:
-                    future.set_result(self.executor.run(client, parsed, payload))
-                except BaseException as e:  # noqa: BLE001 - reported to the client like any failure
-                    future.set_exception(e)
-                self._pending += 1
-                self._finish(identity, rid, future)
-                return
-            self._submit(identity, rid, self.executor.run, client, parsed, payload)
+            self._run_exec(identity, rid, client, parsed, payload)
         elif request.kind == "stats":
             self._submit_in_order(key, identity, rid, self._stats, request.body)
         elif request.kind == "bye":
             self._submit_in_order(key, identity, rid, self._drop_client, key)
+
+    def _run_exec(self, identity: bytes, rid: int, client: ClientState, parsed, payload: list) -> None:
+        """Run an exec whose transfers are in: here when that is quicker, else on the worker."""
+        if self._pending == 0 and _small(parsed) and sum(len(p) for p in payload) <= INLINE_MAX_BYTES:
+            # Nothing is queued for the worker: running a small request here keeps program
+            # order and saves two thread hops on the round trip a blocking read waits for.
+            future = concurrent.futures.Future()
+            try:
+                future.set_result(self.executor.run(client, parsed, payload))
+            except BaseException as e:  # noqa: BLE001 - reported to the client like any failure
+                future.set_exception(e)
+            self._pending += 1
+            self._finish(identity, rid, future)
+            return
+        self._submit(identity, rid, self.executor.run, client, parsed, payload)
 
     # ------------------------------------------------------------ requests that wait for transfers
 
@@ -301,7 +306,10 @@ class DaemonServer:
                 if now < deadline and waits and not self._transfers_ready(key, waits):
                     break
                 queue.popleft()
-                self._submit(identity, rid, fn, *args)
+                if fn == self.executor.run:
+                    self._run_exec(identity, rid, *args)
+                else:
+                    self._submit(identity, rid, fn, *args)
             if not queue:
                 del self._parked[key]
         if self._parked:
@@ -430,24 +438,17 @@ DRAIN_LINGER_MS = 2000
 PARK_POLL_S = 0.05
 
 
-def _transfers_awaited(request) -> list:
-    """("recv", transfer id) and ("bulk", transfer number) for each transfer the request consumes."""
+def _transfers_awaited(request, bulk_refs: list) -> list:
+    """("recv", transfer id) and ("bulk", transfer number) for each transfer the request consumes.
+
+    `bulk_refs`: the bulk tensors met while decoding the request's header.
+    """
     from .executor import RECV_OP
 
-    waits = []
-    for op in request.ops:
-        if op.name == RECV_OP and op.args and isinstance(op.args[0], str):
-            waits.append(("recv", op.args[0]))
-        waits.extend(("bulk", b.xfer) for b in _bulk_args([*op.args, *op.kwargs.values()]))
+    waits = [("recv", op.args[0]) for op in request.ops
+             if op.name == RECV_OP and op.args and isinstance(op.args[0], str)]
+    waits.extend(("bulk", b.xfer) for b in bulk_refs)
     return waits
-
-
-def _bulk_args(args: list, depth: int = 0):
-    for a in args:
-        if isinstance(a, BulkTensor):
-            yield a
-        elif isinstance(a, list) and depth < protocol.MAX_NESTING:
-            yield from _bulk_args(a, depth + 1)
 
 
 # Requests at most this big may run on the event loop when the worker is idle.
@@ -457,11 +458,11 @@ _BLOCKING_OPS = frozenset({"genie::recv"})
 
 
 def _small(request) -> bool:
-    # Only requests a client is blocked on (it fetches or asks for a report) gain from running inline;
-    # bulk transfers wait on (or write to) a socket: never on the event loop.
-    return ((request.fetch or request.report) and len(request.ops) <= INLINE_MAX_OPS and len(request.fetch) <= 4 and not request.bulk_min
-            and not any(op.name in _BLOCKING_OPS or any(_bulk_args([*op.args, *op.kwargs.values()]))
-                        for op in request.ops))
+    # Only requests a client is blocked on gain from running inline. Bulk uploads are in by the
+    # time a request gets here (see `_park`); bulk downloads write to a socket: never inline.
+    return ((request.waited or request.fetch or request.report) and len(request.ops) <= INLINE_MAX_OPS
+            and len(request.fetch) <= 4 and not request.bulk_min
+            and not any(op.name in _BLOCKING_OPS for op in request.ops))
 
 
 # Below this size a copying send is cheaper than pinning the buffer for zero-copy.

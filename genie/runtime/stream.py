@@ -145,6 +145,7 @@ class DeviceStream:
         """Send a batch; `direct`: the caller is about to block on it, so it may go on its own thread."""
         body, frames = batch
         if direct:
+            body["wait"] = True  # the daemon may run it at once rather than queue it for its worker
             done = self.link.direct_exec(body, frames, self)
             if done is not None:
                 return done

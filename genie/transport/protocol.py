@@ -7,7 +7,8 @@ Client -> daemon header: ``[kind, request_id, body]``
 
   hello  {}                                   -> {version, devices: [{name, type, total_memory, flops}]}
   hello  {} -> also {bulk: ["tcp", port] | ["unix", path]} when the daemon offers a bulk lane (see `bulk`)
-  exec   {dev, stream, ops, frees, fetch, report, bulk_min?} -> {fetched: [...], report: value | None, time: [t0, t1]}
+  exec   {dev, stream, ops, frees, fetch, report, bulk_min?, wait?} -> {fetched: [...], report: value | None, time: [t0, t1]}
+         (wait: true says the client is blocked on this reply, so an idle daemon may run it at once)
   event  {query: [ids]} | {elapsed: [a, b]}    -> {done: [bool]} | {ms}  (answered without waiting)
   stats  {dev}                                -> {allocated, reserved, peak, handles, clients}
   ping   {}                                   -> {}
@@ -86,9 +87,22 @@ KINDS = ("hello", "exec", "stats", "ping", "probe", "deposit", "event", "bye")
 # ---------------------------------------------------------------- value markers
 
 
-@dataclass(frozen=True, slots=True)
 class HandleRef:
-    id: int
+    """A tensor resident on the daemon, by its client-scoped id (the most common marker: kept cheap)."""
+
+    __slots__ = ("id",)
+
+    def __init__(self, id: int) -> None:  # noqa: A002 - the wire name
+        self.id = id
+
+    def __eq__(self, other) -> bool:
+        return type(other) is HandleRef and other.id == self.id
+
+    def __hash__(self) -> int:
+        return hash(self.id)
+
+    def __repr__(self) -> str:
+        return f"HandleRef({self.id})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,12 +162,16 @@ def encode_complex(z: complex) -> msgpack.ExtType:
     return msgpack.ExtType(EXT_COMPLEX, msgpack.packb([z.real, z.imag]))
 
 
-def decode_ext(code: int, data: bytes) -> Any:
-    """msgpack ext_hook on the receiving side: every payload is checked."""
+def decode_ext(code: int, data: bytes, bulk_seen: list | None = None) -> Any:
+    """msgpack ext_hook on the receiving side: every payload is checked.
+
+    `bulk_seen` collects the bulk-lane tensors met, so a receiver knows what a message waits
+    for without walking it again.
+    """
     if code == EXT_HANDLE:
         if len(data) != 8:
             raise ProtocolError("bad handle payload")
-        return HandleRef(_HANDLE.unpack(data)[0])
+        return HandleRef(int.from_bytes(data, "little", signed=True))
     if code == EXT_TENSOR:
         frame, dtype, shape = _unpack_list(data, 3, "tensor")
         return InlineTensor(tuple(check_frames(frame, MAX_FRAMES)), parse_dtype(dtype), check_shape(shape))
@@ -161,7 +179,10 @@ def decode_ext(code: int, data: bytes) -> Any:
         xfer, dtype, shape = _unpack_list(data, 3, "bulk tensor")
         if type(xfer) is not int or not 0 < xfer < 1 << 63:
             raise ProtocolError(f"bad bulk transfer id {xfer!r}")
-        return BulkTensor(xfer, parse_dtype(dtype), check_shape(shape))
+        tensor = BulkTensor(xfer, parse_dtype(dtype), check_shape(shape))
+        if bulk_seen is not None:
+            bulk_seen.append(tensor)
+        return tensor
     if code == EXT_DTYPE:
         return parse_dtype(_text(data))
     if code == EXT_DEVICE:
@@ -211,14 +232,15 @@ def pack(value: Any) -> bytes:
     return msgpack.packb(value, use_bin_type=True)
 
 
-def unpack_header(frame) -> Any:
-    """Decode a received header frame, turning extension types into markers."""
+def unpack_header(frame, bulk_seen: list | None = None) -> Any:
+    """Decode a received header frame, turning extension types into markers (see `decode_ext`)."""
     data = bytes(frame) if not isinstance(frame, bytes) else frame
     if len(data) > MAX_HEADER_BYTES:
         raise ProtocolError(f"header of {len(data)} bytes exceeds {MAX_HEADER_BYTES}")
+    hook = decode_ext if bulk_seen is None else (lambda code, payload: decode_ext(code, payload, bulk_seen))
     try:
         return msgpack.unpackb(
-            data, raw=False, strict_map_key=True, ext_hook=decode_ext, use_list=True,
+            data, raw=False, strict_map_key=True, ext_hook=hook, use_list=True,
         )
     except ProtocolError:
         raise
@@ -253,7 +275,7 @@ def request_id_of(header: Any) -> int:
     return 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built once per op of every request, and frozen init is slow
 class OpCall:
     name: str
     args: list
@@ -270,6 +292,17 @@ class Exec:
     report: bool
     stream: int = 0
     bulk_min: int = 0  # fetch tensors of at least this many bytes over the bulk lane; 0: never
+    waited: bool = False  # the client blocks on the reply
+
+
+_GOOD_NAMES: set[str] = set()  # op names already seen to be well formed (bounded below)
+
+
+def _check_op_name(name: Any) -> None:
+    if not isinstance(name, str) or not _OP_NAME.match(name):
+        raise ProtocolError(f"bad op name {name!r}")
+    if len(_GOOD_NAMES) < 65536:
+        _GOOD_NAMES.add(name)
 
 
 def _handle_list(value: Any, what: str) -> list[int]:
@@ -300,16 +333,17 @@ def parse_exec(body: dict) -> Exec:
         raise ProtocolError("ops must be a list")
     ops = []
     for entry in ops_raw:
-        if not isinstance(entry, list) or len(entry) != 4:
+        if type(entry) is not list or len(entry) != 4:
             raise ProtocolError("an op must be [name, args, kwargs, outs]")
         name, args, kwargs, outs = entry
-        if not isinstance(name, str) or not _OP_NAME.match(name):
-            raise ProtocolError(f"bad op name {name!r}")
-        if not isinstance(args, list) or not isinstance(kwargs, dict):
+        if name not in _GOOD_NAMES:
+            _check_op_name(name)
+        if type(args) is not list or type(kwargs) is not dict:
             raise ProtocolError(f"{name}: args must be a list and kwargs a map")
-        if not all(isinstance(k, str) for k in kwargs):
+        if kwargs and not all(type(k) is str for k in kwargs):
             raise ProtocolError(f"{name}: kwarg names must be strings")
-        _check_outs(outs)
+        if outs is not None and type(outs) is not int:
+            _check_outs(outs)
         ops.append(OpCall(name, args, kwargs, outs))
     report = body.get("report", False)
     if type(report) is not bool:
@@ -320,7 +354,11 @@ def parse_exec(body: dict) -> Exec:
     bulk_min = body.get("bulk_min", 0)
     if type(bulk_min) is not int or not 0 <= bulk_min < 1 << 62:
         raise ProtocolError(f"bad bulk_min {bulk_min!r}")
+    waited = body.get("wait", False)
+    if type(waited) is not bool:
+        raise ProtocolError("wait must be a bool")
     return Exec(
+        waited=waited,
         bulk_min=bulk_min,
         stream=stream,
         device=device,
