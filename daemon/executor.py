@@ -30,6 +30,35 @@ EVENT_RECORD_OP = "genie::event_record"
 EVENT_WAIT_OP = "genie::event_wait"
 ADOPT_OP = "genie::adopt"
 KV_APPEND_OP, KV_GET_OP, KV_CLOSE_OP = "genie::kv_append", "genie::kv_get", "genie::kv_close"
+DEFINE_PROGRAM_OP, REPLAY_OP, DROP_PROGRAM_OP = "genie::define_program", "genie::replay", "genie::drop_program"
+
+
+MAX_PROGRAMS = 1024  # recorded programs one client may keep
+
+
+class Program:
+    """A recorded genie.graph block: batches of (steps, frees) replayed in order on the same handles.
+
+    Each step is an op compiled once at definition (`_compile_step`): the resolved operator and
+    where its tensor arguments come from, so a replay does per op little more than the call itself.
+    """
+
+    __slots__ = ("batches", "writes", "released")
+
+    def __init__(self, batches: list, writes: set[int]) -> None:
+        self.batches = batches
+        self.writes = writes        # handles its ops write
+        self.released: set[int] = set()  # of those, the ones the client has dropped since
+
+
+_CONST, _HANDLE_ARG, _LIST_ARG = 0, 1, 2
+
+
+class _Step:
+    __slots__ = ("call", "op", "args", "kwargs", "out")
+
+    def __init__(self, call: OpCall, op, args: list, kwargs: dict, out) -> None:
+        self.call, self.op, self.args, self.kwargs, self.out = call, op, args, kwargs, out
 
 
 class _Poisoned(Exception):
@@ -73,7 +102,7 @@ class Executor:
                 if last:
                     reported = self._describe(call.outs, result)
         for handle in request.frees:
-            client.free(handle)
+            client.release(handle)
         out_frames: list = []
         fetched = [self._fetch(client, h, out_frames, request.bulk_min) for h in request.fetch]
         return {"fetched": fetched, "report": reported, "time": [started, time.time()]}, out_frames
@@ -92,6 +121,10 @@ class Executor:
                 return self._adopt(client, call, frames, device)
             if call.name in (KV_APPEND_OP, KV_GET_OP, KV_CLOSE_OP):
                 return self._kv(client, call, frames, device)
+            if call.name == REPLAY_OP:
+                return self._replay(client, call, device)
+            if call.name in (DEFINE_PROGRAM_OP, DROP_PROGRAM_OP):
+                return self._define(client, call) if call.name == DEFINE_PROGRAM_OP else self._drop_program(client, call)
             if call.name == SEND_OP:
                 return self._send(client, call)
             if call.name == RECV_OP:
@@ -113,14 +146,119 @@ class Executor:
                 raise _RemoteOpError(p.poison) from None
             return None
         except Exception as e:  # the op failed (or was refused): record it where the client will look
-            if is_allocation_failure(e):
-                e = OutOfMemoryError(f"genie-daemon could not allocate memory for {call.name}: {str(e).strip()}")
-            poison = Poison(call.name, type(e).__name__, str(e).strip())
-            log.debug("op %s failed: %s", call.name, e)
-            self._poison(client, call, poison)
-            if raise_errors:
-                raise _RemoteOpError(poison) from None
-            return None
+            return self._fail(client, call, e, raise_errors)
+
+    def _fail(self, client: ClientState, call: OpCall, e: Exception, raise_errors: bool):
+        if is_allocation_failure(e):
+            e = OutOfMemoryError(f"genie-daemon could not allocate memory for {call.name}: {str(e).strip()}")
+        poison = Poison(call.name, type(e).__name__, str(e).strip())
+        log.debug("op %s failed: %s", call.name, e)
+        self._poison(client, call, poison)
+        if raise_errors:
+            raise _RemoteOpError(poison) from None
+        return None
+
+    def _compile_step(self, call: OpCall, op) -> "_Step":
+        """Where each argument of a recorded op comes from; op None: replay it by the general path."""
+        if op_table.takes_generator(op):
+            return _Step(call, None, [], {}, call.outs)
+        try:
+            args = [self._arg_spec(a, 0) for a in call.args]
+            kwargs = {k: self._arg_spec(v, 0) for k, v in call.kwargs.items()}
+        except _Slow:
+            return _Step(call, None, [], {}, call.outs)
+        return _Step(call, op._op, args, kwargs, call.outs)  # the C++ callable: one Python frame less per op
+
+    def _arg_spec(self, value, depth: int):
+        if isinstance(value, HandleRef):
+            return (_HANDLE_ARG, value.id)
+        if isinstance(value, list):
+            specs = [self._arg_spec(v, depth + 1) for v in value] if depth < 2 else None
+            if specs is None or not any(kind != _CONST for kind, _ in specs):
+                if specs is None or any(isinstance(v, (InlineTensor, BulkTensor, DeviceRef, dict)) for v in value):
+                    raise _Slow
+                return (_CONST, value)
+            return (_LIST_ARG, specs)
+        if isinstance(value, (InlineTensor, BulkTensor, dict)):
+            raise _Slow  # no payloads in a program; the general path reports the error
+        if isinstance(value, DeviceRef):
+            if value.type == "cpu":
+                return (_CONST, torch.device("cpu"))
+            if value.index >= len(self.devices):
+                raise ProtocolError(f"device index {value.index} out of range ({len(self.devices)} devices)")
+            return (_CONST, self.devices[value.index])
+        return (_CONST, value)
+
+    # ------------------------------------------------------------ programs (genie.graph)
+
+    def _define(self, client: ClientState, call: OpCall):
+        if (len(call.args) != 2 or type(call.args[0]) is not int or not isinstance(call.args[1], list)
+                or call.args[0] in client.programs):
+            raise ProtocolError(f"{DEFINE_PROGRAM_OP} takes [new program id, [[ops, frees], ...]]")
+        program_id, raw = call.args
+        if len(client.programs) >= MAX_PROGRAMS:
+            raise ProtocolError(f"a client may keep at most {MAX_PROGRAMS} programs; drop some (del the genie.Graph)")
+        batches, writes, total = [], set(), 0
+        for entry in raw:
+            if not isinstance(entry, list) or len(entry) != 2:
+                raise ProtocolError(f"{DEFINE_PROGRAM_OP}: each batch is [ops, frees]")
+            parsed = protocol.parse_exec({"ops": entry[0], "frees": entry[1]})
+            steps = []
+            for call in parsed.ops:
+                op = op_table.resolve(call.name)  # aten ops only: transfers, KV and control ops are not replayable
+                op_table.check_call(op, call.args, call.kwargs)
+                writes.update(_handles_in(call.outs))
+                steps.append(self._compile_step(call, op))
+            total += len(steps)
+            batches.append((steps, parsed.frees))
+        if total > protocol.MAX_OPS_PER_EXEC:
+            raise ProtocolError(f"a program of {total} ops exceeds {protocol.MAX_OPS_PER_EXEC}")
+        program = Program(batches, writes)
+        client.programs[program_id] = program
+        for handle in writes:
+            client.program_handles.setdefault(handle, []).append(program)
+        return None
+
+    def _replay(self, client: ClientState, call: OpCall, device: torch.device):
+        program = client.programs.get(_int_arg(call, 0)) if len(call.args) == 1 else None
+        if program is None:
+            raise ProtocolError(f"{REPLAY_OP}: no such program")
+        tensors = client.tensors
+        for steps, frees in program.batches:
+            for step in steps:
+                if step.op is None:
+                    self._run_op(client, step.call, (), device, raise_errors=False)
+                    continue
+                try:
+                    args = [v if kind == _CONST else _arg(kind, v, tensors) for kind, v in step.args]
+                    kwargs = {k: v if kind == _CONST else _arg(kind, v, tensors) for k, (kind, v) in step.kwargs.items()}
+                    result = step.op(*args, **kwargs)
+                    if type(result) is torch.Tensor and type(step.out) is int:
+                        client.put(step.out, result)
+                    else:
+                        self._store(client, step.out, result, step.call.name)
+                    if self.memory_limit:
+                        self._enforce_limit(client, step.call)
+                except _Slow:  # an input is poisoned or missing: the general path reports it
+                    self._run_op(client, step.call, (), device, raise_errors=False)
+                except Exception as e:  # noqa: BLE001 - the op failed: poisoned as in a batch
+                    self._fail(client, step.call, e, raise_errors=False)
+            for handle in frees:
+                client.free(handle)
+        for handle in program.released:  # outputs the client no longer holds
+            client.free(handle)
+        return None
+
+    def _drop_program(self, client: ClientState, call: OpCall):
+        program = client.programs.pop(_int_arg(call, 0), None)
+        if program is not None:
+            for handle in program.writes:
+                users = client.program_handles.get(handle)
+                if users is not None:
+                    users[:] = [p for p in users if p is not program]
+                    if not users:
+                        del client.program_handles[handle]
+        return None
 
     def _uploader(self, device: torch.device):
         uploader = self._uploaders.get(device)
@@ -325,6 +463,21 @@ class _RemoteOpError(Exception):
 
 
 RemoteOpError = _RemoteOpError
+
+
+class _Slow(Exception):
+    """A replayed op needs the general path (poisoned or missing input, unusual argument)."""
+
+
+def _arg(kind: int, value, tensors: dict):
+    if kind == _HANDLE_ARG:
+        t = tensors.get(value)
+        if type(t) is not torch.Tensor and not isinstance(t, torch.Tensor):
+            raise _Slow
+        return t
+    if kind == _LIST_ARG:
+        return [v if k == _CONST else _arg(k, v, tensors) for k, v in value]
+    return value
 
 
 def _int_arg(call: OpCall, i: int) -> int:

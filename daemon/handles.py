@@ -69,6 +69,8 @@ class ClientState:
 
         self.streams = ClientStreams()
         self.last_seen = time.monotonic()
+        self.programs: dict = {}  # program id -> executor.Program (recorded genie.graph blocks)
+        self.program_handles: dict[int, list] = {}  # handle a program writes -> those programs
 
     def get(self, handle: int) -> torch.Tensor | Poison:
         try:
@@ -78,7 +80,11 @@ class ClientState:
 
     def put(self, handle: int, value: torch.Tensor | Poison) -> None:
         if handle in self.tensors:
-            self.free(handle)
+            key = self._keys.pop(handle, None)
+            if key is not None:
+                self._account.remove(key)
+            if self.persistent:
+                self.persistent.discard(handle)
         self.tensors[handle] = value
         if isinstance(value, torch.Tensor):
             key, nbytes = MemoryAccount.key_of(value)
@@ -92,9 +98,17 @@ class ClientState:
         if key is not None:
             self._account.remove(key)
 
+    def release(self, handle: int) -> None:
+        """The client dropped `handle`: free it, and have programs that write it free it after each replay."""
+        self.free(handle)
+        for program in self.program_handles.get(handle, ()):
+            program.released.add(handle)
+
     def free_all(self) -> None:
         for handle in list(self.tensors):
             self.free(handle)
+        self.programs.clear()
+        self.program_handles.clear()
 
     def generator(self, device: torch.device) -> torch.Generator:
         """This client's own RNG on `device`, so one client's seed never moves another's stream."""

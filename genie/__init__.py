@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from .errors import GenieConnectionError, GenieError, RemoteExecutionError, UnsupportedOperationError
 from .frontend import device as _device
+from .frontend.graphs import Graph, graph
 from .frontend.kv import KVSession
 from .frontend.lazy_tensor import LazyTensor
 from .runtime import get_runtime
@@ -118,6 +119,6 @@ def capture_stats() -> dict:
 
 __all__ = [
     "init", "shutdown", "flush", "capture", "analyze", "analysis_cache_stats", "materialize", "materialize_sync", "synchronize", "transport_stats", "transport_info", "capture_stats",
-    "LazyTensor", "KVSession", "GenieError", "GenieConnectionError", "RemoteExecutionError", "UnsupportedOperationError",
+    "LazyTensor", "KVSession", "Graph", "graph", "GenieError", "GenieConnectionError", "RemoteExecutionError", "UnsupportedOperationError",
     "remote_accelerator",
 ]

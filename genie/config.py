@@ -20,7 +20,8 @@ GENIE_HEARTBEAT_TIMEOUT seconds a ping may stay unanswered before the daemon is 
 GENIE_CURVE_CLIENT_KEY this client's CURVE .key_secret file (with GENIE_CURVE_SERVER_KEY).
 GENIE_CURVE_SERVER_KEY the daemons' CURVE public .key file: connections are authenticated
                       and encrypted, and only a daemon holding its secret is accepted.
-GENIE_DAEMON_THREADS  torch threads for the embedded daemon (default: torch's choice).
+GENIE_DAEMON_THREADS  torch threads for the embedded daemon (default: half the CPUs, at least 1,
+                      since it shares the host with this process; 0: torch's choice).
 GENIE_LOG_INTERCEPTS  1: log every captured op at DEBUG level on logger "genie.capture".
 """
 from __future__ import annotations
@@ -71,7 +72,7 @@ def load() -> Config:
         host_pool_bytes=int(_float("GENIE_HOST_POOL_MB", 1024) * (1 << 20)),
         heartbeat=_float("GENIE_HEARTBEAT", 1.0),
         heartbeat_timeout=_float("GENIE_HEARTBEAT_TIMEOUT", 3.0),
-        daemon_threads=int(_float("GENIE_DAEMON_THREADS", 0)),
+        daemon_threads=int(_float("GENIE_DAEMON_THREADS", max(1, (os.cpu_count() or 2) // 2))),
         curve_client_key=os.environ.get("GENIE_CURVE_CLIENT_KEY") or None,
         curve_server_key=os.environ.get("GENIE_CURVE_SERVER_KEY") or None,
         log_intercepts=os.environ.get("GENIE_LOG_INTERCEPTS", "") == "1",

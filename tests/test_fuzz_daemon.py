@@ -53,7 +53,7 @@ KNOWN_OP_NAMES = st.sampled_from([
         "aten::_unsafe_index.Tensor", "aten::nope.default", "aten::add.nope", "prims::add.default",
         "os::system", "genie::recv", "genie::send", "genie::adopt", "genie::kv_append", "genie::kv_get",
         "genie::kv_close", "genie::manual_seed", "genie::event_record", "genie::event_wait",
-        "genie::mark_persistent"])
+        "genie::mark_persistent", "genie::define_program", "genie::replay", "genie::drop_program"])
 OP_NAMES = st.one_of(KNOWN_OP_NAMES, st.text(max_size=24))
 
 

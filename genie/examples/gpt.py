@@ -42,15 +42,19 @@ class CausalSelfAttention(nn.Module):
         q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        mask = None
         if _is_cache_object(past):
             causal = not past.has_layer(layer) and t > 1
-            k, v = past.update(layer, k, v)  # a KV store keeps the cache (genie.KVSession)
+            k, v = past.update(layer, k, v)  # a KV store keeps the cache (genie.KVSession, StaticKVCache)
+            mask = getattr(past, "attention_mask", None)  # a static cache masks the positions not yet written
+            if mask is not None:
+                causal = False
         else:
             causal = past is None and t > 1  # (written so that torch.fx can trace it)
             if past is not None:
                 k = torch.cat([past[0], k], dim=2)  # the KV cache grows along the sequence axis
                 v = torch.cat([past[1], v], dim=2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         y = y.transpose(1, 2).reshape(b, t, d)
         return self.proj(y), (k, v)
 
@@ -87,6 +91,8 @@ class TinyGPT(nn.Module):
         x = self.tok_emb(idx) + self.pos_emb(pos)
         presents = []
         cache_object = _is_cache_object(past_key_values)
+        if cache_object and callable(getattr(type(past_key_values), "begin", None)):
+            past_key_values.begin(pos)
         for i, block in enumerate(self.blocks):
             past = past_key_values if cache_object else (None if past_key_values is None else past_key_values[i])
             x, present = block(x, past, i)
@@ -117,4 +123,70 @@ def generate(model: TinyGPT, prompt: torch.Tensor, new_tokens: int, on_token=Non
         logits, past = model(next_tok, pos, kv_session if kv_session is not None else past)
         next_tok = logits[:, -1].argmax(dim=-1, keepdim=True)
         pos = pos + 1
+    return out
+
+
+class StaticKVCache:
+    """Keys and values preallocated for `max_len` positions and written in place at `pos`.
+
+    Shapes never change from one decode step to the next, so a step can be recorded once and
+    replayed (`genie.graph`), as CUDA graphs need too. Attention masks the positions not yet written.
+    """
+
+    def __init__(self, cfg: GPTConfig, batch: int, max_len: int, device) -> None:
+        shape = (batch, cfg.n_heads, max_len, cfg.dim // cfg.n_heads)
+        self.keys = [torch.zeros(shape, device=device) for _ in range(cfg.n_layers)]
+        self.values = [torch.zeros(shape, device=device) for _ in range(cfg.n_layers)]
+        self.slots = torch.arange(max_len, device=device)
+        self.attention_mask = None
+        self._positions = None
+        self._written: set[int] = set()
+
+    def begin(self, pos: torch.Tensor) -> None:
+        """Called by the model with this step's positions: query i sees slots up to pos[i]."""
+        self._positions = pos
+        self.attention_mask = self.slots[None, :] <= pos[:, None]
+
+    def has_layer(self, layer: int) -> bool:
+        return layer in self._written
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        self.keys[layer].index_copy_(2, self._positions, k)
+        self.values[layer].index_copy_(2, self._positions, v)
+        self._written.add(layer)
+        return self.keys[layer], self.values[layer]
+
+
+@torch.no_grad()
+def generate_static(model: TinyGPT, prompt: torch.Tensor, new_tokens: int, replay: bool = True) -> list[int]:
+    """Greedy decoding with a `StaticKVCache`; on a remote device with `replay`, the decode step is
+    recorded once with `genie.graph` and then replayed, so each token costs one small message and
+    no Python model code. The same tokens as `generate`."""
+    device = prompt.device
+    cache = StaticKVCache(model.cfg, prompt.shape[0], prompt.shape[1] + new_tokens, device)
+    pos = torch.arange(prompt.shape[1], device=device)
+    logits, _ = model(prompt, pos, cache)
+    token = logits[:, -1].argmax(dim=-1, keepdim=True)  # static input and output of the step
+    pos = pos[-1:] + 1
+
+    def step() -> None:
+        logits, _ = model(token, pos, cache)
+        token.copy_(logits[:, -1].argmax(dim=-1, keepdim=True))
+        pos.add_(1)
+
+    graph = None
+    if replay and device.type == "remote_accelerator":
+        import genie
+
+        graph = genie.Graph()
+    out = []
+    for i in range(new_tokens):
+        out.append(token.item())
+        if graph is None:
+            step()
+        elif i == 0:
+            with genie.graph(graph, device):
+                step()
+        else:
+            graph.replay()
     return out

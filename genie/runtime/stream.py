@@ -86,14 +86,24 @@ class DeviceStream:
         self.batch_stream = 0  # daemon-side stream id of the ops in the current batch
         # (start, end) wall-clock times of recent batches on the daemon, for overlap checks.
         self.exec_log: collections.deque[tuple[float, float]] = collections.deque(maxlen=4096)
+        # While a genie.graph records this stream: the [ops, frees] of each batch taken (see graphs).
+        self.recording: list | None = None
 
     # ------------------------------------------------------------ building batches (lock held by caller)
 
     def new_handle(self) -> int:
         return next(self.link.handle_ids)
 
+    def _not_while_recording(self, what: str) -> None:
+        if self.recording is not None:
+            from genie.errors import GenieError
+
+            raise GenieError(f"{what} cannot be recorded in a genie.graph (a replay sends no data and reads "
+                             "no values): copy inputs into remote tensors before the block, read results after it")
+
     def add_frame(self, buffer) -> int:
         """Attach an inline payload to the current batch; returns its frame index."""
+        self._not_while_recording("a host-to-device copy")
         self.frames.append(buffer)
         self.inline_bytes += memoryview(buffer).nbytes
         return len(self.frames) - 1
@@ -104,6 +114,7 @@ class DeviceStream:
         Sent at capture time, like a blocking host-to-device copy: later writes to `value` do not
         change what the daemon receives.
         """
+        self._not_while_recording("a host-to-device copy")
         lane = self.link.bulk_lane
         nbytes = value.numel() * value.element_size()
         if lane is None or lane.closed or nbytes < self.link.runtime.config.bulk_min_bytes:
@@ -138,6 +149,8 @@ class DeviceStream:
         if fetch and lane is not None and not lane.closed:
             body["bulk_min"] = self.link.runtime.config.bulk_min_bytes
         frames = self.frames
+        if self.recording is not None and (self.ops or frees):
+            self.recording.append([self.ops, frees])
         self.ops, self.frames, self.inline_bytes = [], [], 0
         return body, frames
 
@@ -179,6 +192,7 @@ class DeviceStream:
 
     def fetch_async(self, handles: list[int], direct: bool = False) -> concurrent.futures.Future:
         """`direct=True` only for callers that block on the result right away."""
+        self._not_while_recording("reading a tensor's value")
         with self.lock:
             return self._post(self._take(fetch=handles, report=False), wait=True, direct=direct)
 
@@ -220,6 +234,7 @@ class DeviceStream:
 
     def run_reported(self, entry: list) -> Any:
         """Queue `entry` last and run the batch now, returning its outputs described by the daemon."""
+        self._not_while_recording(f"{entry[0]} (its result is a value or has a data-dependent shape)")
         with self.lock:
             self.append(entry)
             future = self._post(self._take(fetch=[], report=True), wait=True, direct=True)
