@@ -17,6 +17,7 @@ from genie.transport.protocol import BulkTensor, DeviceRef, Exec, HandleRef, Inl
 from genie.transport.tensors import bytes_as_tensor, dtype_name, frames_to_tensor, tensor_to_buffer, tensor_to_frames
 
 from . import ops as op_table
+from . import programs
 from .handles import ClientState, Poison
 from .memory_guard import is_allocation_failure
 
@@ -31,34 +32,6 @@ EVENT_WAIT_OP = "genie::event_wait"
 ADOPT_OP = "genie::adopt"
 KV_APPEND_OP, KV_GET_OP, KV_CLOSE_OP = "genie::kv_append", "genie::kv_get", "genie::kv_close"
 DEFINE_PROGRAM_OP, REPLAY_OP, DROP_PROGRAM_OP = "genie::define_program", "genie::replay", "genie::drop_program"
-
-
-MAX_PROGRAMS = 1024  # recorded programs one client may keep
-
-
-class Program:
-    """A recorded genie.graph block: batches of (steps, frees) replayed in order on the same handles.
-
-    Each step is an op compiled once at definition (`_compile_step`): the resolved operator and
-    where its tensor arguments come from, so a replay does per op little more than the call itself.
-    """
-
-    __slots__ = ("batches", "writes", "released")
-
-    def __init__(self, batches: list, writes: set[int]) -> None:
-        self.batches = batches
-        self.writes = writes        # handles its ops write
-        self.released: set[int] = set()  # of those, the ones the client has dropped since
-
-
-_CONST, _HANDLE_ARG, _LIST_ARG = 0, 1, 2
-
-
-class _Step:
-    __slots__ = ("call", "op", "args", "kwargs", "out")
-
-    def __init__(self, call: OpCall, op, args: list, kwargs: dict, out) -> None:
-        self.call, self.op, self.args, self.kwargs, self.out = call, op, args, kwargs, out
 
 
 class _Poisoned(Exception):
@@ -158,37 +131,6 @@ class Executor:
             raise _RemoteOpError(poison) from None
         return None
 
-    def _compile_step(self, call: OpCall, op) -> "_Step":
-        """Where each argument of a recorded op comes from; op None: replay it by the general path."""
-        if op_table.takes_generator(op):
-            return _Step(call, None, [], {}, call.outs)
-        try:
-            args = [self._arg_spec(a, 0) for a in call.args]
-            kwargs = {k: self._arg_spec(v, 0) for k, v in call.kwargs.items()}
-        except _Slow:
-            return _Step(call, None, [], {}, call.outs)
-        return _Step(call, op._op, args, kwargs, call.outs)  # the C++ callable: one Python frame less per op
-
-    def _arg_spec(self, value, depth: int):
-        if isinstance(value, HandleRef):
-            return (_HANDLE_ARG, value.id)
-        if isinstance(value, list):
-            specs = [self._arg_spec(v, depth + 1) for v in value] if depth < 2 else None
-            if specs is None or not any(kind != _CONST for kind, _ in specs):
-                if specs is None or any(isinstance(v, (InlineTensor, BulkTensor, DeviceRef, dict)) for v in value):
-                    raise _Slow
-                return (_CONST, value)
-            return (_LIST_ARG, specs)
-        if isinstance(value, (InlineTensor, BulkTensor, dict)):
-            raise _Slow  # no payloads in a program; the general path reports the error
-        if isinstance(value, DeviceRef):
-            if value.type == "cpu":
-                return (_CONST, torch.device("cpu"))
-            if value.index >= len(self.devices):
-                raise ProtocolError(f"device index {value.index} out of range ({len(self.devices)} devices)")
-            return (_CONST, self.devices[value.index])
-        return (_CONST, value)
-
     # ------------------------------------------------------------ programs (genie.graph)
 
     def _define(self, client: ClientState, call: OpCall):
@@ -196,24 +138,24 @@ class Executor:
                 or call.args[0] in client.programs):
             raise ProtocolError(f"{DEFINE_PROGRAM_OP} takes [new program id, [[ops, frees], ...]]")
         program_id, raw = call.args
-        if len(client.programs) >= MAX_PROGRAMS:
-            raise ProtocolError(f"a client may keep at most {MAX_PROGRAMS} programs; drop some (del the genie.Graph)")
+        if len(client.programs) >= programs.MAX_PROGRAMS:
+            raise ProtocolError(f"a client may keep at most {programs.MAX_PROGRAMS} programs; drop some "
+                                "(del the genie.Graph)")
         batches, writes, total = [], set(), 0
         for entry in raw:
             if not isinstance(entry, list) or len(entry) != 2:
                 raise ProtocolError(f"{DEFINE_PROGRAM_OP}: each batch is [ops, frees]")
             parsed = protocol.parse_exec({"ops": entry[0], "frees": entry[1]})
-            steps = []
-            for call in parsed.ops:
-                op = op_table.resolve(call.name)  # aten ops only: transfers, KV and control ops are not replayable
-                op_table.check_call(op, call.args, call.kwargs)
-                writes.update(_handles_in(call.outs))
-                steps.append(self._compile_step(call, op))
-            total += len(steps)
-            batches.append((steps, parsed.frees))
+            for op_call in parsed.ops:
+                op = op_table.resolve(op_call.name)  # aten only: transfers, KV and control ops are not replayable
+                op_table.check_call(op, op_call.args, op_call.kwargs)
+                writes.update(_handles_in(op_call.outs))
+            total += len(parsed.ops)
+            batches.append((parsed.ops, parsed.frees))
         if total > protocol.MAX_OPS_PER_EXEC:
             raise ProtocolError(f"a program of {total} ops exceeds {protocol.MAX_OPS_PER_EXEC}")
-        program = Program(batches, writes)
+        program = programs.Program(batches, writes)
+        program.compiled = programs.compile_program(batches, self.devices)
         client.programs[program_id] = program
         for handle in writes:
             client.program_handles.setdefault(handle, []).append(program)
@@ -223,30 +165,7 @@ class Executor:
         program = client.programs.get(_int_arg(call, 0)) if len(call.args) == 1 else None
         if program is None:
             raise ProtocolError(f"{REPLAY_OP}: no such program")
-        tensors = client.tensors
-        for steps, frees in program.batches:
-            for step in steps:
-                if step.op is None:
-                    self._run_op(client, step.call, (), device, raise_errors=False)
-                    continue
-                try:
-                    args = [v if kind == _CONST else _arg(kind, v, tensors) for kind, v in step.args]
-                    kwargs = {k: v if kind == _CONST else _arg(kind, v, tensors) for k, (kind, v) in step.kwargs.items()}
-                    result = step.op(*args, **kwargs)
-                    if type(result) is torch.Tensor and type(step.out) is int:
-                        client.put(step.out, result)
-                    else:
-                        self._store(client, step.out, result, step.call.name)
-                    if self.memory_limit:
-                        self._enforce_limit(client, step.call)
-                except _Slow:  # an input is poisoned or missing: the general path reports it
-                    self._run_op(client, step.call, (), device, raise_errors=False)
-                except Exception as e:  # noqa: BLE001 - the op failed: poisoned as in a batch
-                    self._fail(client, step.call, e, raise_errors=False)
-            for handle in frees:
-                client.free(handle)
-        for handle in program.released:  # outputs the client no longer holds
-            client.free(handle)
+        programs.replay(self, client, program, device)
         return None
 
     def _drop_program(self, client: ClientState, call: OpCall):
@@ -463,21 +382,6 @@ class _RemoteOpError(Exception):
 
 
 RemoteOpError = _RemoteOpError
-
-
-class _Slow(Exception):
-    """A replayed op needs the general path (poisoned or missing input, unusual argument)."""
-
-
-def _arg(kind: int, value, tensors: dict):
-    if kind == _HANDLE_ARG:
-        t = tensors.get(value)
-        if type(t) is not torch.Tensor and not isinstance(t, torch.Tensor):
-            raise _Slow
-        return t
-    if kind == _LIST_ARG:
-        return [v if k == _CONST else _arg(k, v, tensors) for k, v in value]
-    return value
 
 
 def _int_arg(call: OpCall, i: int) -> int:

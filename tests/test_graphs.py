@@ -122,3 +122,15 @@ def test_bytes_per_replayed_token_do_not_grow_with_context(dev):
     # Equal but for msgpack's integer widths (request and handle ids grow during the run).
     assert abs(short - long) <= 4, (short, long)
     assert short < 300, short  # a replay and a scalar read, not the step's ops
+
+
+def test_random_ops_draw_new_values_on_each_replay(dev):
+    x = torch.zeros(8, device=dev)
+    g = genie.Graph()
+    with genie.graph(g):
+        x.copy_(torch.rand(8, device=dev))  # RNG ops replay through the general path, on the client's generator
+    first = x.cpu()
+    g.replay()
+    second = x.cpu()
+    assert not torch.equal(first, second)
+    assert ((second >= 0) & (second < 1)).all()

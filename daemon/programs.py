@@ -1,0 +1,196 @@
+"""Recorded programs (genie.graph): compiled once when defined, replayed on registers.
+
+A program is the ops and frees of a recorded block. Compiling gives every handle it mentions
+a register; the handles it reads but does not write are its inputs, loaded from the client's
+table when a replay starts. A replay then runs each op on registers: intermediates never enter
+the handle table or the memory account, and only the handles still live when the program
+ends are stored (those the client has dropped since recording are not). This keeps a replay
+close to the cost of the calls themselves.
+
+If an input is missing or poisoned, or an op fails, the replay falls back to the executor's
+general path from that point on, so errors poison outputs exactly as in an ordinary batch.
+"""
+from __future__ import annotations
+
+import torch
+
+from genie.transport.protocol import BulkTensor, DeviceRef, HandleRef, InlineTensor, OpCall
+
+from . import ops as op_table
+from .handles import ClientState, Poison
+
+CONST, REG, LIST = 0, 1, 2
+MAX_PROGRAMS = 1024  # recorded programs one client may keep
+
+
+class Program:
+    """A recorded genie.graph block: `batches` of (ops, frees), and its compiled form when it has one."""
+
+    __slots__ = ("batches", "writes", "released", "compiled")
+
+    def __init__(self, batches: list[tuple[list[OpCall], list[int]]], writes: set[int]) -> None:
+        self.batches = batches
+        self.writes = writes               # handles its ops write
+        self.released: set[int] = set()    # of those, the ones the client has dropped since
+        self.compiled: Compiled | None = None
+
+
+class Compiled:
+    __slots__ = ("registers", "inputs", "batches", "live", "handle_of")
+
+    def __init__(self, registers: int, inputs: list, batches: list, live: list, handle_of: list) -> None:
+        self.registers = registers
+        self.inputs = inputs        # (register, handle) loaded when a replay starts
+        self.batches = batches      # ([(op, args, kwargs, out, call)], [register to clear], [handles freed])
+        self.live = live            # (handle, register) written and still live at the end
+        self.handle_of = handle_of  # register -> handle
+
+
+class NotCompilable(Exception):
+    pass
+
+
+def compile_program(batches: list[tuple[list[OpCall], list[int]]], devices: list[torch.device]) -> Compiled | None:
+    """Registers for a program, or None when one of its ops needs the general path (e.g. RNG ops)."""
+    registers: dict[int, int] = {}
+    written: set[int] = set()
+    inputs: list[tuple[int, int]] = []
+
+    def register(handle: int) -> int:
+        r = registers.get(handle)
+        if r is None:
+            r = registers[handle] = len(registers)
+        return r
+
+    def arg(value, depth: int):
+        if isinstance(value, HandleRef):
+            if value.id not in written and value.id not in registers:
+                inputs.append((register(value.id), value.id))
+            return (REG, register(value.id))
+        if isinstance(value, list):
+            if depth >= 2 or any(isinstance(v, (InlineTensor, BulkTensor, DeviceRef, dict)) for v in value):
+                raise NotCompilable
+            specs = [arg(v, depth + 1) for v in value]
+            return (LIST, specs) if any(kind != CONST for kind, _ in specs) else (CONST, value)
+        if isinstance(value, (InlineTensor, BulkTensor, dict)):
+            raise NotCompilable
+        if isinstance(value, DeviceRef):
+            if value.type == "cpu":
+                return (CONST, torch.device("cpu"))
+            if value.index >= len(devices):
+                raise NotCompilable  # the general path reports the bad index
+            return (CONST, devices[value.index])
+        return (CONST, value)
+
+    def out(spec):
+        if spec is None:
+            return None
+        if type(spec) is int:
+            written.add(spec)
+            return register(spec)
+        return [out(s) for s in spec]
+
+    compiled_batches = []
+    try:
+        for calls, frees in batches:
+            steps = []
+            for call in calls:
+                op = op_table.resolve(call.name)
+                if op_table.takes_generator(op):
+                    return None  # per-client generators: the general path handles them
+                args = [arg(a, 0) for a in call.args]
+                kwargs = {k: arg(v, 0) for k, v in call.kwargs.items()}
+                steps.append((op._op, args, kwargs, out(call.outs), call))
+            cleared = [registers[h] for h in frees if h in written]
+            external = [h for h in frees if h not in written]
+            compiled_batches.append((steps, cleared, external))
+    except NotCompilable:
+        return None
+    freed = {h for _, f in batches for h in f}
+    live = [(h, registers[h]) for h in written if h not in freed]
+    handle_of = [0] * len(registers)
+    for h, r in registers.items():
+        handle_of[r] = h
+    return Compiled(len(registers), inputs, compiled_batches, live, handle_of)
+
+
+def _value(kind: int, v, regs: list):
+    if kind == REG:
+        return regs[v]
+    if kind == LIST:
+        return [x if k == CONST else _value(k, x, regs) for k, x in v]
+    return v
+
+
+def _assign(spec, result, regs: list) -> None:
+    if type(spec) is int:
+        if not isinstance(result, torch.Tensor):
+            raise TypeError(f"expected a tensor output, got {type(result).__name__}")
+        regs[spec] = result
+    elif spec is not None:
+        if not isinstance(result, (list, tuple)) or len(result) > len(spec):
+            raise TypeError("the op returned more outputs than recorded")
+        for s, r in zip(spec, result):
+            _assign(s, r, regs)
+
+
+def replay(executor, client: ClientState, program: Program, device: torch.device) -> None:
+    compiled = program.compiled
+    if compiled is None:
+        return _general(executor, client, program, device, 0, 0)
+    regs: list = [None] * compiled.registers
+    tensors = client.tensors
+    for r, h in compiled.inputs:
+        t = tensors.get(h)
+        if not isinstance(t, torch.Tensor):  # missing or poisoned: the general path says which
+            return _general(executor, client, program, device, 0, 0)
+        regs[r] = t
+    for b, (steps, cleared, external) in enumerate(compiled.batches):
+        for s, (op, args, kwargs, out, call) in enumerate(steps):
+            try:
+                values = [v if k == CONST else _value(k, v, regs) for k, v in args]
+                if kwargs:
+                    result = op(*values, **{n: v if k == CONST else _value(k, v, regs) for n, (k, v) in kwargs.items()})
+                else:
+                    result = op(*values)
+                _assign(out, result, regs)
+            except Exception as e:  # noqa: BLE001 - hand over to the general path, which poisons
+                _spill(compiled, regs, client)
+                executor._fail(client, call, e, raise_errors=False)
+                return _general(executor, client, program, device, b, s + 1)
+        for r in cleared:
+            regs[r] = None
+        for h in external:
+            client.free(h)
+    released = program.released
+    for h, r in compiled.live:
+        if h in released:
+            client.free(h)
+        else:
+            client.put(h, regs[r])
+    if executor.memory_limit and executor.account.allocated > executor.memory_limit:
+        poison = Poison("genie::replay", "OutOfMemoryError",
+                        f"genie-daemon memory limit of {executor.memory_limit} bytes exceeded by a replay's outputs")
+        for h, _ in compiled.live:
+            client.put(h, poison)
+
+
+def _spill(compiled: Compiled, regs: list, client: ClientState) -> None:
+    """Store the registers written so far under their handles, for the general path to continue."""
+    inputs = {h for _, h in compiled.inputs}
+    for r, value in enumerate(regs):
+        h = compiled.handle_of[r]
+        if value is not None and h not in inputs:
+            client.put(h, value)
+
+
+def _general(executor, client: ClientState, program: Program, device: torch.device, batch: int, step: int) -> None:
+    """Op by op through the executor's general path, from (batch, step) on."""
+    for b in range(batch, len(program.batches)):
+        calls, frees = program.batches[b]
+        for call in calls[step if b == batch else 0:]:
+            executor._run_op(client, call, (), device, raise_errors=False)
+        for h in frees:
+            client.free(h)
+    for h in program.released:
+        client.free(h)
