@@ -16,6 +16,7 @@ import torch
 from genie import config as config_module
 from genie.errors import UnsupportedOperationError
 from genie.runtime import get_runtime
+from genie.runtime.stream import thread_streams
 from genie.transport import protocol
 from genie.transport.tensors import DTYPE_NAMES, parse_dtype, tensor_to_frames
 
@@ -27,6 +28,8 @@ _LOG_INTERCEPTS = config_module.load().log_intercepts
 
 REMOTE = "remote_accelerator"
 meta_cache = meta.MetaCache()
+_plans_get = meta_cache._plans.get  # the hot path's lookup (MetaCache.get counts the same way)
+_REMOTE, _NewTensor = meta.REMOTE, meta.NewTensor
 
 _INT64_MIN, _UINT64_MAX = -(1 << 63), (1 << 64) - 1
 _names: dict = {}
@@ -198,7 +201,11 @@ def dispatch(func, args: tuple, kwargs: dict):
     special = _SPECIAL.get(id(func))
     if special is not None:
         return special(func, args, kwargs)
-    return capture(func, args, kwargs)
+    if not kwargs and not _LOG_INTERCEPTS:  # capture(), minus one call frame on the hottest path
+        outputs = _capture_hot(func, args)
+        if outputs is not None:
+            return outputs
+    return _capture_general(func, args, kwargs)
 
 
 class _Slow(Exception):
@@ -221,7 +228,10 @@ def _fast_walk(args: tuple, w: _Walk, seen: dict) -> tuple[tuple, list]:
                 idx = seen[id(a)] = len(w.tensors)
                 w.tensors.append(a)
                 w.sizes.append(ref.storage_nbytes)
-                _check_stream(w, ref)
+                if w.stream is None:
+                    w.stream = ref.stream
+                elif ref.stream is not w.stream:
+                    _check_stream(w, ref)  # raises: two devices
             key.append((True, idx, ref.meta_key))
             wire.append(ref.wire)
         elif t in _SCALARS:
@@ -240,7 +250,74 @@ def _fast_walk(args: tuple, w: _Walk, seen: dict) -> tuple[tuple, list]:
     return tuple(key), wire
 
 
+def _capture_hot(func, args: tuple):
+    """The common case in one pass: no kwargs, remote tensors on one stream and plain scalars, a
+    cached plan with one new output and no metadata mutation. None: take the general path."""
+    key, wire, seen, stream = [], [], None, None
+    for a in args:
+        t = type(a)
+        if t is LazyTensor:
+            ref = a._genie
+            if stream is None:
+                stream = ref.stream
+            elif ref.stream is not stream:
+                return None
+            if seen is None:
+                seen = [a]
+                key.append((True, 0, ref.meta_key))
+            else:
+                for i, other in enumerate(seen):
+                    if other is a:
+                        break
+                else:
+                    i = len(seen)
+                    seen.append(a)
+                key.append((True, i, ref.meta_key))
+            wire.append(ref.wire)
+        elif t is float or t is bool or (t is int and _INT64_MIN <= a <= _UINT64_MAX):
+            key.append((t, a))
+            wire.append(a)
+        elif a is None:
+            key.append(None)
+            wire.append(None)
+        elif (t is list or t is tuple) and all(type(x) is int for x in a):
+            key.append((t, *a))
+            wire.append(list(a))
+        else:
+            return None
+    if stream is None:
+        return None
+    plan = _plans_get((id(func), tuple(key), None))
+    if plan is None or plan is _REMOTE or plan.mutations or type(plan.outputs) is not _NewTensor:
+        return None
+    meta_cache.hits += 1
+    out_plan = plan.outputs
+    with stream.lock:
+        outs = next(stream.link.handle_ids)
+        outputs = LazyTensor(stream, outs, out_plan.shape, out_plan.stride, out_plan.offset, out_plan.dtype,
+                             out_plan.storage_nbytes)
+        entry = [_names.get(id(func)) or op_name(func), wire, {}, outs]
+        # DeviceStream.append inlined for the case where the batch neither changes stream nor fills up.
+        ids = getattr(thread_streams, "ids", None)
+        ops = stream.ops
+        if ((ids.get(stream.global_index, 0) if ids else 0) == stream.batch_stream
+                and len(ops) + 1 < stream.batch_ops and stream.inline_bytes < stream.batch_bytes):
+            ops.append(entry)
+            stream.ops_captured += 1
+        else:
+            stream.append(entry)
+    return outputs
+
+
 def capture(func, args: tuple, kwargs: dict):
+    if not kwargs and not _LOG_INTERCEPTS:
+        outputs = _capture_hot(func, args)
+        if outputs is not None:
+            return outputs
+    return _capture_general(func, args, kwargs)
+
+
+def _capture_general(func, args: tuple, kwargs: dict):
     w = _Walk()
     seen: dict = {}
     wire_args = None
@@ -257,9 +334,12 @@ def capture(func, args: tuple, kwargs: dict):
     if w.foreign_device:
         return run_locally(func, args, kwargs)
     try:
-        plan = meta_cache.get(key)
+        plan = _plans_get(key)
     except TypeError:  # an unhashable argument: plan without caching
         plan, key = None, None
+    else:
+        if plan is not None:
+            meta_cache.hits += 1
     if plan is None:
         try:
             plan = meta.plan_op(func, args, kwargs, w.tensors, w.sizes)
@@ -267,20 +347,20 @@ def capture(func, args: tuple, kwargs: dict):
             plan = meta.REMOTE  # remembered: the next identical call skips meta execution
         if key is not None:
             meta_cache.put(key, plan)
-    if plan is meta.REMOTE:
+    if plan is _REMOTE:
         meta_cache.bypasses += 1
         return run_reported(func, args, kwargs, w.stream)
     stream = w.stream
     with stream.lock:
         out_plan = plan.outputs
-        if type(out_plan) is meta.NewTensor:  # the common case, without the general walk
-            outs = stream.new_handle()
+        if type(out_plan) is _NewTensor:  # the common case, without the general walk
+            outs = next(stream.link.handle_ids)
             outputs = LazyTensor(stream, outs, out_plan.shape, out_plan.stride, out_plan.offset, out_plan.dtype,
                                  out_plan.storage_nbytes)
         else:
             outputs, outs = _build_outputs(out_plan, stream, w.tensors)
         if wire_args is not None:
-            entry = [op_name(func), wire_args, {}, outs]
+            entry = [_names.get(id(func)) or op_name(func), wire_args, {}, outs]
         else:
             entry = [op_name(func), _encode(args, stream), {k: _encode(v, stream) for k, v in kwargs.items()}, outs]
         stream.append(entry)

@@ -33,7 +33,9 @@ class LazyTensor(torch.Tensor):
             requires_grad=requires_grad, storage_size=storage_nbytes,
         )
         t._genie = ref = HandleRef(stream, handle_id, storage_nbytes)
-        ref.meta_key = (dtype, t.shape, t.stride(), offset, storage_nbytes)
+        # Plans hand tuples of ints, equal (and equal-hashing) to torch.Size and t.stride(): no C++ round trips.
+        ref.meta_key = (dtype, shape if isinstance(shape, tuple) else t.shape,
+                        stride if isinstance(stride, tuple) else t.stride(), offset, storage_nbytes)
         return t
 
     def _refresh_meta_key(self) -> None:

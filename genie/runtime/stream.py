@@ -34,6 +34,9 @@ log = logging.getLogger("genie.runtime")
 _current = threading.local()
 
 
+thread_streams = _current  # per thread: .ids maps a device's global index to its current stream id
+
+
 def current_stream_id(global_index: int) -> int:
     ids = getattr(_current, "ids", None)
     return ids.get(global_index, 0) if ids else 0
@@ -46,6 +49,9 @@ def set_current_stream_id(global_index: int, stream_id: int) -> None:
     ids[global_index] = stream_id
 
 
+_ExtType, _EXT_HANDLE, _pack_handle = protocol.msgpack.ExtType, protocol.EXT_HANDLE, protocol._HANDLE.pack
+
+
 class HandleRef:
     """Owns one remote handle; when the last Python reference dies, the handle is freed (batched)."""
 
@@ -56,7 +62,8 @@ class HandleRef:
         self.id = handle_id
         self.storage_nbytes = storage_nbytes
         self.meta_key = None  # the tensor's metadata as a cache-key part (set by the frontend)
-        self.wire = protocol.encode_handle(handle_id)  # encoded once, reused by every op that reads it
+        # Encoded once, reused by every op that reads it (protocol.encode_handle, inlined: once per op).
+        self.wire = tuple.__new__(_ExtType, (_EXT_HANDLE, _pack_handle(handle_id)))
 
     def __del__(self) -> None:
         # deque.append is atomic: safe from any thread, and from GC inside a locked section.
@@ -128,7 +135,8 @@ class DeviceStream:
         return xfer
 
     def append(self, entry: list) -> None:
-        sid = current_stream_id(self.global_index)
+        ids = getattr(_current, "ids", None)  # current_stream_id, inlined: this runs once per captured op
+        sid = ids.get(self.global_index, 0) if ids else 0
         if sid != self.batch_stream:
             # A batch runs on one daemon-side stream: switching streams closes the batch.
             if self.ops:
