@@ -93,7 +93,9 @@ def summary() -> None:
     co = load("capture_overhead")
     if co:
         rows.append(("capture per op (target <= 2x floor, < 10 us)",
-                     f"{co['capture_us_per_op']:.1f} us = {co['capture_over_floor']:.2f}x floor"))
+                     f"{co['capture_us_per_op']:.1f} us = {co['capture_over_floor']:.2f}x floor"
+                     + (f" ({co['capture_with_daemon_us_per_op']:.1f} us with the daemon on the same cores)"
+                        if "capture_with_daemon_us_per_op" in co else "")))
         rows.append(("tiny-op round trip (target <= 1.5x echo)",
                      f"{co['tiny_op_roundtrip_us']:.0f} us = {co['roundtrip_over_echo']:.2f}x echo"))
     tt = load("transport_throughput")
