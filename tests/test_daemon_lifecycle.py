@@ -70,3 +70,23 @@ def test_sigterm_drains_work_in_flight_and_answers_it():
         assert d.proc.wait(10) == 0
         s.close()
     ctx.term()
+
+
+def test_a_request_waiting_for_a_transfer_does_not_hold_up_other_clients():
+    ctx = zmq.Context()
+    with DaemonProcess(extra=["--transfer-timeout", "2"]) as d:
+        waiter, other = client(ctx, d.endpoint), client(ctx, d.endpoint)
+        # genie::recv of a transfer that never comes: parked off the executor until the timeout.
+        waiter.send_multipart([protocol.pack(["exec", 1, {"ops": [["genie::recv", ["0" * 32], {}, 1]], "fetch": [1]}])])
+        time.sleep(0.2)
+        started = time.monotonic()
+        rid, ok, body = request(other, "exec", 2, {"ops": [["aten::ones", [[3]], {}, 5]], "fetch": [5]})
+        assert ok and "error" not in body["fetched"][0]
+        assert time.monotonic() - started < 1.0  # served while the other request still waits
+        rid, ok, body = protocol.unpack_header(waiter.recv_multipart()[0])
+        assert rid == 1 and "no tensor arrived" in body["fetched"][0]["error"]["message"]
+        stats = request(other, "stats", 3)[2]
+        assert stats["parked_requests"] == 0
+        for s in (waiter, other):
+            s.close()
+    ctx.term()
