@@ -65,6 +65,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="send large payloads over ZeroMQ only (no second socket for bulk transfers)")
     p.add_argument("--transfer-timeout", type=float, default=120.0, metavar="S",
                    help="seconds a request may wait for a peer daemon's tensor or its bulk-lane bytes")
+    p.add_argument("--kv-dir", default=os.environ.get("GENIE_KV_DIR"), metavar="DIR",
+                   help="keep a copy of every KV session (genie.KVSession) here, so sessions survive a daemon "
+                   "restart and reload after eviction; env GENIE_KV_DIR")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--log-level", default=os.environ.get("GENIE_LOG_LEVEL", "INFO"))
     return p.parse_args(argv)
@@ -108,7 +111,8 @@ async def _run(args: argparse.Namespace) -> None:
     memory_limit = int(args.memory_limit * 2**30)
     server = DaemonServer(args.listen, devices, client_lease_s=args.client_lease,
                           memory_limit=memory_limit, bulk_lanes=not args.no_bulk_lane,
-                          curve=security_from(args), transfer_timeout=args.transfer_timeout)
+                          curve=security_from(args), transfer_timeout=args.transfer_timeout,
+                          kv_dir=args.kv_dir)
     endpoint = server.bind()
     server.process_cap = cap_process_memory(devices, memory_limit, BULK_POOL_BYTES if server.bulk else 0)
     loop = asyncio.get_running_loop()

@@ -25,7 +25,7 @@ from genie.transport.errors import ProtocolError
 from .bulk_server import BulkListener
 from .executor import Executor, RemoteOpError
 from .handles import ClientState, MemoryAccount
-from .kv_store import KVStore
+from .kv_store import KVDisk, KVStore
 from .peers import Mailbox, PeerLinks, check_transfer_id
 
 log = logging.getLogger("genie.daemon")
@@ -64,7 +64,8 @@ def _describe_hardware(device: torch.device) -> dict:
 
 class DaemonServer:
     def __init__(self, endpoint: str, devices: list[torch.device], client_lease_s: float = 60.0,
-                 memory_limit: int = 0, bulk_lanes: bool = True, curve=None, transfer_timeout: float = 120.0) -> None:
+                 memory_limit: int = 0, bulk_lanes: bool = True, curve=None, transfer_timeout: float = 120.0,
+                 kv_dir: str | None = None) -> None:
         self.endpoint = endpoint
         self.curve = curve  # ServerKeys: CURVE on, only allow-listed clients; None: plaintext, open
         self.bulk_lanes = bulk_lanes and curve is None  # the bulk lane is plaintext
@@ -77,7 +78,7 @@ class DaemonServer:
         self.transfer_timeout = transfer_timeout  # how long a request may wait for its peer or bulk bytes
         self.mailbox = Mailbox(ttl_s=2 * transfer_timeout, max_bytes=memory_limit)
         self.peers: PeerLinks | None = None
-        self.kv_store = KVStore(self.account)
+        self.kv_store = KVStore(self.account, KVDisk(kv_dir) if kv_dir else None, devices)
         # The server waits for transfers before a request reaches the executor (see `_park`), so the
         # executor never waits: what has not arrived by then never will.
         self.executor = Executor(devices, self.account, memory_limit, kv_store=self.kv_store, mailbox=self.mailbox,
