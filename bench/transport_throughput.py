@@ -1,8 +1,9 @@
 """Tensor transfer throughput from 4 KB to 1 GB, over tcp and ipc, against the baselines.
 
 In one run, for each size and transport:
-- raw socket: `sendall` / `recv_into` between two processes (TCP loopback, or a Unix socket for ipc),
-  the receiver answering one byte: the best a byte stream can do here;
+- raw socket: `sendall` / `recv_into` between two processes (TCP loopback, or a Unix socket for ipc,
+  with the same widened buffers as Genie's bulk lane), the receiver answering one byte: the best a
+  byte stream can do here;
 - plain pyzmq: a DEALER sends the payload as one zero-copy frame, a ROUTER answers with an ack;
 - Genie upload: `t.to("remote_accelerator:0")` then synchronize, to a genie-daemon process;
 - Genie download: `.cpu()` of a tensor resident on the daemon.
@@ -23,6 +24,7 @@ import torch
 import zmq
 
 from bench.common import machine, median, print_table, write_json
+from genie.transport.bulk import widen_buffers
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30]
 
@@ -32,6 +34,7 @@ SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20, 1 <
 
 def _raw_server(family, address, ready, max_size):
     srv = socket.socket(family, socket.SOCK_STREAM)
+    widen_buffers(srv)
     srv.bind(address)
     srv.listen(1)
     ready.put(srv.getsockname())
@@ -60,6 +63,7 @@ def raw_socket_times(kind: str, sizes: list[int], repeats: int) -> dict[int, flo
     p = mp.Process(target=_raw_server, args=(family, address, ready, max(sizes)), daemon=True)
     p.start()
     cli = socket.socket(family, socket.SOCK_STREAM)
+    widen_buffers(cli)
     cli.connect(ready.get(timeout=30))
     if family == socket.AF_INET:
         cli.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no Nagle delay on small sends

@@ -45,6 +45,7 @@ class BulkListener:
             if os.path.exists(where):
                 os.unlink(where)
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            bulk.widen_buffers(self._sock)  # accepted connections inherit the listener's buffers
             self._sock.bind(where)
             self.advertised = ["unix", where]
         self._path = where if kind == "unix" else None
