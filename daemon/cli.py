@@ -68,6 +68,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-dir", default=os.environ.get("GENIE_KV_DIR"), metavar="DIR",
                    help="keep a copy of every KV session (genie.KVSession) here, so sessions survive a daemon "
                    "restart and reload after eviction; env GENIE_KV_DIR")
+    p.add_argument("--no-fuse-programs", action="store_true",
+                   default=os.environ.get("GENIE_FUSE_PROGRAMS", "1") == "0",
+                   help="replay genie.graph programs op by op from Python instead of as traced TorchScript "
+                   "segments; env GENIE_FUSE_PROGRAMS=0")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--log-level", default=os.environ.get("GENIE_LOG_LEVEL", "INFO"))
     return p.parse_args(argv)
@@ -150,6 +154,9 @@ def main(argv: list[str] | None = None) -> None:
     from genie.transport import tensors
 
     tensors.MAX_FRAME_BYTES = max(1, int(args.max_frame_mb * 2**20))
+    from . import programs
+
+    programs.FUSE = not args.no_fuse_programs
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     try:

@@ -12,15 +12,21 @@ general path from that point on, so errors poison outputs exactly as in an ordin
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from genie.transport.protocol import BulkTensor, DeviceRef, HandleRef, InlineTensor, OpCall
 
+from . import fused
 from . import ops as op_table
 from .handles import ClientState, Poison
 
 CONST, REG, LIST = 0, 1, 2
 MAX_PROGRAMS = 1024  # recorded programs one client may keep
+# Replays run as traced TorchScript segments (daemon/fused.py); False (--no-fuse-programs,
+# GENIE_FUSE_PROGRAMS=0) interprets every op from Python instead.
+FUSE = True
 
 
 class Program:
@@ -36,7 +42,7 @@ class Program:
 
 
 class Compiled:
-    __slots__ = ("registers", "inputs", "batches", "live", "handle_of")
+    __slots__ = ("registers", "inputs", "batches", "live", "handle_of", "segments", "position")
 
     def __init__(self, registers: int, inputs: list, batches: list, live: list, handle_of: list) -> None:
         self.registers = registers
@@ -44,6 +50,10 @@ class Compiled:
         self.batches = batches      # ([(op, args, kwargs, out, call)], [register to clear], [handles freed])
         self.live = live            # (handle, register) written and still live at the end
         self.handle_of = handle_of  # register -> handle
+        steps = [step for b_steps, _, _ in batches for step in b_steps]
+        self.position = [(b, s) for b, (b_steps, _, _) in enumerate(batches) for s in range(len(b_steps))]
+        # (segment, its steps run one by one) for the fused replay; None: interpret every op
+        self.segments = _segments(steps, {r for _, r in live}) if FUSE and steps else None
 
 
 class NotCompilable(Exception):
@@ -114,6 +124,82 @@ def compile_program(batches: list[tuple[list[OpCall], list[int]]], devices: list
     return Compiled(len(registers), inputs, compiled_batches, live, handle_of)
 
 
+def _reads(step) -> list[int]:
+    _, args, kwargs, _, _ = step
+    found: list[int] = []
+
+    def visit(kind, v):
+        if kind == REG:
+            found.append(v)
+        elif kind == LIST:
+            for k, x in v:
+                visit(k, x)
+
+    for kind, v in args:
+        visit(kind, v)
+    for kind, v in kwargs.values():
+        visit(kind, v)
+    return found
+
+
+def _writes(step) -> list[int]:
+    found: list[int] = []
+
+    def visit(spec):
+        if type(spec) is int:
+            found.append(spec)
+        elif spec is not None:
+            for s in spec:
+                visit(s)
+
+    visit(step[3])
+    return found
+
+
+def _mutates(step) -> bool:
+    return bool(op_table.written_arguments(op_table.resolve(step[4].name)))
+
+
+def _describe(step) -> tuple:
+    _, args, kwargs, out, call = step
+    return call.name, _freeze(args), _freeze(sorted(kwargs.items())), _freeze(out)
+
+
+def _freeze(value):
+    """A hashable form that tells apart what Python's == does not (1, 1.0 and True; 0.0 and -0.0)."""
+    t = type(value)
+    if t is list or t is tuple:
+        return list, tuple(_freeze(v) for v in value)
+    if t is float:
+        return float, value.hex()
+    if t is complex:
+        return complex, value.real.hex(), value.imag.hex()
+    return t, value
+
+
+def _segments(steps: list, kept: set[int]) -> list:
+    segments = fused.plan_segments(steps, _reads, _writes, _mutates, _describe, kept)
+    return [(seg, functools.partial(_run_steps, steps[seg.start:seg.stop])) for seg in segments]
+
+
+def _run_steps(steps: list, regs: list):
+    result = None
+    for step in steps:
+        result = _run_step(step, regs)
+    return result
+
+
+def _run_step(step, regs: list):
+    op, args, kwargs, out, _ = step
+    values = [v if k == CONST else _value(k, v, regs) for k, v in args]
+    if kwargs:
+        result = op(*values, **{n: v if k == CONST else _value(k, v, regs) for n, (k, v) in kwargs.items()})
+    else:
+        result = op(*values)
+    _assign(out, result, regs)
+    return result
+
+
 def _value(kind: int, v, regs: list):
     if kind == REG:
         return regs[v]
@@ -145,23 +231,46 @@ def replay(executor, client: ClientState, program: Program, device: torch.device
         if not isinstance(t, torch.Tensor):  # missing or poisoned: the general path says which
             return _general(executor, client, program, device, 0, 0)
         regs[r] = t
-    for b, (steps, cleared, external) in enumerate(compiled.batches):
-        for s, (op, args, kwargs, out, call) in enumerate(steps):
+    batch = step = 0
+    if compiled.segments is not None:
+        for segment, interpret in compiled.segments:
             try:
-                values = [v if k == CONST else _value(k, v, regs) for k, v in args]
-                if kwargs:
-                    result = op(*values, **{n: v if k == CONST else _value(k, v, regs) for n, (k, v) in kwargs.items()})
-                else:
-                    result = op(*values)
-                _assign(out, result, regs)
+                fused.run(segment, regs, interpret)
+            except Exception:  # noqa: BLE001 - re-run this segment op by op, which poisons what failed
+                batch, step = compiled.position[segment.start]
+                break
+        else:
+            batch = len(compiled.batches)
+        for _, _, external in compiled.batches[:batch]:
+            for h in external:
+                client.free(h)
+    if _interpret(executor, client, program, compiled, regs, device, batch, step):
+        _finish(executor, client, program, compiled, regs)
+
+
+def _interpret(executor, client: ClientState, program: Program, compiled: Compiled, regs: list,
+               device: torch.device, batch: int, step: int) -> bool:
+    """Run ops one by one on registers from (batch, step). False: an op failed and the general
+    path has finished the program."""
+    for b in range(batch, len(compiled.batches)):
+        steps, cleared, external = compiled.batches[b]
+        for s in range(step if b == batch else 0, len(steps)):
+            try:
+                _run_step(steps[s], regs)
             except Exception as e:  # noqa: BLE001 - hand over to the general path, which poisons
                 _spill(compiled, regs, client)
-                executor._fail(client, call, e, raise_errors=False)
-                return _general(executor, client, program, device, b, s + 1)
+                executor._fail(client, steps[s][4], e, raise_errors=False)
+                _general(executor, client, program, device, b, s + 1)
+                return False
         for r in cleared:
             regs[r] = None
         for h in external:
             client.free(h)
+    return True
+
+
+def _finish(executor, client: ClientState, program: Program, compiled: Compiled, regs: list) -> None:
+    """Store the outputs still live (freeing those the client dropped) and check the memory limit."""
     released = program.released
     for h, r in compiled.live:
         if h in released:

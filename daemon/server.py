@@ -24,6 +24,7 @@ from genie.transport import calibration, protocol, tensors
 from genie.transport.errors import ProtocolError
 
 
+from . import fused
 from .bulk_server import BulkListener
 from .executor import Executor, RemoteOpError
 from .handles import ClientState, MemoryAccount
@@ -393,6 +394,7 @@ class DaemonServer:
             "parked_requests": sum(len(q) for q in self._parked.values()),
             "limit": self.memory_limit,
             "process_cap": self.process_cap or 0,
+            "program_segments": dict(fused.counts),
             **self.kv_store.stats(),
         }
         if device.type == "cuda":

@@ -134,3 +134,70 @@ def test_random_ops_draw_new_values_on_each_replay(dev):
     second = x.cpu()
     assert not torch.equal(first, second)
     assert ((second >= 0) & (second < 1)).all()
+
+
+def _segments():
+    from genie.runtime import get_runtime
+
+    return get_runtime().stream(0).link.request("stats", {"dev": 0}).body["program_segments"]
+
+
+def test_replays_run_as_traced_segments_and_a_second_recording_reuses_them(dev):
+    from genie.examples.gpt import GPTConfig, TinyGPT, generate, generate_static
+
+    torch.manual_seed(1)
+    model = TinyGPT(GPTConfig(n_layers=2, dim=64)).eval()
+    prompt = torch.randint(0, model.cfg.vocab_size, (1, 5))
+    expected = generate(model, prompt, 6)
+    remote = copy.deepcopy(model).to(dev)
+    before = _segments()
+    assert generate_static(remote, prompt.to(dev), 6) == expected
+    first = _segments()
+    assert first["traced"] + first["reused"] > before["traced"] + before["reused"]  # the step ran as TorchScript
+    assert first["interpreted"] == before["interpreted"]  # every multi-op segment of the GPT step traced
+    assert generate_static(remote, prompt.to(dev), 6) == expected  # a new genie.Graph for the same step
+    second = _segments()
+    assert second["traced"] == first["traced"] and second["reused"] > first["reused"]
+
+
+def test_a_failing_traced_segment_reruns_op_by_op_without_repeating_side_effects(dev):
+    idx = torch.zeros(1, dtype=torch.long, device=dev)
+    table = torch.randn(4, 2, device=dev)
+    out = torch.zeros(1, 2, device=dev)
+    before, after = torch.zeros(3, device=dev), torch.zeros(3, device=dev)
+    g = genie.Graph()
+    with genie.graph(g):
+        before.add_(1)             # lands once per run, before the failing op
+        out.copy_(table[idx] * 2)  # fails on the replay below
+        after.add_(1)              # independent of the failure: runs, as in an op-by-op run
+    idx.fill_(99)
+    g.replay()
+    with pytest.raises(genie.RemoteExecutionError, match="index"):
+        out.cpu()
+    assert before.cpu().tolist() == [2.0] * 3
+    assert after.cpu().tolist() == [2.0] * 3
+
+
+def test_replayed_scalars_keep_their_types(dev):
+    # Programs that differ only in 1 vs 1.0 (or 0.0 vs -0.0) must not share a trace.
+    x = torch.arange(4, device=dev)
+    outs = []
+    for scalar in (1, 1.0):
+        y = torch.zeros(4, dtype=torch.float32, device=dev)
+        g = genie.Graph()
+        with genie.graph(g):
+            y.copy_(x * scalar)
+        g.replay()
+        outs.append(y)
+        r = (x * scalar)
+        assert r.dtype == (torch.int64 if scalar == 1 and type(scalar) is int else torch.float32)
+    z = torch.ones(2, device=dev)
+    signs = []
+    for scalar in (0.0, -0.0):
+        w = torch.zeros(2, device=dev)
+        g = genie.Graph()
+        with genie.graph(g):
+            w.copy_(z * scalar)
+        g.replay()
+        signs.append(torch.signbit(w.cpu()).tolist())
+    assert signs == [[False, False], [True, True]]

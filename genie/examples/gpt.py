@@ -158,7 +158,8 @@ class StaticKVCache:
 
 
 @torch.no_grad()
-def generate_static(model: TinyGPT, prompt: torch.Tensor, new_tokens: int, replay: bool = True) -> list[int]:
+def generate_static(model: TinyGPT, prompt: torch.Tensor, new_tokens: int, replay: bool = True,
+                    on_token=None) -> list[int]:
     """Greedy decoding with a `StaticKVCache`; on a remote device with `replay`, the decode step is
     recorded once with `genie.graph` and then replayed, so each token costs one small message and
     no Python model code. The same tokens as `generate`."""
@@ -182,6 +183,8 @@ def generate_static(model: TinyGPT, prompt: torch.Tensor, new_tokens: int, repla
     out = []
     for i in range(new_tokens):
         out.append(token.item())
+        if on_token is not None:
+            on_token(out[-1])
         if graph is None:
             step()
         elif i == 0:

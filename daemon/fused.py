@@ -1,0 +1,180 @@
+"""Compiled programs run as TorchScript graphs: their ops called from C++, not one by one from Python.
+
+A replay interpreted in Python pays several microseconds of interpreter and binding overhead
+per op, more than the op itself for decode-sized tensors. So a compiled program is cut into
+segments, each traced once with `torch.jit.trace` on meta tensors (no data is touched) at its
+first replay and called as one TorchScript function from then on. The trace records the aten
+ops the program names, with its constants, and nothing else: no Python from a client is run,
+evaluated or imported, and the graph is the same op sequence whatever the inputs hold.
+Traces are kept by content, so a program recorded again (a new genie.Graph for the same
+step) reuses them.
+
+A segment ends after each op that writes into one of its arguments (in-place and out= ops),
+so every op of a segment but its last is free of side effects. If a segment fails (a data
+error such as an index out of range), nothing it did is visible but possibly that last write,
+and the replay re-runs it op by op from its start, which poisons exactly what the general path
+would. Segments of one op, and those the tracer refuses, are interpreted.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import warnings
+
+import torch
+
+log = logging.getLogger("genie.daemon")
+
+INTERPRET = False  # Segment.fn of a segment run op by op from Python
+MAX_TRACES = 4096  # traced segments kept (least recently used dropped first)
+counts = {"traced": 0, "reused": 0, "interpreted": 0}  # segments so far, for the daemon's stats
+
+_traces: collections.OrderedDict = collections.OrderedDict()  # key -> (fn, same_inputs)
+_traces_lock = threading.Lock()
+
+
+class Segment:
+    """Steps [start, stop) of a compiled program, with the registers crossing its edges."""
+
+    __slots__ = ("start", "stop", "inputs", "outputs", "drop", "key", "fn", "same_inputs")
+
+    def __init__(self, start: int, stop: int, inputs: list[int], outputs: list[int], drop: list[int],
+                 key: tuple) -> None:
+        self.start, self.stop = start, stop
+        self.inputs = inputs      # registers it reads that earlier steps (or the program's inputs) wrote
+        self.outputs = outputs    # registers it writes that later steps read or that are live at the end
+        self.drop = drop          # registers nothing reads after it: cleared to free their memory
+        self.key = key            # what the trace depends on: its steps and edges
+        self.fn = None            # traced function after the first run, or INTERPRET
+        self.same_inputs: list[tuple[int, int]] = []  # input positions that held one tensor when traced
+
+
+def plan_segments(steps: list, reads_of, writes_of, mutates, describe, kept: set[int]) -> list[Segment]:
+    """Cut `steps` after each mutating step. reads_of(step) / writes_of(step): registers;
+    mutates(step): it writes into an argument; describe(step): a hashable, exact description
+    (op and constants, with their types); kept: registers live when the program ends."""
+    bounds, start = [], 0
+    for i, step in enumerate(steps):
+        if mutates(step) or i == len(steps) - 1:
+            bounds.append((start, i + 1))
+            start = i + 1
+    last_read: dict[int, int] = {}
+    for i, step in enumerate(steps):
+        for r in reads_of(step):
+            last_read[r] = i
+    segments = []
+    for start, stop in bounds:
+        written: set[int] = set()
+        inputs: list[int] = []
+        for step in steps[start:stop]:
+            for r in reads_of(step):
+                if r not in written and r not in inputs:
+                    inputs.append(r)
+            written.update(writes_of(step))
+        outputs = sorted(r for r in written if r in kept or last_read.get(r, -1) >= stop)
+        done = [r for r in inputs if last_read.get(r, -1) < stop and r not in kept]
+        drop = sorted(set(done) | (written - set(outputs)))
+        key = (tuple(describe(s) for s in steps[start:stop]), tuple(inputs), tuple(outputs))
+        segment = Segment(start, stop, inputs, outputs, drop, key)
+        if stop - start == 1:
+            segment.fn = INTERPRET  # one op: a TorchScript call would cost more than it saves
+        segments.append(segment)
+    return segments
+
+
+def run(segment: Segment, regs: list, interpret) -> None:
+    """Run one segment on `regs`. interpret(registers) runs its steps one by one from Python and
+    returns what the last one returned. An exception from an op propagates; the caller re-runs
+    the segment op by op, which is exact as only its last op has side effects."""
+    if segment.fn is None:
+        _trace(segment, regs, interpret)
+    fn = segment.fn
+    values = [regs[r] for r in segment.inputs]
+    if fn is INTERPRET or any(values[i] is not values[j] for i, j in segment.same_inputs):
+        interpret(regs)
+    else:
+        results = fn(*values)
+        if type(results) is not tuple:
+            results = (results,)
+        for r, value in zip(segment.outputs, results):
+            regs[r] = value
+    for r in segment.drop:
+        regs[r] = None
+
+
+def _trace(segment: Segment, regs: list, interpret) -> None:
+    """Trace the segment on meta tensors shaped like its inputs: no data is read or written, so
+    tracing has no side effects, and the first real run is the traced function's."""
+    with _traces_lock:
+        known = _traces.get(segment.key)
+        if known is not None:
+            _traces.move_to_end(segment.key)
+    if known is not None:
+        segment.fn, segment.same_inputs = known
+        counts["reused"] += 1
+        return
+    values = [regs[r] for r in segment.inputs]
+    segment.same_inputs = [(i, j) for j in range(len(values)) for i in range(j) if values[i] is values[j]]
+    segment.fn = INTERPRET
+    if not hasattr(torch.jit, "trace"):
+        counts["interpreted"] += 1
+        return  # a torch without the tracer
+
+    def body(*inputs):
+        local = _Registers([None] * len(regs))
+        for r, value in zip(segment.inputs, inputs):
+            local[r] = value
+        last = interpret(local)
+        if not segment.outputs:
+            # Nothing read later (e.g. it ends in an in-place write): hand back what the last op
+            # returned, as the tracer needs an output; run() ignores it.
+            return last if isinstance(last, torch.Tensor) else ()
+        return tuple(local[r] for r in segment.outputs)
+
+    try:
+        _exact_execution()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.jit's deprecation and "may not generalize" notes
+            segment.fn = torch.jit.trace(body, _meta_like(values), check_trace=False, strict=False)
+        counts["traced"] += 1
+    except Exception as e:  # noqa: BLE001 - an op without a meta kernel, or one the tracer refuses
+        segment.fn = INTERPRET
+        counts["interpreted"] += 1
+        log.debug("program segment of %d ops interpreted: %s", segment.stop - segment.start, e)
+    with _traces_lock:
+        _traces[segment.key] = (segment.fn, segment.same_inputs)
+        while len(_traces) > MAX_TRACES:
+            _traces.popitem(last=False)
+
+
+def _exact_execution() -> None:
+    """No TorchScript graph optimisation in this process: common-subexpression elimination could
+    hand one tensor back for two outputs the client keeps apart, and dead-code elimination could
+    skip a recorded op. A replay runs exactly the ops it recorded (measured: ~8% slower than with
+    the optimiser on, still ~2x faster than interpreting)."""
+    setter = getattr(torch._C, "_set_graph_executor_optimize", None)
+    if setter is not None:
+        setter(False)
+
+
+def _meta_like(values: list) -> tuple:
+    """Meta tensors with each value's shape, strides, offset and dtype (one per distinct value)."""
+    made: dict[int, torch.Tensor] = {}
+    for v in values:
+        if id(v) not in made:
+            elements = v.untyped_storage().nbytes() // v.element_size()
+            base = torch.empty(elements, dtype=v.dtype, device="meta")
+            made[id(v)] = base.as_strided(v.shape, v.stride(), v.storage_offset())
+    return tuple(made[id(v)] for v in values)
+
+
+class _Registers(list):
+    """Registers of a traced run. Reading one the segment did not receive would bake a real
+    tensor into the graph as a constant, so it fails instead (and the segment is interpreted)."""
+
+    def __getitem__(self, r):
+        value = list.__getitem__(self, r)
+        if value is None:
+            raise LookupError(f"register {r} read before it was written")
+        return value

@@ -1,0 +1,74 @@
+"""Cutting recorded programs into traced segments (daemon/fused.py), without a daemon."""
+from __future__ import annotations
+
+import torch
+
+from daemon import fused
+
+
+def _plan(steps, kept):
+    # A step here: (reads, writes, mutates, name).
+    return fused.plan_segments(steps, lambda s: s[0], lambda s: s[1], lambda s: s[2], lambda s: s[3], kept)
+
+
+def test_segments_end_after_each_mutating_op_and_carry_only_what_crosses():
+    steps = [
+        ([0], [1], False, "a"),     # r1 = f(r0)
+        ([1], [2], False, "b"),     # r2 = g(r1)
+        ([3, 2], [], True, "c"),    # r3.write_(r2)   <- segment ends
+        ([1], [4], False, "d"),     # r4 = h(r1): r1 crosses the cut
+        ([4], [5], False, "e"),
+    ]
+    first, second = _plan(steps, kept={5})
+    assert (first.start, first.stop, second.start, second.stop) == (0, 3, 3, 5)
+    assert first.inputs == [0, 3] and first.outputs == [1]        # r2 stays inside; r1 is read later
+    assert second.inputs == [1] and second.outputs == [5]         # r4 is internal, r5 is live
+    assert 0 in first.drop and 2 in first.drop and 1 in second.drop and 4 in second.drop
+    assert first.key != second.key
+
+
+def test_one_op_segments_are_interpreted_and_the_key_follows_the_steps():
+    steps = [([0], [], True, "w1"), ([0], [1], False, "a"), ([1], [], True, "w2")]
+    single, pair = _plan(steps, kept=set())
+    assert single.fn is fused.INTERPRET and pair.fn is None
+    again = _plan([([0], [], True, "w1"), ([0], [1], False, "a"), ([1], [], True, "w2")], kept=set())
+    other = _plan([([0], [], True, "w1"), ([0], [1], False, "A"), ([1], [], True, "w2")], kept=set())
+    assert again[1].key == pair.key and other[1].key != pair.key
+
+
+def test_a_traced_segment_runs_the_recorded_ops_and_is_traced_once():
+    calls = []
+
+    def interpret(regs):
+        calls.append(1)
+        regs[2] = torch.ops.aten.mul.Tensor(regs[0], regs[1])
+        regs[3] = torch.ops.aten.add.Tensor(regs[2], 1.5)
+        return regs[3]
+
+    seg = fused.Segment(0, 2, inputs=[0, 1], outputs=[3], drop=[2], key=("unit-test", id(interpret)))
+    regs = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0]), None, None]
+    fused.run(seg, regs, interpret)
+    assert seg.fn is not fused.INTERPRET and calls == [1]  # traced once, on meta tensors
+    torch.testing.assert_close(regs[3], torch.tensor([4.5, 9.5]))
+    regs[0] = torch.tensor([2.0, 2.0])
+    fused.run(seg, regs, interpret)
+    assert calls == [1]  # the second run is the traced function's alone
+    torch.testing.assert_close(regs[3], torch.tensor([7.5, 9.5]))
+    assert regs[2] is None
+
+
+def test_a_segment_traced_with_one_tensor_twice_is_interpreted_when_they_differ():
+    def interpret(regs):
+        regs[2] = torch.ops.aten.sub.Tensor(regs[0], regs[1])
+        regs[3] = torch.ops.aten.abs.default(regs[2])
+        return regs[3]
+
+    seg = fused.Segment(0, 2, inputs=[0, 1], outputs=[3], drop=[], key=("unit-test-same", id(interpret)))
+    t = torch.tensor([1.0, -2.0])
+    regs = [t, t, None, None]
+    fused.run(seg, regs, interpret)
+    assert seg.same_inputs == [(0, 1)]
+    torch.testing.assert_close(regs[3], torch.zeros(2))
+    regs = [t, torch.zeros(2), None, None]
+    fused.run(seg, regs, interpret)
+    torch.testing.assert_close(regs[3], torch.tensor([1.0, 2.0]))
