@@ -100,7 +100,14 @@ class DaemonServer:
         self._pending = 0  # requests handed to the worker and not yet answered
         self._parked: dict[bytes, collections.deque] = {}  # client key -> requests waiting, in order
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.device_info = [describe_device(d) for d in devices]
+        # Ops with parallel regions run on one thread only, the worker: with several torch threads,
+        # OpenMP teams started from two threads slow each other's ops down ~15x (measured here: a
+        # 1x128 @ 128x512 linear on the worker, 5.6 us; after one matmul on the loop thread, 83 us).
+        # So the calibration matmul runs there too, and requests run inline (on the loop thread)
+        # only when torch uses a single thread, which starts no team, or on GPUs, whose ops start
+        # none on the host. A CPU daemon with 2 threads here: batch-32 CNN 1,740 -> 3,057 images/s.
+        self.device_info = self._worker.submit(lambda: [describe_device(d) for d in devices]).result()
+        self.inline_ok = torch.get_num_threads() == 1 or all(d.type == "cuda" for d in devices)
         self.process_cap: int | None = None  # bytes the process may map (memory_guard), reported in stats
 
     # ------------------------------------------------------------ lifecycle
@@ -285,7 +292,8 @@ class DaemonServer:
 
     def _run_exec(self, identity: bytes, rid: int, client: ClientState, parsed, payload: list) -> None:
         """Run an exec whose transfers are in: here when that is quicker, else on the worker."""
-        if self._pending == 0 and _small(parsed) and sum(len(p) for p in payload) <= INLINE_MAX_BYTES:
+        if (self._pending == 0 and self.inline_ok and _small(parsed)
+                and sum(len(p) for p in payload) <= INLINE_MAX_BYTES):
             # Nothing is queued for the worker: running a small request here keeps program
             # order and saves two thread hops on the round trip a blocking read waits for.
             future = concurrent.futures.Future()
