@@ -14,6 +14,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from typing import Callable
 
 import torch
@@ -58,6 +59,7 @@ class BulkListener:
         self._lock = threading.Lock()
         self._closed = False
         self.on_arrival: Callable[[], None] | None = None  # told (from a lane's thread) when an upload lands
+        self.last_transfer = 0.0  # time.monotonic() of the last upload landed or download sent
         threading.Thread(target=self._accept_loop, name="genie-bulk-accept", daemon=True).start()
 
     # ------------------------------------------------------------ connections
@@ -90,12 +92,17 @@ class BulkListener:
             conn.close()
             return
         lane = bulk.Lane(conn, self.pool, self.max_transfer, name=token.hex()[:8], on_close=self._forget)
-        lane.arrivals.on_change = self.on_arrival
+        lane.arrivals.on_change = self._arrived
         with self._lock:
             old = self._lanes.pop(token, None)
             self._lanes[token] = lane
         if old is not None:
             old.close()
+
+    def _arrived(self) -> None:
+        self.last_transfer = time.monotonic()
+        if self.on_arrival is not None:
+            self.on_arrival()
 
     def _forget(self, lane: bulk.Lane) -> None:
         with self._lock:
@@ -106,6 +113,10 @@ class BulkListener:
     def lane(self, identity: bytes) -> bulk.Lane | None:
         with self._lock:
             return self._lanes.get(identity)
+
+    def lane_sockets(self) -> list[socket.socket]:
+        with self._lock:
+            return [lane.sock for lane in self._lanes.values() if not lane.closed]
 
     def drop(self, identity: bytes) -> None:
         with self._lock:
@@ -137,6 +148,7 @@ class BulkListener:
             return None
         xfer = lane.next_id()
         lane.send(xfer, payload)
+        self.last_transfer = time.monotonic()
         return xfer
 
     def waiting_bytes(self) -> int:

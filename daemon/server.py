@@ -211,16 +211,25 @@ class DaemonServer:
         one came. A client waiting on a reply usually sends again within a few hundred
         microseconds, and a core that went idle in between (a halted vCPU) takes longer than that
         to wake: measured here, (x+1).item() 200-311 -> 147-177 us, a replayed decode step
-        1.14-1.21 -> 0.90-0.98 ms, a 1 MiB upload and sync 724-743 -> 498-511 us. Only while the worker is idle and no request is parked on a
-        transfer, as the lane and worker threads need this thread's share of the GIL (zmq_poll
-        releases it on every turn), and only with one client: with several, and their processes
-        on the same cores, polling took CPU they needed (4 clients: 642-656 -> 520-577 requests/s)."""
+        1.14-1.21 -> 0.90-0.98 ms. Only while the worker is idle and no request is parked on a
+        transfer, and only with one client: with several, and their processes on the same cores,
+        polling took CPU they needed (4 clients: 642-656 -> 520-577 requests/s). The bulk lanes'
+        sockets are polled too, and bytes arriving there end the spin: the lane thread needs the
+        GIL this loop would keep taking back (a 4 MiB upload's receive started 0.59 ms late);
+        for the same reason there is no spin within BULK_QUIET_S of a bulk transfer."""
         if not self.spin_s or self._pending or len(self.clients) != 1 or any(self._parked.values()):
             return False
+        if self.bulk is not None and time.monotonic() - self.bulk.last_transfer < BULK_QUIET_S:
+            return False
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        for lane_socket in self.bulk.lane_sockets() if self.bulk is not None else ():
+            poller.register(lane_socket, zmq.POLLIN)
         deadline = time.perf_counter() + self.spin_s
         while time.perf_counter() < deadline:
-            if sock.poll(0):
-                return True
+            ready = poller.poll(0)
+            if ready:
+                return any(s is sock for s, _ in ready)
         return False
 
     def _schedule_drain(self) -> None:
@@ -478,6 +487,8 @@ def client_key(routing_id: bytes) -> bytes:
     return routing_id[:16] if len(routing_id) == 17 else routing_id
 
 
+# No idle polling for this long after a bulk-lane transfer (see DaemonServer._spin).
+BULK_QUIET_S = 0.1
 # Requests taken per reader callback before other callbacks get a turn.
 DRAIN_BATCH = 4
 # On shutdown, how long queued replies may take to leave before the socket closes.
