@@ -252,7 +252,11 @@ def _fast_walk(args: tuple, w: _Walk, seen: dict) -> tuple[tuple, list]:
 
 def _capture_hot(func, args: tuple):
     """The common case in one pass: no kwargs, remote tensors on one stream and plain scalars, a
-    cached plan with one new output and no metadata mutation. None: take the general path."""
+    cached plan with one new output and no metadata mutation. None: take the general path.
+
+    It repeats `_fast_walk`'s loop on purpose: one function with one exit per outcome is what
+    keeps capture near 2x the floor. Folding the two into one walk (tried: shared `_fast_walk`,
+    single `capture`) measured 7-15% slower per op (2.15-2.37x vs 2.00-2.02x floor, same runs)."""
     key, wire, seen, stream = [], [], None, None
     for a in args:
         t = type(a)
