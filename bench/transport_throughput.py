@@ -7,7 +7,8 @@ In one run, for each size and transport:
 - plain pyzmq: a DEALER sends the payload as one zero-copy frame, a ROUTER answers with an ack;
 - Genie upload: `t.to("remote_accelerator:0")` then synchronize, to a genie-daemon process;
 - Genie download: `.cpu()` of a tensor resident on the daemon.
-Throughput is payload bytes / median time of several repetitions.
+Throughput is payload bytes / median time of several repetitions (25 for payloads up to 16 MB,
+fewer for larger ones, at least --repeats).
 
     python -m bench.transport_throughput [--max-mb 1024] [--repeats 3]
 """
@@ -27,6 +28,12 @@ from bench.common import machine, median, print_table, write_json
 from genie.transport.bulk import widen_buffers
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30]
+
+
+def repetitions(n: int, repeats: int) -> int:
+    """At least `repeats`; more for small payloads (up to 25, about 0.25 s at 2 GB/s), whose
+    times are short enough for this shared machine's noise to move a median of three."""
+    return max(repeats, min(25, int(0.25 / (n / 2e9))))
 
 
 # ---------------------------------------------------------------- raw sockets
@@ -71,7 +78,7 @@ def raw_socket_times(kind: str, sizes: list[int], repeats: int) -> dict[int, flo
     for n in sizes:
         payload = memoryview(bytearray(n))
         times = []
-        for _ in range(repeats + 1):
+        for _ in range(repetitions(n, repeats) + 1):
             t0 = time.perf_counter()
             cli.sendall(n.to_bytes(8, "little"))
             cli.sendall(payload)
@@ -112,7 +119,7 @@ def zmq_times(kind: str, sizes: list[int], repeats: int) -> dict[int, float]:
     for n in sizes:
         payload = bytearray(n)
         times = []
-        for _ in range(repeats + 1):
+        for _ in range(repetitions(n, repeats) + 1):
             t0 = time.perf_counter()
             c.send(payload, copy=n < 65536)
             c.recv()
@@ -136,7 +143,7 @@ def genie_times(endpoint: str, sizes: list[int], repeats: int) -> tuple[dict[int
     for n in sizes:
         host = torch.empty(n // 4, dtype=torch.float32).fill_(1.0)
         t_up, t_down = [], []
-        for _ in range(repeats + 1):
+        for _ in range(repetitions(n, repeats) + 1):
             t0 = time.perf_counter()
             remote = host.to("remote_accelerator:0")
             ra.synchronize()
@@ -174,7 +181,7 @@ def main(argv=None) -> int:
             for n in sizes
         }
     m = machine()
-    print(f"# tensor transfer throughput (MB/s), medians of {args.repeats} -- {m['cpus']} cpus, "
+    print(f"# tensor transfer throughput (MB/s), medians of {args.repeats} to 25 runs -- {m['cpus']} cpus, "
           f"pyzmq {m['pyzmq']}, libzmq {m['libzmq']}")
     rows = []
     for kind, per_size in results.items():
