@@ -3,7 +3,8 @@
 A server process holds the model and its KV cache; each decode step is one
 `rpc_sync` call that returns the next token (the cheapest protocol such a
 hand-written service can have: all state server-side, one round trip per token).
-Reports decode tokens/s next to local eager in the same run.
+Reports steady-state decode tokens/s (from the second generated token on, as bench.end_to_end)
+next to local eager in the same run.
 
     python -m bench.rpc_peer [--tokens 32] [--repeats 3]
 """
@@ -13,11 +14,10 @@ import argparse
 import multiprocessing as mp
 import os
 import socket
-import time
 
 import torch
 
-from bench.common import median, print_table, write_json
+from bench.common import print_table, write_json
 
 _state: dict = {}
 
@@ -67,6 +67,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import torch.distributed.rpc as rpc
 
+    from bench.end_to_end import decode_rate
     from genie.examples.gpt import GPTConfig, TinyGPT, generate
 
     port = _free_port()
@@ -79,24 +80,23 @@ def main(argv=None) -> int:
     prompt = torch.randint(0, model.cfg.vocab_size, (1, 16))
     expected = generate(model, prompt, args.tokens)
 
-    def via_rpc() -> list[int]:
+    def via_rpc(on_token=None) -> list[int]:
         out = [rpc.rpc_sync("w1", server_start, args=(prompt[0].tolist(),))]
+        if on_token is not None:
+            on_token(out[-1])
         for _ in range(args.tokens - 1):
             out.append(rpc.rpc_sync("w1", server_step))
+            if on_token is not None:
+                on_token(out[-1])
         return out
 
     assert via_rpc() == expected
-    rpc_times, local_times = [], []
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        via_rpc()
-        rpc_times.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        generate(model, prompt, args.tokens)
-        local_times.append(time.perf_counter() - t0)
+    # Steady-state decode, timed as in bench.end_to_end (from the second generated token on).
+    rpc_rate, _ = decode_rate(via_rpc, args.repeats)
+    local_rate, _ = decode_rate(lambda cb: generate(model, prompt, args.tokens, on_token=cb), args.repeats)
     rpc.shutdown()
     server.join(30)
-    result = {"decode_tokens_per_s": {"rpc": args.tokens / median(rpc_times), "local": args.tokens / median(local_times)}}
+    result = {"decode_tokens_per_s": {"rpc": rpc_rate, "local": local_rate}}
     print("# torch.distributed.rpc peer (TensorPipe, loopback)")
     print_table([("GPT decode tokens/s", f"{result['decode_tokens_per_s']['local']:.0f}",
                   f"{result['decode_tokens_per_s']['rpc']:.0f}")], ("workload", "local eager", "torch rpc"))
