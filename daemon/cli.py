@@ -148,7 +148,8 @@ def keygen(argv: list[str]) -> None:
 
 
 def _default_spin_us() -> str:
-    return "1000" if len(os.sched_getaffinity(0)) >= 2 else "0"
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return "1000" if cpus >= 2 else "0"
 
 
 def main(argv: list[str] | None = None) -> None:
