@@ -2,8 +2,9 @@
 
 A replay interpreted in Python pays several microseconds of interpreter and binding overhead
 per op, more than the op itself for decode-sized tensors. So a compiled program is cut into
-segments, each traced once with `torch.jit.trace` on meta tensors (no data is touched) at its
-first replay and called as one TorchScript function from then on. The trace records the aten
+segments, each traced once with `torch.jit.trace` on stand-ins for its inputs (zero-filled
+copies of their shapes when small, else meta tensors: never the data) at its first replay and
+called as one TorchScript function from then on. The trace records the aten
 ops the program names, with its constants, and nothing else: no Python from a client is run,
 evaluated or imported, and the graph is the same op sequence whatever the inputs hold.
 Traces are kept by content, so a program recorded again (a new genie.Graph for the same
@@ -104,8 +105,10 @@ def run(segment: Segment, regs: list, interpret) -> None:
 
 
 def _trace(segment: Segment, regs: list, interpret) -> None:
-    """Trace the segment on meta tensors shaped like its inputs: no data is read or written, so
-    tracing has no side effects, and the first real run is the traced function's."""
+    """Trace the segment on stand-ins for its inputs, never on the inputs themselves, so tracing
+    has no side effects and the first real run is the traced function's: zero-filled CPU tensors
+    when the inputs are small CPU tensors (real kernels), else meta tensors (no data at all; the
+    first use of torch's Python meta kernels imports torch._dynamo, ~1.4 s here)."""
     with _traces_lock:
         known = _traces.get(segment.key)
         if known is not None:
@@ -132,16 +135,21 @@ def _trace(segment: Segment, regs: list, interpret) -> None:
             return last if isinstance(last, torch.Tensor) else ()
         return tuple(local[r] for r in segment.outputs)
 
-    try:
-        _exact_execution()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch.jit's deprecation and "may not generalize" notes
-            segment.fn = torch.jit.trace(body, _meta_like(values), check_trace=False, strict=False)
-        counts["traced"] += 1
-    except Exception as e:  # noqa: BLE001 - an op without a meta kernel, or one the tracer refuses
-        segment.fn = INTERPRET
+    _exact_execution()
+    for stand_in in ("zeros", "meta"):
+        try:
+            examples = _stand_ins(values, stand_in)
+            if examples is None:
+                continue
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch.jit's deprecation and "may not generalize" notes
+                segment.fn = torch.jit.trace(body, examples, check_trace=False, strict=False)
+            counts["traced"] += 1
+            break
+        except Exception as e:  # noqa: BLE001 - e.g. an op that rejects zeros, one without a meta kernel
+            log.debug("program segment of %d ops not traced on %s: %s", segment.stop - segment.start, stand_in, e)
+    else:
         counts["interpreted"] += 1
-        log.debug("program segment of %d ops interpreted: %s", segment.stop - segment.start, e)
     with _traces_lock:
         _traces[segment.key] = (segment.fn, segment.same_inputs)
         while len(_traces) > MAX_TRACES:
@@ -158,13 +166,21 @@ def _exact_execution() -> None:
         setter(False)
 
 
-def _meta_like(values: list) -> tuple:
-    """Meta tensors with each value's shape, strides, offset and dtype (one per distinct value)."""
+ZEROS_MAX_BYTES = 16 << 20  # inputs up to this size (all on the CPU) are traced on zeros
+
+
+def _stand_ins(values: list, kind: str) -> tuple | None:
+    """Tensors with each value's shape, strides, offset and dtype (one per distinct value), on
+    the meta device or zero-filled on the CPU; None where zeros do not apply."""
+    storages = {id(v): v.untyped_storage().nbytes() for v in values}
+    if kind == "zeros" and (any(v.device.type != "cpu" for v in values)
+                            or sum(storages.values()) > ZEROS_MAX_BYTES):
+        return None
+    device = "meta" if kind == "meta" else "cpu"
     made: dict[int, torch.Tensor] = {}
     for v in values:
         if id(v) not in made:
-            elements = v.untyped_storage().nbytes() // v.element_size()
-            base = torch.empty(elements, dtype=v.dtype, device="meta")
+            base = torch.zeros(storages[id(v)] // v.element_size(), dtype=v.dtype, device=device)
             made[id(v)] = base.as_strided(v.shape, v.stride(), v.storage_offset())
     return tuple(made[id(v)] for v in values)
 

@@ -72,3 +72,33 @@ def test_a_segment_traced_with_one_tensor_twice_is_interpreted_when_they_differ(
     regs = [t, torch.zeros(2), None, None]
     fused.run(seg, regs, interpret)
     torch.testing.assert_close(regs[3], torch.tensor([1.0, 2.0]))
+
+
+def _recording_interpret(seen):
+    def interpret(regs):
+        seen.append((regs[0].device.type, float(regs[0].sum()) if regs[0].device.type != "meta" else None))
+        regs[1] = torch.ops.aten.mul.Tensor(regs[0], 3.0)
+        regs[2] = torch.ops.aten.sub.Tensor(regs[1], 1.0)
+        return regs[2]
+    return interpret
+
+
+def test_tracing_never_touches_the_inputs_small_ones_get_zeros(monkeypatch):
+    seen = []
+    interpret = _recording_interpret(seen)
+    seg = fused.Segment(0, 2, inputs=[0], outputs=[2], drop=[1], key=("unit-test-zeros", id(interpret)))
+    regs = [torch.full((4,), 2.0), None, None]
+    fused.run(seg, regs, interpret)
+    assert seen == [("cpu", 0.0)]  # traced on zeros shaped like the input, not on its data
+    torch.testing.assert_close(regs[2], torch.full((4,), 5.0))  # the real run: the traced function's
+
+
+def test_large_inputs_are_traced_on_meta_tensors(monkeypatch):
+    monkeypatch.setattr(fused, "ZEROS_MAX_BYTES", 0)
+    seen = []
+    interpret = _recording_interpret(seen)
+    seg = fused.Segment(0, 2, inputs=[0], outputs=[2], drop=[1], key=("unit-test-meta", id(interpret)))
+    regs = [torch.full((4,), 2.0), None, None]
+    fused.run(seg, regs, interpret)
+    assert seen == [("meta", None)]
+    torch.testing.assert_close(regs[2], torch.full((4,), 5.0))
