@@ -218,8 +218,8 @@ class DaemonServer:
         polling took CPU they needed (4 clients: 642-656 -> 520-577 requests/s). The bulk lanes'
         sockets are polled too, and bytes arriving there end the spin: the lane thread needs the
         GIL this loop would keep taking back (a 4 MiB upload's receive started 0.59 ms late);
-        for the same reason there is no spin within BULK_QUIET_S of a bulk transfer. Two spins
-        in a row that see nothing switch it off for SPIN_BACKOFF_S: a client on these same cores
+        for the same reason there is no spin within BULK_QUIET_S of a bulk transfer. SPIN_MISSES
+        spins in a row that see nothing switch it off for SPIN_BACKOFF_S: a client on these cores
         can be the one kept waiting (4 KiB upload + sync: 0.55 ms without polling, 1.4 ms with,
         each spin running out just before the client's next request came)."""
         if not self.spin_s or self._pending or len(self.clients) != 1 or any(self._parked.values()):
@@ -240,7 +240,7 @@ class DaemonServer:
                 self._spin_misses = 0
                 return any(s is sock for s, _ in ready)
         self._spin_misses += 1
-        if self._spin_misses >= 2:
+        if self._spin_misses >= SPIN_MISSES:
             self._spin_misses = 0
             self._spin_off_until = time.monotonic() + SPIN_BACKOFF_S
         return False
@@ -500,10 +500,11 @@ def client_key(routing_id: bytes) -> bytes:
     return routing_id[:16] if len(routing_id) == 17 else routing_id
 
 
-# No idle polling for this long after a bulk-lane transfer, or after two polls in a row that
-# saw nothing (see DaemonServer._spin).
+# No idle polling for this long after a bulk-lane transfer, or after SPIN_MISSES polls in a
+# row that saw nothing (see DaemonServer._spin).
 BULK_QUIET_S = 0.1
-SPIN_BACKOFF_S = 0.1
+SPIN_BACKOFF_S = 0.05
+SPIN_MISSES = 3
 # Requests taken per reader callback before other callbacks get a turn.
 DRAIN_BATCH = 4
 # On shutdown, how long queued replies may take to leave before the socket closes.
