@@ -11,10 +11,11 @@ Traces are kept by content, so a program recorded again (a new genie.Graph for t
 step) reuses them.
 
 A segment ends after each op that writes into one of its arguments (in-place and out= ops),
-so every op of a segment but its last is free of side effects. If a segment fails (a data
-error such as an index out of range), nothing it did is visible but possibly that last write,
-and the replay re-runs it op by op from its start, which poisons exactly what the general path
-would. Segments of one op, and those the tracer refuses, are interpreted.
+so every op of a segment but its last is free of side effects, or only repeats a write that
+a re-run makes again identically (see plan_segments). If a segment fails (a data error such as
+an index out of range), the replay re-runs it op by op from its start, which poisons exactly
+what the general path would and lands no write twice with different values. Segments of one
+op, and those the tracer refuses, are interpreted.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ _traces_lock = threading.Lock()
 class Segment:
     """Steps [start, stop) of a compiled program, with the registers crossing its edges."""
 
-    __slots__ = ("start", "stop", "inputs", "outputs", "drop", "key", "fn", "same_inputs")
+    __slots__ = ("start", "stop", "inputs", "outputs", "drop", "key", "fn", "same_inputs", "overwritten")
 
     def __init__(self, start: int, stop: int, inputs: list[int], outputs: list[int], drop: list[int],
                  key: tuple) -> None:
@@ -49,23 +50,39 @@ class Segment:
         self.key = key            # what the trace depends on: its steps and edges
         self.fn = None            # traced function after the first run, or INTERPRET
         self.same_inputs: list[tuple[int, int]] = []  # input positions that held one tensor when traced
+        self.overwritten: list[int] = []  # targets of writes before its last step (see plan_segments)
 
 
-def plan_segments(steps: list, reads_of, writes_of, mutates, describe, kept: set[int]) -> list[Segment]:
+def plan_segments(steps: list, reads_of, writes_of, mutates, describe, kept: set[int],
+                  overwrites=lambda step: None) -> list[Segment]:
     """Cut `steps` after each mutating step. reads_of(step) / writes_of(step): registers;
     mutates(step): it writes into an argument; describe(step): a hashable, exact description
-    (op and constants, with their types); kept: registers live when the program ends."""
-    bounds, start = [], 0
+    (op and constants, with their types); kept: registers live when the program ends;
+    overwrites(step): the register an idempotent write (copy_, index_copy_, fill_...) sets
+    without reading it, else None.
+
+    No cut is made between a mutating step and the next one when the first is such a write
+    and nothing earlier in its segment reads its target: re-running the segment after the
+    second failed then writes the same values again (in a decode step, the V cache write joins
+    the K cache write's segment instead of running alone)."""
+    bounds, start, overwritten = [], 0, []
     for i, step in enumerate(steps):
-        if mutates(step) or i == len(steps) - 1:
-            bounds.append((start, i + 1))
-            start = i + 1
+        if i == len(steps) - 1:
+            bounds.append((start, i + 1, overwritten))
+        elif mutates(step):
+            target = overwrites(step)
+            rewritable = target is not None and not any(target in reads_of(s) for s in steps[start:i])
+            if rewritable and mutates(steps[i + 1]):
+                overwritten = overwritten + [target]
+            else:
+                bounds.append((start, i + 1, overwritten))
+                start, overwritten = i + 1, []
     last_read: dict[int, int] = {}
     for i, step in enumerate(steps):
         for r in reads_of(step):
             last_read[r] = i
     segments = []
-    for start, stop in bounds:
+    for start, stop, targets in bounds:
         written: set[int] = set()
         inputs: list[int] = []
         for step in steps[start:stop]:
@@ -78,6 +95,7 @@ def plan_segments(steps: list, reads_of, writes_of, mutates, describe, kept: set
         drop = sorted(set(done) | (written - set(outputs)))
         key = (tuple(describe(s) for s in steps[start:stop]), tuple(inputs), tuple(outputs))
         segment = Segment(start, stop, inputs, outputs, drop, key)
+        segment.overwritten = targets
         if stop - start == 1:
             segment.fn = INTERPRET  # one op: a TorchScript call would cost more than it saves
         segments.append(segment)
@@ -89,7 +107,10 @@ def run(segment: Segment, regs: list, interpret) -> None:
     returns what the last one returned. An exception from an op propagates; the caller re-runs
     the segment op by op, which is exact as only its last op has side effects."""
     if segment.fn is None:
-        _trace(segment, regs, interpret)
+        if _overwrites_shared_storage(segment, regs):
+            segment.fn = INTERPRET  # a re-run could read what an earlier write of it changed
+        else:
+            _trace(segment, regs, interpret)
     fn = segment.fn
     values = [regs[r] for r in segment.inputs]
     if fn is INTERPRET or any(values[i] is not values[j] for i, j in segment.same_inputs):
@@ -154,6 +175,19 @@ def _trace(segment: Segment, regs: list, interpret) -> None:
         _traces[segment.key] = (segment.fn, segment.same_inputs)
         while len(_traces) > MAX_TRACES:
             _traces.popitem(last=False)
+
+
+def _overwrites_shared_storage(segment: Segment, regs: list) -> bool:
+    """Whether a write merged into the segment lands in memory another of its inputs also uses
+    (plan_segments sees registers, not storage: two input handles can be views of one tensor)."""
+    inputs = {r: regs[r] for r in segment.inputs}
+    for target in segment.overwritten:
+        if target not in inputs:
+            continue  # written by the segment itself: fresh on every run
+        storage = inputs[target].untyped_storage().data_ptr()
+        if any(r != target and v.untyped_storage().data_ptr() == storage for r, v in inputs.items()):
+            return True
+    return False
 
 
 def _exact_execution() -> None:

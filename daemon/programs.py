@@ -177,8 +177,22 @@ def _freeze(value):
     return t, value
 
 
+# In-place writes whose result does not depend on what the target held (see fused.plan_segments).
+_OVERWRITES = frozenset({"aten::copy_", "aten::index_copy_", "aten::fill_.Scalar", "aten::fill_.Tensor",
+                         "aten::zero_", "aten::index_fill_.int_Scalar", "aten::masked_fill_.Scalar"})
+
+
+def _overwrites(step):
+    _, args, kwargs, _, call = step
+    if call.name not in _OVERWRITES or not args or args[0][0] != REG:
+        return None
+    target = args[0][1]
+    others = [r for kind, v in args[1:] + list(kwargs.values()) for r in _reads((None, [(kind, v)], {}, None, None))]
+    return None if target in others else target
+
+
 def _segments(steps: list, kept: set[int]) -> list:
-    segments = fused.plan_segments(steps, _reads, _writes, _mutates, _describe, kept)
+    segments = fused.plan_segments(steps, _reads, _writes, _mutates, _describe, kept, _overwrites)
     return [(seg, functools.partial(_run_steps, steps[seg.start:seg.stop])) for seg in segments]
 
 

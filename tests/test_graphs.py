@@ -201,3 +201,21 @@ def test_replayed_scalars_keep_their_types(dev):
         g.replay()
         signs.append(torch.signbit(w.cpu()).tolist())
     assert signs == [[False, False], [True, True]]
+
+
+def test_a_write_merged_before_a_failing_one_lands_once_with_its_value(dev):
+    src = torch.arange(3.0, device=dev)
+    a = torch.zeros(3, device=dev)
+    b = torch.zeros(4, device=dev)
+    idx = torch.zeros(1, dtype=torch.long, device=dev)
+    g = genie.Graph()
+    with genie.graph(g):
+        y = src[:1] + 10
+        a.copy_(src * 2)            # an overwrite: shares its segment with the next write
+        b.index_copy_(0, idx, y)    # fails on the replay below; the segment re-runs op by op
+    idx.fill_(99)
+    src.add_(1)
+    g.replay()
+    assert a.cpu().tolist() == [2.0, 4.0, 6.0]
+    with pytest.raises(genie.RemoteExecutionError, match="index"):
+        b.cpu()

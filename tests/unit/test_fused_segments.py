@@ -102,3 +102,45 @@ def test_large_inputs_are_traced_on_meta_tensors(monkeypatch):
     fused.run(seg, regs, interpret)
     assert seen == [("meta", None)]
     torch.testing.assert_close(regs[2], torch.full((4,), 5.0))
+
+
+def _plan_with_overwrites(steps, kept):
+    # A step here: (reads, writes, mutates, name, overwritten register or None).
+    return fused.plan_segments(steps, lambda s: s[0], lambda s: s[1], lambda s: s[2], lambda s: s[3], kept,
+                               lambda s: s[4])
+
+
+def test_an_overwrite_followed_by_a_write_shares_their_segment_unless_its_target_was_read():
+    steps = [
+        ([0], [1], False, "k = f(x)", None),
+        ([5, 1], [], True, "K.index_copy_(k)", 5),   # overwrites K, which nothing before read
+        ([6, 0], [], True, "V.index_copy_(x)", 6),
+        ([5, 6], [2], False, "attention(K, V)", None),
+        ([7, 2], [], True, "out.add_(a)", None),      # not an overwrite: reads its target
+        ([8], [], True, "pos.add_(1)", None),
+    ]
+    first, second, third = _plan_with_overwrites(steps, kept=set())
+    assert (first.start, first.stop, first.overwritten) == (0, 3, [5])
+    assert (second.start, second.stop) == (3, 5) and (third.start, third.stop) == (5, 6)
+    read_first = [([5], [1], False, "k = g(K)", None), ([5, 1], [], True, "K.copy_(k)", 5),
+                  ([6], [], True, "V.zero_()", 6)]
+    assert [(s.start, s.stop) for s in _plan_with_overwrites(read_first, kept=set())] == [(0, 2), (2, 3)]
+
+
+def test_a_merged_overwrite_into_storage_another_input_shares_is_interpreted():
+    def interpret(regs):
+        regs[2] = torch.ops.aten.neg.default(regs[1])
+        torch.ops.aten.copy_.default(regs[0], regs[2])
+        return torch.ops.aten.fill_.Scalar(regs[3], 1.0)
+
+    cache = torch.zeros(4)
+    seg = fused.Segment(0, 3, inputs=[1, 0, 3], outputs=[], drop=[2], key=("unit-test-alias", id(interpret)))
+    seg.overwritten = [0]
+    regs = [cache[:2], cache[2:], None, torch.zeros(1)]  # the target and the source are views of one tensor
+    fused.run(seg, regs, interpret)
+    assert seg.fn is fused.INTERPRET
+    regs2 = [torch.zeros(2), torch.ones(2), None, torch.zeros(1)]
+    seg2 = fused.Segment(0, 3, inputs=[1, 0, 3], outputs=[], drop=[2], key=("unit-test-alias", id(interpret)))
+    seg2.overwritten = [0]
+    fused.run(seg2, regs2, interpret)
+    assert seg2.fn is not fused.INTERPRET  # separate storage: traced
