@@ -11,11 +11,12 @@ Traces are kept by content, so a program recorded again (a new genie.Graph for t
 step) reuses them.
 
 A segment ends after each op that writes into one of its arguments (in-place and out= ops),
-so every op of a segment but its last is free of side effects, or only repeats a write that
-a re-run makes again identically (see plan_segments). If a segment fails (a data error such as
-an index out of range), the replay re-runs it op by op from its start, which poisons exactly
-what the general path would and lands no write twice with different values. Segments of one
-op, and those the tracer refuses, are interpreted.
+so every op of a traced segment but its last is free of side effects or only repeats a write
+that a re-run makes again identically, and nothing in it reads what it writes before the
+write (see plan_segments). If a traced segment fails (a data error such as an index out of
+range), the replay re-runs it op by op from its start, which poisons exactly what the general
+path would and lands no write twice with different values. Segments of one op, and those the
+tracer refuses, are interpreted, each op once.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ _traces_lock = threading.Lock()
 class Segment:
     """Steps [start, stop) of a compiled program, with the registers crossing its edges."""
 
-    __slots__ = ("start", "stop", "inputs", "outputs", "drop", "key", "fn", "same_inputs", "overwritten")
+    __slots__ = ("start", "stop", "inputs", "outputs", "drop", "key", "fn", "same_inputs", "targets")
 
     def __init__(self, start: int, stop: int, inputs: list[int], outputs: list[int], drop: list[int],
                  key: tuple) -> None:
@@ -50,39 +51,46 @@ class Segment:
         self.key = key            # what the trace depends on: its steps and edges
         self.fn = None            # traced function after the first run, or INTERPRET
         self.same_inputs: list[tuple[int, int]] = []  # input positions that held one tensor when traced
-        self.overwritten: list[int] = []  # targets of writes before its last step (see plan_segments)
+        self.targets: list[int] = []  # registers its steps write in place (see plan_segments)
 
 
-def plan_segments(steps: list, reads_of, writes_of, mutates, describe, kept: set[int],
+def plan_segments(steps: list, reads_of, writes_of, targets_of, describe, kept: set[int],
                   overwrites=lambda step: None) -> list[Segment]:
-    """Cut `steps` after each mutating step. reads_of(step) / writes_of(step): registers;
-    mutates(step): it writes into an argument; describe(step): a hashable, exact description
-    (op and constants, with their types); kept: registers live when the program ends;
-    overwrites(step): the register an idempotent write (copy_, index_copy_, fill_...) sets
-    without reading it, else None.
+    """Cut `steps` into segments whose re-run after a failure is exact.
 
-    No cut is made between a mutating step and the next one when the first is such a write
-    and nothing earlier in its segment reads its target: re-running the segment after the
-    second failed then writes the same values again (in a decode step, the V cache write joins
-    the K cache write's segment instead of running alone)."""
-    bounds, start, overwritten = [], 0, []
+    reads_of(step) / writes_of(step): the registers it reads / outputs; targets_of(step): the
+    registers it writes in place (in-place and out= ops; empty for others); describe(step): a
+    hashable, exact description (op and constants, with their types); kept: registers live
+    when the program ends; overwrites(step): the register an idempotent write (copy_,
+    index_copy_, fill_...) sets, else None.
+
+    A segment ends after each step that writes in place, except that an idempotent write may
+    share its segment with the in-place write that follows it: a re-run writes the same values
+    again (in a decode step, the V-cache write joins the K-cache write). Other in-place writes
+    (add_, index_add_...) run alone, interpreted, as a write that fails halfway and is re-run
+    would land twice. A segment also ends before an in-place write into a register an earlier
+    step of it reads: a write that fails halfway (an index out of range) can leave part of its
+    target changed, and the re-run's earlier steps must not read that."""
+    bounds, start, targets = [], 0, []
     for i, step in enumerate(steps):
+        written = targets_of(step)
+        if written and i > start and (overwrites(step) is None
+                                      or any(t in reads_of(s) for s in steps[start:i] for t in written)):
+            bounds.append((start, i, targets))
+            start, targets = i, []
+        if written:
+            targets = targets + list(written)
         if i == len(steps) - 1:
-            bounds.append((start, i + 1, overwritten))
-        elif mutates(step):
-            target = overwrites(step)
-            rewritable = target is not None and not any(target in reads_of(s) for s in steps[start:i])
-            if rewritable and mutates(steps[i + 1]):
-                overwritten = overwritten + [target]
-            else:
-                bounds.append((start, i + 1, overwritten))
-                start, overwritten = i + 1, []
+            bounds.append((start, i + 1, targets))
+        elif written and not (overwrites(step) is not None and targets_of(steps[i + 1])):
+            bounds.append((start, i + 1, targets))
+            start, targets = i + 1, []
     last_read: dict[int, int] = {}
     for i, step in enumerate(steps):
         for r in reads_of(step):
             last_read[r] = i
     segments = []
-    for start, stop, targets in bounds:
+    for start, stop, written_in_place in bounds:
         written: set[int] = set()
         inputs: list[int] = []
         for step in steps[start:stop]:
@@ -95,32 +103,40 @@ def plan_segments(steps: list, reads_of, writes_of, mutates, describe, kept: set
         drop = sorted(set(done) | (written - set(outputs)))
         key = (tuple(describe(s) for s in steps[start:stop]), tuple(inputs), tuple(outputs))
         segment = Segment(start, stop, inputs, outputs, drop, key)
-        segment.overwritten = targets
+        segment.targets = written_in_place
         if stop - start == 1:
             segment.fn = INTERPRET  # one op: a TorchScript call would cost more than it saves
         segments.append(segment)
     return segments
 
 
-def run(segment: Segment, regs: list, interpret) -> None:
-    """Run one segment on `regs`. interpret(registers) runs its steps one by one from Python and
-    returns what the last one returned. An exception from an op propagates; the caller re-runs
-    the segment op by op, which is exact as only its last op has side effects."""
+def run_traced(segment: Segment, regs: list, interpret) -> bool:
+    """Run the segment as TorchScript on `regs` (tracing it first if new) and drop what it no
+    longer needs; False when it is to be interpreted, by the caller, which then calls `drop`.
+    interpret(registers) runs its steps one by one and returns what the last returned. An
+    exception from an op propagates; the caller then re-runs the segment op by op, which is
+    exact: only its last op writes in place, and writes what a re-run writes again."""
     if segment.fn is None:
-        if _overwrites_shared_storage(segment, regs):
-            segment.fn = INTERPRET  # a re-run could read what an earlier write of it changed
+        if _writes_shared_storage(segment, regs):
+            segment.fn = INTERPRET  # a re-run could read what a write of it changed
         else:
             _trace(segment, regs, interpret)
     fn = segment.fn
+    if fn is INTERPRET:
+        return False
     values = [regs[r] for r in segment.inputs]
-    if fn is INTERPRET or any(values[i] is not values[j] for i, j in segment.same_inputs):
-        interpret(regs)
-    else:
-        results = fn(*values)
-        if type(results) is not tuple:
-            results = (results,)
-        for r, value in zip(segment.outputs, results):
-            regs[r] = value
+    if any(values[i] is not values[j] for i, j in segment.same_inputs):
+        return False
+    results = fn(*values)
+    if type(results) is not tuple:
+        results = (results,)
+    for r, value in zip(segment.outputs, results):
+        regs[r] = value
+    drop(segment, regs)
+    return True
+
+
+def drop(segment: Segment, regs: list) -> None:
     for r in segment.drop:
         regs[r] = None
 
@@ -177,11 +193,11 @@ def _trace(segment: Segment, regs: list, interpret) -> None:
             _traces.popitem(last=False)
 
 
-def _overwrites_shared_storage(segment: Segment, regs: list) -> bool:
-    """Whether a write merged into the segment lands in memory another of its inputs also uses
-    (plan_segments sees registers, not storage: two input handles can be views of one tensor)."""
+def _writes_shared_storage(segment: Segment, regs: list) -> bool:
+    """Whether an in-place write of the segment lands in memory another of its inputs also
+    uses (plan_segments sees registers, not storage: two input handles can view one tensor)."""
     inputs = {r: regs[r] for r in segment.inputs}
-    for target in segment.overwritten:
+    for target in segment.targets:
         if target not in inputs:
             continue  # written by the segment itself: fresh on every run
         storage = inputs[target].untyped_storage().data_ptr()

@@ -2,10 +2,11 @@
 
 A program is the ops and frees of a recorded block. Compiling gives every handle it mentions
 a register; the handles it reads but does not write are its inputs, loaded from the client's
-table when a replay starts. A replay then runs each op on registers: intermediates never enter
-the handle table or the memory account, and only the handles still live when the program
-ends are stored (those the client has dropped since recording are not). This keeps a replay
-close to the cost of the calls themselves.
+table when a replay starts. A replay then runs the ops on registers, as traced TorchScript
+segments (daemon/fused.py) or one by one: intermediates never enter the handle table or the
+memory account, and only the handles still live when the program ends are stored (those the
+client has dropped since recording are not). This keeps a replay close to the cost of the
+calls themselves.
 
 If an input is missing or poisoned, or an op fails, the replay falls back to the executor's
 general path from that point on, so errors poison outputs exactly as in an ordinary batch.
@@ -156,8 +157,15 @@ def _writes(step) -> list[int]:
     return found
 
 
-def _mutates(step) -> bool:
-    return bool(op_table.written_arguments(op_table.resolve(step[4].name)))
+def _targets(step) -> list[int]:
+    """Registers the step writes in place: its arguments the schema marks as written."""
+    _, args, kwargs, _, call = step
+    found: list[int] = []
+    for position, name in op_table.written_arguments(op_table.resolve(call.name)):
+        spec = args[position] if position < len(args) else kwargs.get(name)
+        if spec is not None:
+            found.extend(_reads((None, [spec], {}, None, None)))
+    return found
 
 
 def _describe(step) -> tuple:
@@ -192,7 +200,7 @@ def _overwrites(step):
 
 
 def _segments(steps: list, kept: set[int]) -> list:
-    segments = fused.plan_segments(steps, _reads, _writes, _mutates, _describe, kept, _overwrites)
+    segments = fused.plan_segments(steps, _reads, _writes, _targets, _describe, kept, _overwrites)
     return [(seg, functools.partial(_run_steps, steps[seg.start:seg.stop])) for seg in segments]
 
 
@@ -245,41 +253,44 @@ def replay(executor, client: ClientState, program: Program, device: torch.device
         if not isinstance(t, torch.Tensor):  # missing or poisoned: the general path says which
             return _general(executor, client, program, device, 0, 0)
         regs[r] = t
-    batch = step = 0
-    if compiled.segments is not None:
-        for segment, interpret in compiled.segments:
-            try:
-                fused.run(segment, regs, interpret)
-            except Exception:  # noqa: BLE001 - re-run this segment op by op, which poisons what failed
-                batch, step = compiled.position[segment.start]
-                break
-        else:
-            batch = len(compiled.batches)
-        for _, _, external in compiled.batches[:batch]:
-            for h in external:
-                client.free(h)
-    if _interpret(executor, client, program, compiled, regs, device, batch, step):
-        _finish(executor, client, program, compiled, regs)
-
-
-def _interpret(executor, client: ClientState, program: Program, compiled: Compiled, regs: list,
-               device: torch.device, batch: int, step: int) -> bool:
-    """Run ops one by one on registers from (batch, step). False: an op failed and the general
-    path has finished the program."""
-    for b in range(batch, len(compiled.batches)):
-        steps, cleared, external = compiled.batches[b]
-        for s in range(step if b == batch else 0, len(steps)):
-            try:
-                _run_step(steps[s], regs)
-            except Exception as e:  # noqa: BLE001 - hand over to the general path, which poisons
-                _spill(compiled, regs, client)
-                executor._fail(client, steps[s][4], e, raise_errors=False)
-                _general(executor, client, program, device, b, s + 1)
-                return False
-        for r in cleared:
-            regs[r] = None
+    if compiled.segments is None:
+        if not _interpret_steps(executor, client, program, compiled, regs, device, 0, len(compiled.position)):
+            return
+    for segment, interpret in compiled.segments or ():
+        try:
+            if fused.run_traced(segment, regs, interpret):
+                continue
+        except Exception:  # noqa: BLE001 - re-run it op by op below, which poisons what failed
+            pass
+        if not _interpret_steps(executor, client, program, compiled, regs, device, segment.start, segment.stop):
+            return
+        fused.drop(segment, regs)
+    for _, _, external in compiled.batches:
         for h in external:
             client.free(h)
+    _finish(executor, client, program, compiled, regs)
+
+
+def _interpret_steps(executor, client: ClientState, program: Program, compiled: Compiled, regs: list,
+                     device: torch.device, start: int, stop: int) -> bool:
+    """Run steps [start, stop) of the whole program one by one, each once. False: one failed and
+    the general path has finished the program from there."""
+    for k in range(start, stop):
+        b, s = compiled.position[k]
+        steps, cleared, _ = compiled.batches[b]
+        try:
+            _run_step(steps[s], regs)
+        except Exception as e:  # noqa: BLE001 - hand over to the general path, which poisons
+            _spill(compiled, regs, client)
+            executor._fail(client, steps[s][4], e, raise_errors=False)
+            for _, _, external in compiled.batches[:b]:
+                for h in external:
+                    client.free(h)
+            _general(executor, client, program, device, b, s + 1)
+            return False
+        if s == len(steps) - 1:
+            for r in cleared:  # the client dropped these handles during recording: nothing reads them
+                regs[r] = None
     return True
 
 

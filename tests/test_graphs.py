@@ -219,3 +219,28 @@ def test_a_write_merged_before_a_failing_one_lands_once_with_its_value(dev):
     assert a.cpu().tolist() == [2.0, 4.0, 6.0]
     with pytest.raises(genie.RemoteExecutionError, match="index"):
         b.cpu()
+
+
+def test_a_failing_accumulating_write_lands_as_often_as_op_by_op(dev):
+    # index_add_ with one index out of range writes the valid part before it raises; replayed, it
+    # must do that once, as op by op, not once more when its segment is re-run. The failed op
+    # poisons `x`; `base` views the same memory and shows what landed.
+    landed = []
+    for replayed in (False, True):
+        base = torch.zeros(4, device=dev)
+        x = base[0:4]
+        idx = torch.tensor([0, 1]).to(dev)
+        src = torch.ones(2, device=dev)
+        g = genie.Graph()
+        with genie.graph(g):
+            y = src * 2.0
+            x.index_add_(0, idx, y)
+        idx.copy_(torch.tensor([0, 99]))
+        if replayed:
+            g.replay()
+        else:
+            x.index_add_(0, idx, src * 2.0)  # the same ops, one by one
+        with pytest.raises(genie.RemoteExecutionError, match="index"):
+            x.cpu()
+        landed.append(base.cpu().tolist())
+    assert landed[0] == landed[1] == [4.0, 2.0, 0.0, 0.0], landed

@@ -6,9 +6,18 @@ import torch
 from daemon import fused
 
 
+def _run(seg, regs, interpret):
+    """What a replay does with one segment: TorchScript when traced, else op by op."""
+    if not fused.run_traced(seg, regs, interpret):
+        interpret(regs)
+        fused.drop(seg, regs)
+
+
 def _plan(steps, kept):
-    # A step here: (reads, writes, mutates, name).
-    return fused.plan_segments(steps, lambda s: s[0], lambda s: s[1], lambda s: s[2], lambda s: s[3], kept)
+    # A step here: (reads, writes, writes in place, name); an in-place write targets its first
+    # read register and is an idempotent overwrite.
+    return fused.plan_segments(steps, lambda s: s[0], lambda s: s[1], lambda s: [s[0][0]] if s[2] else [],
+                               lambda s: s[3], kept, lambda s: s[0][0] if s[2] else None)
 
 
 def test_segments_end_after_each_mutating_op_and_carry_only_what_crosses():
@@ -47,11 +56,11 @@ def test_a_traced_segment_runs_the_recorded_ops_and_is_traced_once():
 
     seg = fused.Segment(0, 2, inputs=[0, 1], outputs=[3], drop=[2], key=("unit-test", id(interpret)))
     regs = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0]), None, None]
-    fused.run(seg, regs, interpret)
+    _run(seg, regs, interpret)
     assert seg.fn is not fused.INTERPRET and calls == [1]  # traced once, on meta tensors
     torch.testing.assert_close(regs[3], torch.tensor([4.5, 9.5]))
     regs[0] = torch.tensor([2.0, 2.0])
-    fused.run(seg, regs, interpret)
+    _run(seg, regs, interpret)
     assert calls == [1]  # the second run is the traced function's alone
     torch.testing.assert_close(regs[3], torch.tensor([7.5, 9.5]))
     assert regs[2] is None
@@ -66,11 +75,11 @@ def test_a_segment_traced_with_one_tensor_twice_is_interpreted_when_they_differ(
     seg = fused.Segment(0, 2, inputs=[0, 1], outputs=[3], drop=[], key=("unit-test-same", id(interpret)))
     t = torch.tensor([1.0, -2.0])
     regs = [t, t, None, None]
-    fused.run(seg, regs, interpret)
+    _run(seg, regs, interpret)
     assert seg.same_inputs == [(0, 1)]
     torch.testing.assert_close(regs[3], torch.zeros(2))
     regs = [t, torch.zeros(2), None, None]
-    fused.run(seg, regs, interpret)
+    _run(seg, regs, interpret)
     torch.testing.assert_close(regs[3], torch.tensor([1.0, 2.0]))
 
 
@@ -88,7 +97,7 @@ def test_tracing_never_touches_the_inputs_small_ones_get_zeros(monkeypatch):
     interpret = _recording_interpret(seen)
     seg = fused.Segment(0, 2, inputs=[0], outputs=[2], drop=[1], key=("unit-test-zeros", id(interpret)))
     regs = [torch.full((4,), 2.0), None, None]
-    fused.run(seg, regs, interpret)
+    _run(seg, regs, interpret)
     assert seen == [("cpu", 0.0)]  # traced on zeros shaped like the input, not on its data
     torch.testing.assert_close(regs[2], torch.full((4,), 5.0))  # the real run: the traced function's
 
@@ -99,18 +108,19 @@ def test_large_inputs_are_traced_on_meta_tensors(monkeypatch):
     interpret = _recording_interpret(seen)
     seg = fused.Segment(0, 2, inputs=[0], outputs=[2], drop=[1], key=("unit-test-meta", id(interpret)))
     regs = [torch.full((4,), 2.0), None, None]
-    fused.run(seg, regs, interpret)
+    _run(seg, regs, interpret)
     assert seen == [("meta", None)]
     torch.testing.assert_close(regs[2], torch.full((4,), 5.0))
 
 
 def _plan_with_overwrites(steps, kept):
-    # A step here: (reads, writes, mutates, name, overwritten register or None).
-    return fused.plan_segments(steps, lambda s: s[0], lambda s: s[1], lambda s: s[2], lambda s: s[3], kept,
-                               lambda s: s[4])
+    # A step here: (reads, writes, writes in place, name, overwritten register or None); an
+    # in-place write targets its first read register.
+    return fused.plan_segments(steps, lambda s: s[0], lambda s: s[1], lambda s: [s[0][0]] if s[2] else [],
+                               lambda s: s[3], kept, lambda s: s[4])
 
 
-def test_an_overwrite_followed_by_a_write_shares_their_segment_unless_its_target_was_read():
+def test_overwrites_share_segments_other_writes_run_alone_and_no_segment_reads_what_it_then_writes():
     steps = [
         ([0], [1], False, "k = f(x)", None),
         ([5, 1], [], True, "K.index_copy_(k)", 5),   # overwrites K, which nothing before read
@@ -119,12 +129,15 @@ def test_an_overwrite_followed_by_a_write_shares_their_segment_unless_its_target
         ([7, 2], [], True, "out.add_(a)", None),      # not an overwrite: reads its target
         ([8], [], True, "pos.add_(1)", None),
     ]
-    first, second, third = _plan_with_overwrites(steps, kept=set())
-    assert (first.start, first.stop, first.overwritten) == (0, 3, [5])
-    assert (second.start, second.stop) == (3, 5) and (third.start, third.stop) == (5, 6)
+    segments = _plan_with_overwrites(steps, kept=set())
+    assert [(s.start, s.stop) for s in segments] == [(0, 3), (3, 4), (4, 5), (5, 6)]
+    assert segments[0].targets == [5, 6]
+    # add_ is no overwrite: it runs alone, interpreted, each time exactly once
+    assert segments[2].fn is fused.INTERPRET and segments[3].fn is fused.INTERPRET
     read_first = [([5], [1], False, "k = g(K)", None), ([5, 1], [], True, "K.copy_(k)", 5),
                   ([6], [], True, "V.zero_()", 6)]
-    assert [(s.start, s.stop) for s in _plan_with_overwrites(read_first, kept=set())] == [(0, 2), (2, 3)]
+    # K is read before its write: the write starts a new segment (a half-done write must not be re-read)
+    assert [(s.start, s.stop) for s in _plan_with_overwrites(read_first, kept=set())] == [(0, 1), (1, 3)]
 
 
 def test_a_merged_overwrite_into_storage_another_input_shares_is_interpreted():
@@ -135,12 +148,12 @@ def test_a_merged_overwrite_into_storage_another_input_shares_is_interpreted():
 
     cache = torch.zeros(4)
     seg = fused.Segment(0, 3, inputs=[1, 0, 3], outputs=[], drop=[2], key=("unit-test-alias", id(interpret)))
-    seg.overwritten = [0]
+    seg.targets = [0]
     regs = [cache[:2], cache[2:], None, torch.zeros(1)]  # the target and the source are views of one tensor
-    fused.run(seg, regs, interpret)
+    _run(seg, regs, interpret)
     assert seg.fn is fused.INTERPRET
     regs2 = [torch.zeros(2), torch.ones(2), None, torch.zeros(1)]
     seg2 = fused.Segment(0, 3, inputs=[1, 0, 3], outputs=[], drop=[2], key=("unit-test-alias", id(interpret)))
-    seg2.overwritten = [0]
-    fused.run(seg2, regs2, interpret)
+    seg2.targets = [0]
+    _run(seg2, regs2, interpret)
     assert seg2.fn is not fused.INTERPRET  # separate storage: traced
