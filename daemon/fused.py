@@ -71,20 +71,20 @@ def plan_segments(steps: list, reads_of, writes_of, targets_of, describe, kept: 
     would land twice. A segment also ends before an in-place write into a register an earlier
     step of it reads: a write that fails halfway (an index out of range) can leave part of its
     target changed, and the re-run's earlier steps must not read that."""
-    bounds, start, targets = [], 0, []
+    bounds, start, targets, read_here = [], 0, [], set()  # read_here: registers read since `start`
     for i, step in enumerate(steps):
         written = targets_of(step)
-        if written and i > start and (overwrites(step) is None
-                                      or any(t in reads_of(s) for s in steps[start:i] for t in written)):
+        if written and i > start and (overwrites(step) is None or read_here.intersection(written)):
             bounds.append((start, i, targets))
-            start, targets = i, []
+            start, targets, read_here = i, [], set()
+        read_here.update(reads_of(step))
         if written:
             targets = targets + list(written)
         if i == len(steps) - 1:
             bounds.append((start, i + 1, targets))
         elif written and not (overwrites(step) is not None and targets_of(steps[i + 1])):
             bounds.append((start, i + 1, targets))
-            start, targets = i + 1, []
+            start, targets, read_here = i + 1, [], set()
     last_read: dict[int, int] = {}
     for i, step in enumerate(steps):
         for r in reads_of(step):

@@ -127,19 +127,17 @@ def compile_program(batches: list[tuple[list[OpCall], list[int]]], devices: list
 
 def _reads(step) -> list[int]:
     _, args, kwargs, _, _ = step
-    found: list[int] = []
+    return _registers([*args, *kwargs.values()])
 
-    def visit(kind, v):
+
+def _registers(specs) -> list[int]:
+    """The registers in compiled argument specs, (kind, value) pairs, lists included."""
+    found: list[int] = []
+    for kind, v in specs:
         if kind == REG:
             found.append(v)
         elif kind == LIST:
-            for k, x in v:
-                visit(k, x)
-
-    for kind, v in args:
-        visit(kind, v)
-    for kind, v in kwargs.values():
-        visit(kind, v)
+            found.extend(_registers(v))
     return found
 
 
@@ -164,7 +162,7 @@ def _targets(step) -> list[int]:
     for position, name in op_table.written_arguments(op_table.resolve(call.name)):
         spec = args[position] if position < len(args) else kwargs.get(name)
         if spec is not None:
-            found.extend(_reads((None, [spec], {}, None, None)))
+            found.extend(_registers([spec]))
     return found
 
 
@@ -195,8 +193,7 @@ def _overwrites(step):
     if call.name not in _OVERWRITES or not args or args[0][0] != REG:
         return None
     target = args[0][1]
-    others = [r for kind, v in args[1:] + list(kwargs.values()) for r in _reads((None, [(kind, v)], {}, None, None))]
-    return None if target in others else target
+    return None if target in _registers([*args[1:], *kwargs.values()]) else target
 
 
 def _segments(steps: list, kept: set[int]) -> list:
