@@ -6,7 +6,7 @@ torch is deliberately not in build requirements (see ARCHITECTURE.md): the
 runtime pin is a lower bound so GPU nodes keep their own CUDA build, and CI
 installs the CPU wheel explicitly before this package.
 """
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="genie",
@@ -14,14 +14,8 @@ setup(
     description="Remote GPUs as a PyTorch device: lazy capture, semantic scheduling, ZeroMQ transport",
     python_requires=">=3.10",
     package_data={"genie": ["csrc/*.cpp"]},
-    packages=[
-        "genie",
-        "genie.frontend",
-        "genie.runtime",
-        "genie.transport",
-        "genie.examples",
-        "genie_daemon",
-    ],
+    # Every package under genie/ (a hand-kept list once left genie.semantic out of wheels).
+    packages=[*find_packages(include=["genie", "genie.*"]), "genie_daemon"],
     package_dir={"genie_daemon": "daemon"},
     install_requires=[
         "torch>=2.13",

@@ -24,6 +24,7 @@ SUITE = {
     "many_clients": ([], ["--clients", "1,4", "--requests", "100"]),
     "pipeline": (["--repeats", "5"], ["--repeats", "2"]),
     "analysis_cache": ([], ["--steps", "20"]),
+    "gpu_paths": (["--repeats", "5"], ["--repeats", "2", "--max-mb", "64"]),
     "rpc_peer": (["--repeats", "3"], ["--repeats", "2", "--tokens", "16"]),
     "opinfo_sweep": (["--json", os.path.join(RESULTS, "opinfo_sweep.json")],
                      ["--json", os.path.join(RESULTS, "opinfo_sweep.json"), "--max-samples", "2"]),
@@ -114,6 +115,12 @@ def summary() -> None:
         rows.append(("GPT wire bytes per token", f"{gpt['wire_bytes_per_token']:.0f} B"
                      + (f" ({gpt['wire_bytes_per_token_replay']:.0f} B replayed)"
                         if "wire_bytes_per_token_replay" in gpt else "")))
+    gp = load("gpu_paths")
+    if gp:
+        for n, r in gp["results_MBps"].items():
+            rows.append((f"GPU paths, {int(n) >> 20} MiB ({gp['device']}), MB/s",
+                         f"CUDA IPC up {r['genie_up_cuda_ipc']:,.0f} vs as bytes {r['genie_up_cuda_bytes']:,.0f}; "
+                         f"CPU up {r['genie_up_cpu']:,.0f} (local pageable copy {r['local_pageable_h2d']:,.0f})"))
     rp = load("rpc_peer")
     if rp:
         rows.append(("torch.distributed.rpc decode tokens/s", f"{rp['decode_tokens_per_s']['rpc']:.0f}"))

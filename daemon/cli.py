@@ -76,6 +76,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    metavar="US", help="when idle, poll for the next request this long before sleeping (lower "
                    "latency for a client in a request loop, at the cost of that much CPU per request; 0: off; "
                    "default 1000 with 2 or more CPUs); env GENIE_SPIN_US")
+    p.add_argument("--no-cuda-ipc", action="store_true", default=os.environ.get("GENIE_CUDA_IPC", "1") == "0",
+                   help="refuse CUDA IPC handles from clients on this host (they then send bytes); "
+                        "handles are only ever accepted on an ipc:// or loopback endpoint")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--log-level", default=os.environ.get("GENIE_LOG_LEVEL", "INFO"))
     return p.parse_args(argv)
@@ -120,7 +123,8 @@ async def _run(args: argparse.Namespace) -> None:
     server = DaemonServer(args.listen, devices, client_lease_s=args.client_lease,
                           memory_limit=memory_limit, bulk_lanes=not args.no_bulk_lane,
                           curve=security_from(args), transfer_timeout=args.transfer_timeout,
-                          kv_dir=args.kv_dir, spin_s=max(0.0, args.spin_us) / 1e6)
+                          kv_dir=args.kv_dir, spin_s=max(0.0, args.spin_us) / 1e6,
+                          cuda_ipc_allowed=not args.no_cuda_ipc)
     endpoint = server.bind()
     server.process_cap = cap_process_memory(devices, memory_limit, BULK_POOL_BYTES if server.bulk else 0)
     loop = asyncio.get_running_loop()

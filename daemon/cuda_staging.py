@@ -30,6 +30,7 @@ class PinnedPool:
         self._in_use: list[tuple[torch.cuda.Event, int, torch.Tensor]] = []
         self.cached_bytes = 0
         self.max_cached_bytes = max_cached_bytes
+        self.pinned_bytes = 0  # pinned host memory this pool has allocated (cached or in use)
 
     @staticmethod
     def _size_class(nbytes: int) -> int:
@@ -42,6 +43,8 @@ class PinnedPool:
                 if self.cached_bytes + size <= self.max_cached_bytes:
                     self._free[size].append(buf)
                     self.cached_bytes += size
+                else:
+                    self.pinned_bytes -= size  # dropped: freed with `buf`
             else:
                 still.append((event, size, buf))
         self._in_use = still
@@ -52,6 +55,7 @@ class PinnedPool:
         if self._free[size]:
             self.cached_bytes -= size
             return self._free[size].pop()
+        self.pinned_bytes += size
         return torch.empty(size, dtype=torch.uint8, pin_memory=True)
 
     def give_back_after(self, buf: torch.Tensor, event: torch.cuda.Event) -> None:
@@ -63,12 +67,19 @@ class Uploader:
         self.device = device
         self.copy_stream = torch.cuda.Stream(device=device)
         self.pool = PinnedPool()
+        self.uploads = 0
+        self.bytes = 0
+
+    def stats(self) -> dict:
+        return {"uploads": self.uploads, "bytes": self.bytes, "pinned_bytes": self.pool.pinned_bytes}
 
     def upload(self, host: torch.Tensor) -> torch.Tensor:
         """A device copy of a CPU tensor (from a received frame), ordered before later compute."""
         nbytes = host.numel() * host.element_size()
         if nbytes == 0:
             return host.to(self.device)
+        self.uploads += 1
+        self.bytes += nbytes
         staging = self.pool.take(nbytes)
         flat = host.reshape(-1).view(torch.uint8)
         staging[:nbytes].copy_(flat)

@@ -12,6 +12,7 @@ import time
 import torch
 
 from genie.transport import protocol
+from genie.transport.cuda_ipc import SharedCudaTensor
 from genie.transport.errors import ProtocolError
 from genie.transport.protocol import BulkTensor, DeviceRef, Exec, HandleRef, InlineTensor, OpCall
 from genie.transport.tensors import bytes_as_tensor, dtype_name, frames_to_tensor, tensor_to_buffer, tensor_to_frames
@@ -49,6 +50,7 @@ class Executor:
     def __init__(self, devices: list[torch.device], account=None, memory_limit: int = 0, kv_store=None,
                  mailbox=None, send_to_peer=None, transfer_timeout: float = 120.0, bulk=None) -> None:
         self.devices = devices
+        self.has_cuda = any(d.type == "cuda" for d in devices)
         self.bulk = bulk  # BulkListener, or None when the daemon offers no bulk lanes
         self.mailbox = mailbox
         self.send_to_peer = send_to_peer
@@ -57,6 +59,8 @@ class Executor:
         self.memory_limit = memory_limit  # bytes held through handles; 0 = unlimited
         self.kv_store = kv_store
         self._uploaders: dict = {}  # CUDA device -> pinned staging + copy stream
+        self._importer = None  # cuda_ipc.Importer, made at the first CUDA IPC tensor
+        self._imported: dict = {}  # id(SharedCudaTensor) -> its copy here, or the error opening it, per request
 
     # ------------------------------------------------------------ exec
 
@@ -68,12 +72,17 @@ class Executor:
             self.kv_store.begin_request()
         started = time.time()
         reported = None
-        with client.streams.context(device, request.stream):
-            for i, call in enumerate(request.ops):
-                last = request.report and i == len(request.ops) - 1
-                result = self._run_op(client, call, frames, device, raise_errors=last)
-                if last:
-                    reported = self._describe(call.outs, result)
+        try:
+            with client.streams.context(device, request.stream):
+                if request.shared:
+                    self._import_shared(request.shared, device)
+                for i, call in enumerate(request.ops):
+                    last = request.report and i == len(request.ops) - 1
+                    result = self._run_op(client, call, frames, device, raise_errors=last)
+                    if last:
+                        reported = self._describe(call.outs, result)
+        finally:
+            self._imported.clear()
         for handle in request.frees:
             client.release(handle)
         out_frames: list = []
@@ -168,6 +177,45 @@ class Executor:
         programs.replay(self, client, program, device)
         return None
 
+    def _import_shared(self, shared: tuple, device: torch.device) -> None:
+        """Copy every CUDA IPC tensor of the request in before any op runs, so each opened handle is
+        let go again (the client's memory freed) even when an op before its use fails."""
+        if device.type != "cuda":
+            err = ProtocolError(f"CUDA IPC tensors go to a GPU; this request runs on {device}")
+            self._imported.update((id(m), err) for m in shared)
+            return
+        if self._importer is None:
+            from genie.transport.cuda_ipc import Importer
+
+            self._importer = Importer()
+        for marker in shared:
+            try:
+                self._imported[id(marker)] = self._importer.copy_in(marker, device)
+            except Exception as e:  # noqa: BLE001 - a bad or foreign handle fails the ops that use it
+                self._imported[id(marker)] = e if isinstance(e, ProtocolError) else \
+                    RuntimeError(f"CUDA IPC: could not open the client's GPU memory: {e}")
+
+    def gpu_path_stats(self) -> dict:
+        """How received tensors reached the GPUs: through pinned staging, or by CUDA IPC."""
+        imp = self._importer
+        staged = [u.stats() for u in self._uploaders.values()]
+        return {
+            "cuda_ipc_imports": {"tensors": imp.imported if imp else 0, "bytes": imp.imported_bytes if imp else 0},
+            "pinned_staging": {k: sum(s[k] for s in staged) for k in ("uploads", "bytes", "pinned_bytes")},
+        }
+
+    def quick_to_start(self, client: ClientState, request) -> bool:
+        """Whether the request can run on the daemon's event loop without stalling it: no GPU work
+        of this client still running (a read-back would wait for it) and no replay that traces first."""
+        if self.has_cuda and not client.streams.idle(self.devices):
+            return False
+        for call in request.ops:
+            if call.name == REPLAY_OP and len(call.args) == 1 and type(call.args[0]) is int:
+                program = client.programs.get(call.args[0])
+                if program is not None and not programs.traced(program):
+                    return False
+        return True
+
     def _drop_program(self, client: ClientState, call: OpCall):
         program = client.programs.pop(_int_arg(call, 0), None)
         if program is not None:
@@ -231,7 +279,8 @@ class Executor:
 
     def _adopt(self, client: ClientState, call: OpCall, frames: list, device: torch.device):
         """Keep an uploaded tensor as received (on the CPU: the frame itself, no copy)."""
-        if len(call.args) != 1 or not isinstance(call.args[0], (InlineTensor, BulkTensor)) or type(call.outs) is not int:
+        if (len(call.args) != 1 or not isinstance(call.args[0], (InlineTensor, BulkTensor, SharedCudaTensor))
+                or type(call.outs) is not int):
             raise ProtocolError(f"{ADOPT_OP} takes one inline tensor and one output handle")
         tensor = self._resolve(client, call.args[0], frames, device, 0)
         client.put(call.outs, tensor)
@@ -288,6 +337,13 @@ class Executor:
         if isinstance(value, BulkTensor):
             t = self._bulk_upload(client, value)
             return self._uploader(device).upload(t) if device.type == "cuda" else t
+        if type(value) is SharedCudaTensor:
+            imported = self._imported.get(id(value))
+            if isinstance(imported, BaseException):
+                raise imported
+            if imported is None:
+                raise ProtocolError("CUDA IPC tensor was not imported")
+            return imported
         if isinstance(value, DeviceRef):
             if value.type == "cpu":
                 return torch.device("cpu")

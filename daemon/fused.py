@@ -116,6 +116,7 @@ def run_traced(segment: Segment, regs: list, interpret) -> bool:
     interpret(registers) runs its steps one by one and returns what the last returned. An
     exception from an op propagates; the caller then re-runs the segment op by op, which is
     exact: only its last op writes in place, and writes what a re-run writes again."""
+    _exact_execution()
     if segment.fn is None:
         if _writes_shared_storage(segment, regs):
             segment.fn = INTERPRET  # a re-run could read what a write of it changed
@@ -143,8 +144,8 @@ def drop(segment: Segment, regs: list) -> None:
 
 def _trace(segment: Segment, regs: list, interpret) -> None:
     """Trace the segment on stand-ins for its inputs, never on the inputs themselves, so tracing
-    has no side effects and the first real run is the traced function's: zero-filled CPU tensors
-    when the inputs are small CPU tensors (real kernels), else meta tensors (no data at all; the
+    has no side effects and the first real run is the traced function's: zero-filled tensors on
+    the inputs' device when they are small (real kernels), else meta tensors (no data at all; the
     first use of torch's Python meta kernels imports torch._dynamo, ~1.4 s here)."""
     with _traces_lock:
         known = _traces.get(segment.key)
@@ -172,7 +173,6 @@ def _trace(segment: Segment, regs: list, interpret) -> None:
             return last if isinstance(last, torch.Tensor) else ()
         return tuple(local[r] for r in segment.outputs)
 
-    _exact_execution()
     for stand_in in ("zeros", "meta"):
         try:
             examples = _stand_ins(values, stand_in)
@@ -206,27 +206,42 @@ def _writes_shared_storage(segment: Segment, regs: list) -> bool:
     return False
 
 
+_thread_state = threading.local()
+
+
 def _exact_execution() -> None:
-    """No TorchScript graph optimisation in this process: common-subexpression elimination could
+    """No TorchScript graph optimisation on this thread: common-subexpression elimination could
     hand one tensor back for two outputs the client keeps apart, and dead-code elimination could
     skip a recorded op. A replay runs exactly the ops it recorded (measured: ~8% slower than with
-    the optimiser on, still ~2x faster than interpreting)."""
+    the optimiser on, still ~2x faster than interpreting). The switch is per thread, and a
+    segment traced on the worker may run on the event loop later (with it on there, the profiling
+    executor made each decode replay 2.4 ms instead of 0.9), so every thread that runs one sets it."""
+    if getattr(_thread_state, "exact", False):
+        return
     setter = getattr(torch._C, "_set_graph_executor_optimize", None)
     if setter is not None:
         setter(False)
+    _thread_state.exact = True
 
 
-ZEROS_MAX_BYTES = 16 << 20  # inputs up to this size (all on the CPU) are traced on zeros
+# Inputs up to this many bytes in all are traced on zeros on their own device (a GPU's zeros
+# are made in microseconds and trace the device constants of factory ops right).
+ZEROS_MAX_BYTES = {"cpu": 16 << 20, "cuda": 256 << 20}
 
 
 def _stand_ins(values: list, kind: str) -> tuple | None:
     """Tensors with each value's shape, strides, offset and dtype (one per distinct value), on
-    the meta device or zero-filled on the CPU; None where zeros do not apply."""
+    the meta device or zero-filled on the inputs' own device; None where zeros do not apply."""
     storages = {id(v): v.untyped_storage().nbytes() for v in values}
-    if kind == "zeros" and (any(v.device.type != "cpu" for v in values)
-                            or sum(storages.values()) > ZEROS_MAX_BYTES):
-        return None
-    device = "meta" if kind == "meta" else "cpu"
+    if kind == "zeros":
+        devices = {v.device for v in values}
+        if len(devices) > 1:
+            return None
+        device = devices.pop() if devices else torch.device("cpu")
+        if sum(storages.values()) > ZEROS_MAX_BYTES.get(device.type, 0):
+            return None
+    else:
+        device = torch.device("meta")
     made: dict[int, torch.Tensor] = {}
     for v in values:
         if id(v) not in made:

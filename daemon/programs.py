@@ -239,6 +239,13 @@ def _assign(spec, result, regs: list) -> None:
             _assign(s, r, regs)
 
 
+def traced(program: Program) -> bool:
+    """Whether replaying runs no first-time trace (tracing a large step can take seconds: it
+    must not run on the daemon's event loop)."""
+    compiled = program.compiled
+    return compiled is None or not compiled.segments or all(seg.fn is not None for seg, _ in compiled.segments)
+
+
 def replay(executor, client: ClientState, program: Program, device: torch.device) -> None:
     compiled = program.compiled
     if compiled is None:

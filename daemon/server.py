@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
 import logging
 import time
 
@@ -20,8 +21,10 @@ import torch
 import zmq
 import zmq.asyncio
 
-from genie.transport import calibration, protocol, tensors
+from genie.transport import calibration, cuda_ipc, protocol, tensors
+from genie.transport.cuda_ipc import SharedCudaTensor
 from genie.transport.errors import ProtocolError
+from genie.transport.protocol import BulkTensor
 
 
 from . import fused
@@ -68,8 +71,10 @@ def _describe_hardware(device: torch.device) -> dict:
 class DaemonServer:
     def __init__(self, endpoint: str, devices: list[torch.device], client_lease_s: float = 60.0,
                  memory_limit: int = 0, bulk_lanes: bool = True, curve=None, transfer_timeout: float = 120.0,
-                 kv_dir: str | None = None, spin_s: float = 0.0) -> None:
+                 kv_dir: str | None = None, spin_s: float = 0.0, cuda_ipc_allowed: bool = True) -> None:
         self.endpoint = endpoint
+        self.cuda_ipc_allowed = cuda_ipc_allowed and any(d.type == "cuda" for d in devices)
+        self.ipc_offer: dict | None = None  # hello's cuda_ipc: set once bound, where handles are accepted
         self.spin_s = spin_s  # how long an idle daemon polls for the next request before sleeping
         self._spin_misses = 0  # spins in a row that saw nothing
         self._spin_off_until = 0.0
@@ -126,6 +131,10 @@ class DaemonServer:
         sock.bind(self.endpoint)
         self._socket = sock
         self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self.cuda_ipc_allowed:
+            self.ipc_offer = cuda_ipc.offer(self.bound_endpoint)
+            log.info("CUDA IPC from clients on this host: %s", "accepted" if self.ipc_offer else
+                     "off (the daemon listens beyond this host)")
         if self.bulk_lanes:
             self._open_bulk_lanes()
         return self.bound_endpoint
@@ -295,10 +304,18 @@ class DaemonServer:
             hello = {"version": protocol.VERSION, "devices": self.device_info}
             if self.bulk is not None:
                 hello["bulk"] = self.bulk.advertised
+            if self.ipc_offer is not None:
+                hello["cuda_ipc"] = self.ipc_offer
             self._reply(identity, rid, hello)
         elif request.kind == "exec":
             try:
                 parsed = protocol.parse_exec(request.body)
+                shared = tuple(m for m in bulk_refs if type(m) is SharedCudaTensor)
+                if shared:
+                    if self.ipc_offer is None:
+                        raise ProtocolError("this daemon takes no CUDA IPC handles (it has no GPU, or it listens "
+                                            "beyond this host, or --no-cuda-ipc): send the tensor's bytes")
+                    parsed = dataclasses.replace(parsed, shared=shared)
             except ProtocolError as e:
                 self._reply_error(identity, rid, e)
                 return
@@ -315,7 +332,8 @@ class DaemonServer:
     def _run_exec(self, identity: bytes, rid: int, client: ClientState, parsed, payload: list) -> None:
         """Run an exec whose transfers are in: here when that is quicker, else on the worker."""
         if (self._pending == 0 and self.inline_ok and _small(parsed)
-                and sum(len(p) for p in payload) <= INLINE_MAX_BYTES):
+                and sum(len(p) for p in payload) <= INLINE_MAX_BYTES
+                and self.executor.quick_to_start(client, parsed)):
             # Nothing is queued for the worker: running a small request here keeps program
             # order and saves two thread hops on the round trip a blocking read waits for.
             future = concurrent.futures.Future()
@@ -443,6 +461,7 @@ class DaemonServer:
             "limit": self.memory_limit,
             "process_cap": self.process_cap or 0,
             "program_segments": dict(fused.counts),
+            **self.executor.gpu_path_stats(),
             **self.kv_store.stats(),
         }
         if device.type == "cuda":
@@ -522,7 +541,7 @@ def _transfers_awaited(request, bulk_refs: list) -> list:
 
     waits = [("recv", op.args[0]) for op in request.ops
              if op.name == RECV_OP and op.args and isinstance(op.args[0], str)]
-    waits.extend(("bulk", b.xfer) for b in bulk_refs)
+    waits.extend(("bulk", b.xfer) for b in bulk_refs if type(b) is BulkTensor)
     return waits
 
 

@@ -45,6 +45,16 @@ class ClientStreams:
             self._cuda[key] = torch.cuda.Stream(device=device)
         return torch.cuda.stream(self._cuda[key])
 
+    def idle(self, devices: list[torch.device]) -> bool:
+        """Whether no kernel of this client is queued or running on these GPUs (CPU: always).
+        Reading a result back waits for the GPU: on the event loop, that wait could outlast a
+        heartbeat (a long training step before `.item()`), so the server runs such a request
+        inline only when this holds."""
+        for device in devices:
+            if device.type == "cuda" and not torch.cuda.default_stream(device).query():
+                return False
+        return all(s.query() for s in self._cuda.values())
+
     def record(self, event_id: int, timing: bool, device: torch.device) -> None:
         state = EventState(bool(timing))
         if device.type == "cuda":
@@ -78,3 +88,4 @@ class ClientStreams:
         if a.cuda_event is not None:
             return a.cuda_event.elapsed_time(b.cuda_event)
         return (b.time - a.time) * 1e3
+

@@ -22,6 +22,8 @@ GENIE_CURVE_SERVER_KEY the daemons' CURVE public .key file: connections are auth
                       and encrypted, and only a daemon holding its secret is accepted.
 GENIE_DAEMON_THREADS  torch threads for the embedded daemon (default: half the CPUs, at least 1,
                       since it shares the host with this process; 0: torch's choice).
+GENIE_CUDA_IPC        0: never hand CUDA tensors to a daemon on this host by CUDA IPC; send
+                      their bytes (default 1: IPC where the daemon offers it).
 GENIE_LOG_INTERCEPTS  1: log every captured op at DEBUG level on logger "genie.capture".
 """
 from __future__ import annotations
@@ -57,6 +59,7 @@ class Config:
     curve_client_key: str | None
     curve_server_key: str | None
     log_intercepts: bool
+    cuda_ipc: bool
 
 
 def load() -> Config:
@@ -76,4 +79,5 @@ def load() -> Config:
         curve_client_key=os.environ.get("GENIE_CURVE_CLIENT_KEY") or None,
         curve_server_key=os.environ.get("GENIE_CURVE_SERVER_KEY") or None,
         log_intercepts=os.environ.get("GENIE_LOG_INTERCEPTS", "") == "1",
+        cuda_ipc=os.environ.get("GENIE_CUDA_IPC", "1") != "0",
     )

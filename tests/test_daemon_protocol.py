@@ -94,3 +94,15 @@ def test_another_clients_handles_cannot_be_read_freed_or_overwritten(sock, dev):
     assert write[1] is False
     call(sock, [protocol.pack(["exec", 3, {"frees": [victim_id]}])])
     assert victim.cpu().tolist() == [7.0] * 4  # untouched, still there
+
+
+def test_a_daemon_without_a_gpu_refuses_cuda_ipc_handles_and_carries_on(sock):
+    (_, ok, body), _ = call(sock, [protocol.pack(["hello", 40, {}])])
+    assert ok and "cuda_ipc" not in body  # nothing offered: clients send bytes
+    shared = protocol.encode_cuda_ipc(["GPU-0a1b2c3d-0000-1111-2222-333344445555", b"\0" * 66, 64, 0, 0,
+                                       b"/torch_1_2_3", 0, None, False, "float32", [4]])
+    (rid, ok, body), _ = call(sock, [protocol.pack(["exec", 41, {"ops": [op("genie::adopt", [shared], 1)],
+                                                                 "fetch": [1]}])])
+    assert rid == 41 and not ok and "CUDA IPC" in body["message"]
+    (rid, ok, _), _ = call(sock, [protocol.pack(["ping", 42, {}])])
+    assert rid == 42 and ok

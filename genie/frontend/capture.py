@@ -17,7 +17,7 @@ from genie import config as config_module
 from genie.errors import UnsupportedOperationError
 from genie.runtime import get_runtime
 from genie.runtime.stream import thread_streams
-from genie.transport import protocol
+from genie.transport import cuda_ipc, protocol
 from genie.transport.tensors import DTYPE_NAMES, parse_dtype, tensor_to_frames
 
 from . import meta
@@ -106,6 +106,9 @@ def _encode(value, stream):
         return value._genie.wire
     if isinstance(value, torch.Tensor):
         if value.device.type != "cpu":
+            if value.device.type == "cuda" and stream.link.cuda_ipc_for(value.device):
+                # Same host: the daemon copies from this GPU's memory, no bytes on the wire.
+                return protocol.encode_cuda_ipc(cuda_ipc.describe(value.detach()))
             value = value.cpu()
         xfer = stream.send_bulk(value.detach())
         if xfer is not None:
@@ -420,11 +423,11 @@ ADOPT_OP = "genie::adopt"
 
 
 def _try_adopt(dst: LazyTensor, src: torch.Tensor) -> bool:
-    """`.to(device)` of a CPU tensor is empty() then copy_(): when the empty is the last queued op
+    """`.to(device)` of a CPU (or CUDA) tensor is empty() then copy_(): when the empty is the last queued op
     and shapes, dtypes and layouts agree, let the daemon keep the received frame as the tensor
     instead (no allocation, no copy on the daemon)."""
     stream = dst._genie.stream
-    if (src.device.type != "cpu" or src.dtype != dst.dtype or src.shape != dst.shape or not dst.is_contiguous()
+    if (src.device.type not in ("cpu", "cuda") or src.dtype != dst.dtype or src.shape != dst.shape or not dst.is_contiguous()
             or dst.storage_offset() != 0 or src.requires_grad):
         return False
     with stream.lock:

@@ -15,11 +15,12 @@ import socket
 import threading
 import time
 
+import torch
 import zmq.asyncio
 
 from genie import config as config_module
 from genie.errors import GenieConnectionError, GenieError
-from genie.transport import bulk
+from genie.transport import bulk, cuda_ipc
 from genie.transport.channel import Channel, ChannelClosed, RemoteError
 from genie.transport.hostmem import HostBufferPool
 
@@ -50,6 +51,8 @@ class DaemonLink:
         self.lost: str | None = None  # why this daemon was declared lost, once it is
         self.token = bulk.new_token()  # this client's routing id on the daemon; also opens its bulk lane
         self.bulk_lane: bulk.Lane | None = None
+        self.cuda_ipc_offer: dict | None = None  # hello's cuda_ipc: the daemon takes handles from this host
+        self._cuda_ipc_ok: dict[int, bool] = {}  # client GPU index -> whether its tensors go by CUDA IPC
 
     async def connect(self, timeout: float, heartbeat: float) -> None:
         self.channel = Channel(self.endpoint, self.runtime.zmq_context, routing_id=self.token,
@@ -70,6 +73,8 @@ class DaemonLink:
         if not isinstance(devices, list) or not devices:
             raise GenieConnectionError(f"genie-daemon at {self.endpoint} reported no devices")
         self.devices = devices
+        if self.runtime.config.cuda_ipc:
+            self.cuda_ipc_offer = reply.body.get("cuda_ipc")
         await self._open_bulk_lane(reply.body.get("bulk"), timeout)
         await self._probe_link()
         if heartbeat > 0:
@@ -85,6 +90,17 @@ class DaemonLink:
                 None, bulk.open_client_lane, address, self.token, self.runtime.host_pool, 1 << 40, min(timeout, 10.0))
         except (OSError, ConnectionError) as e:
             log.warning("no bulk lane to %s (large payloads go over ZeroMQ): %s", self.endpoint, e)
+
+    def cuda_ipc_for(self, device) -> bool:
+        """Whether a CUDA tensor on this process's `device` goes to this daemon as a CUDA IPC handle
+        (same host, and the daemon sees that GPU) instead of as bytes."""
+        if self.cuda_ipc_offer is None:
+            return False
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        ok = self._cuda_ipc_ok.get(index)
+        if ok is None:
+            ok = self._cuda_ipc_ok[index] = cuda_ipc.usable(self.cuda_ipc_offer, torch.device("cuda", index))
+        return ok
 
     def transport_path(self) -> str:
         if self.bulk_lane is None or self.bulk_lane.closed:
@@ -405,6 +421,8 @@ class Runtime:
             lane = link.bulk_lane
             links[link.endpoint] = {
                 "path": link.transport_path(),
+                "cuda_ipc": ("CUDA tensors of this process go by CUDA IPC handle (same host)"
+                             if link.cuda_ipc_offer else "no: CUDA tensors travel as bytes"),
                 "bulk_min_bytes": self.config.bulk_min_bytes if lane is not None else None,
                 "encrypted": self.curve is not None,
             }

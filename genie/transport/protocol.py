@@ -7,6 +7,7 @@ Client -> daemon header: ``[kind, request_id, body]``
 
   hello  {}                                   -> {version, devices: [{name, type, total_memory, flops}]}
   hello  {} -> also {bulk: ["tcp", port] | ["unix", path]} when the daemon offers a bulk lane (see `bulk`)
+  hello  {} -> also {cuda_ipc: {host, gpus}} when it accepts CUDA IPC handles (see `cuda_ipc`)
   exec   {dev, stream, ops, frees, fetch, report, bulk_min?, wait?} -> {fetched: [...], report: value | None, time: [t0, t1]}
          (wait: true says the client is blocked on this reply, so an idle daemon may run it at once)
   event  {query: [ids]} | {elapsed: [a, b]}    -> {done: [bool]} | {ms}  (answered without waiting)
@@ -33,6 +34,9 @@ extension types stand for what msgpack cannot say:
   7 COMPLEX msgpack [real, imag]
   8 BULK    msgpack [transfer id, dtype, shape]: an inline tensor whose bytes travel on the
             client's bulk lane (`bulk`), under that transfer id
+  9 CUDA_IPC msgpack [gpu uuid, handle, storage bytes, storage offset, byte offset, ref counter,
+            slot, event handle, event sync, dtype, shape]: a CUDA tensor of a process on the
+            daemon's host, shared by CUDA IPC (`cuda_ipc`)
 
 `outs` mirrors the op's return value: an int is the handle id under which the
 daemon keeps that tensor, null means "do not keep". Ops run in order; when one
@@ -55,12 +59,13 @@ from typing import Any
 import msgpack
 import torch
 
+from . import cuda_ipc
 from .errors import ProtocolError
 from .tensors import check_frames, check_shape, parse_dtype
 
 VERSION = 1
 
-EXT_HANDLE, EXT_TENSOR, EXT_DTYPE, EXT_DEVICE, EXT_MEMFMT, EXT_LAYOUT, EXT_COMPLEX, EXT_BULK = range(1, 9)
+EXT_HANDLE, EXT_TENSOR, EXT_DTYPE, EXT_DEVICE, EXT_MEMFMT, EXT_LAYOUT, EXT_COMPLEX, EXT_BULK, EXT_CUDA_IPC = range(1, 10)
 
 MEMORY_FORMATS = {
     "contiguous_format": torch.contiguous_format,
@@ -139,6 +144,11 @@ def encode_bulk(xfer: int, dtype_name: str, shape) -> msgpack.ExtType:
     return msgpack.ExtType(EXT_BULK, msgpack.packb([xfer, dtype_name, list(shape)]))
 
 
+def encode_cuda_ipc(fields: list) -> msgpack.ExtType:
+    """A CUDA tensor shared with a daemon on this host (see cuda_ipc.describe)."""
+    return msgpack.ExtType(EXT_CUDA_IPC, msgpack.packb(fields, use_bin_type=True))
+
+
 def encode_dtype(dtype: torch.dtype) -> msgpack.ExtType:
     from .tensors import dtype_name
 
@@ -166,8 +176,8 @@ def encode_complex(z: complex) -> msgpack.ExtType:
 def decode_ext(code: int, data: bytes, bulk_seen: list | None = None) -> Any:
     """msgpack ext_hook on the receiving side: every payload is checked.
 
-    `bulk_seen` collects the bulk-lane tensors met, so a receiver knows what a message waits
-    for without walking it again.
+    `bulk_seen` collects the bulk-lane tensors and CUDA IPC tensors met, so a receiver knows
+    what a message waits for and what it must import without walking it again.
     """
     if code == EXT_HANDLE:
         if len(data) != 8:
@@ -184,6 +194,15 @@ def decode_ext(code: int, data: bytes, bulk_seen: list | None = None) -> Any:
         if bulk_seen is not None:
             bulk_seen.append(tensor)
         return tensor
+    if code == EXT_CUDA_IPC:
+        try:
+            fields = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        except Exception as e:
+            raise ProtocolError(f"bad CUDA IPC payload: {e}") from None
+        shared = cuda_ipc.parse(fields)
+        if bulk_seen is not None:
+            bulk_seen.append(shared)
+        return shared
     if code == EXT_DTYPE:
         return parse_dtype(_text(data))
     if code == EXT_DEVICE:
@@ -294,6 +313,7 @@ class Exec:
     stream: int = 0
     bulk_min: int = 0  # fetch tensors of at least this many bytes over the bulk lane; 0: never
     waited: bool = False  # the client blocks on the reply
+    shared: tuple = ()  # the CUDA IPC tensors in its arguments (set by the receiver, see decode_ext)
 
 
 _GOOD_NAMES: set[str] = set()  # op names already seen to be well formed (bounded below)

@@ -103,7 +103,7 @@ def test_tracing_never_touches_the_inputs_small_ones_get_zeros(monkeypatch):
 
 
 def test_large_inputs_are_traced_on_meta_tensors(monkeypatch):
-    monkeypatch.setattr(fused, "ZEROS_MAX_BYTES", 0)
+    monkeypatch.setattr(fused, "ZEROS_MAX_BYTES", {})
     seen = []
     interpret = _recording_interpret(seen)
     seg = fused.Segment(0, 2, inputs=[0], outputs=[2], drop=[1], key=("unit-test-meta", id(interpret)))
@@ -157,3 +157,25 @@ def test_a_merged_overwrite_into_storage_another_input_shares_is_interpreted():
     seg2.targets = [0]
     _run(seg2, regs2, interpret)
     assert seg2.fn is not fused.INTERPRET  # separate storage: traced
+
+
+def test_every_thread_that_runs_a_segment_turns_graph_optimisation_off():
+    # The switch is per thread: a segment traced on the worker and replayed on the event loop
+    # must run there without the optimiser too (CSE could merge outputs the client keeps apart).
+    import threading
+
+    seg = fused.Segment(0, 2, inputs=[0], outputs=[2], drop=[1], key=("unit-test-threads",))
+    interpret = _recording_interpret([])
+    _run(seg, [torch.ones(3), None, None], interpret)
+    seen = []
+
+    def other_thread():
+        regs = [torch.ones(3), None, None]
+        _run(seg, regs, interpret)
+        seen.append((torch._C._get_graph_executor_optimize(), regs[2]))
+
+    t = threading.Thread(target=other_thread)
+    t.start()
+    t.join(30)
+    assert seen and seen[0][0] is False
+    torch.testing.assert_close(seen[0][1], torch.full((3,), 2.0))

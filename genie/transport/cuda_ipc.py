@@ -1,0 +1,199 @@
+"""Same-host GPU path: a CUDA tensor crosses to a daemon on this machine as a CUDA IPC handle.
+
+When the client and the daemon run on one host and the client's tensor is already on a GPU,
+sending its bytes would copy them GPU -> host -> socket -> host -> GPU. Instead the client
+shares the tensor's memory with torch's own CUDA IPC (`UntypedStorage._share_cuda_`: the
+allocation's cudaIpcMemHandle, an IPC event recorded after the writes queued so far, and a
+reference counter in shared memory that keeps the block out of the client's allocator until
+the daemon lets go), and the daemon opens it and copies it into its own memory on a copy
+stream: device-to-device copies only (a snapshot on the client's GPU, then the daemon's copy),
+no host memory, no socket bytes.
+
+Only a daemon that listens on this host alone (an ipc:// path or a loopback address) accepts
+handles: opening one maps another process's GPU memory, and its reference counter names a
+shared-memory file, which no remote peer may choose. Every field is checked before torch sees
+it. Nothing here needs CUDA until a handle is made or opened.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from .errors import ProtocolError
+from .tensors import check_shape, parse_dtype
+
+HANDLE_MAX_BYTES = 128          # torch's handle: cudaIpcMemHandle_t (64 bytes), with a short prefix
+EVENT_HANDLE_BYTES = 64         # cudaIpcEventHandle_t
+REF_COUNTER_SLOTS = 10000       # torch's CUDA_IPC_REF_COUNTER_FILE_SIZE
+_REF_COUNTER_NAME = re.compile(r"/torch_\d{1,10}_\d{1,12}_\d{1,12}")
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def host_id() -> str | None:
+    """This kernel's boot id: equal in two processes only when they run on one machine."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def gpu_uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def local_only(endpoint: str) -> bool:
+    """Whether only processes on this host can reach a daemon listening on `endpoint`."""
+    if endpoint.startswith("ipc://"):
+        return True
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
+def offer(endpoint: str) -> dict | None:
+    """What a daemon says in its hello about accepting handles, or None where it cannot."""
+    if not torch.cuda.is_available() or not local_only(endpoint):
+        return None
+    host = host_id()
+    if host is None:
+        return None
+    return {"host": host, "gpus": [gpu_uuid(i) for i in range(torch.cuda.device_count())]}
+
+
+def usable(offered, device: torch.device) -> bool:
+    """Client side: whether a tensor on `device` can go to a daemon that offered `offered`."""
+    if not isinstance(offered, dict) or offered.get("host") != host_id():
+        return False
+    gpus = offered.get("gpus")
+    return isinstance(gpus, list) and gpu_uuid(device.index if device.index is not None else
+                                                torch.cuda.current_device()) in gpus
+
+
+# ---------------------------------------------------------------- the descriptor
+
+
+@dataclass(frozen=True, slots=True)
+class SharedCudaTensor:
+    """A contiguous tensor in another process's GPU memory, as the daemon receives it."""
+    gpu: str                 # the GPU's UUID (device indices differ between processes)
+    handle: bytes
+    storage_bytes: int       # the shared storage's size ...
+    storage_offset: int      # ... and where it starts in the handle's allocation
+    byte_offset: int         # where the tensor starts in the storage
+    ref_counter: bytes
+    ref_counter_offset: int
+    event: bytes | None
+    event_sync: bool
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def describe(t: torch.Tensor) -> list:
+    """Client side: the wire form of a snapshot of a CUDA tensor.
+
+    The daemon copies when it runs the request, which may be after the caller has written to `t`
+    again (`.to()` returns at once), so what is shared is a contiguous copy made now on the
+    caller's stream: one device-to-device copy, ordered before the caller's later writes. torch
+    keeps that copy's memory out of reuse until the daemon has let go of it."""
+    from .tensors import dtype_name
+
+    t = t.resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format)
+    (_, handle, storage_bytes, storage_offset, ref_counter, ref_offset,
+     event, event_sync) = t.untyped_storage()._share_cuda_()
+    return [gpu_uuid(t.device.index), handle, storage_bytes, storage_offset, t.storage_offset() * t.element_size(),
+            ref_counter, ref_offset, event or None, bool(event_sync), dtype_name(t.dtype), list(t.shape)]
+
+
+def _int(value, low: int, high: int, what: str) -> int:
+    if type(value) is not int or not low <= value <= high:
+        raise ProtocolError(f"bad CUDA IPC {what} {value!r}")
+    return value
+
+
+def parse(fields: list) -> SharedCudaTensor:
+    """Daemon side: a checked descriptor (see `describe`)."""
+    if not isinstance(fields, list) or len(fields) != 11:
+        raise ProtocolError("bad CUDA IPC descriptor")
+    gpu, handle, storage_bytes, storage_offset, byte_offset, ref, ref_offset, event, sync, dtype, shape = fields
+    if not isinstance(gpu, str) or not _UUID.fullmatch(gpu.removeprefix("GPU-")):
+        raise ProtocolError(f"bad CUDA IPC gpu {gpu!r}")
+    if not isinstance(handle, bytes) or not 0 < len(handle) <= HANDLE_MAX_BYTES:
+        raise ProtocolError("bad CUDA IPC handle")
+    if not isinstance(ref, bytes) or not _REF_COUNTER_NAME.fullmatch(ref.decode("ascii", "replace")):
+        raise ProtocolError(f"bad CUDA IPC reference counter {ref!r}")
+    if event is not None and (not isinstance(event, bytes) or len(event) != EVENT_HANDLE_BYTES):
+        raise ProtocolError("bad CUDA IPC event handle")
+    if type(sync) is not bool:
+        raise ProtocolError("bad CUDA IPC event flag")
+    shared = SharedCudaTensor(
+        gpu, handle, _int(storage_bytes, 1, 1 << 44, "storage size"), _int(storage_offset, 0, 1 << 44, "offset"),
+        _int(byte_offset, 0, 1 << 44, "tensor offset"), ref, _int(ref_offset, 0, REF_COUNTER_SLOTS - 1, "counter slot"),
+        event, sync, parse_dtype(dtype), check_shape(shape))
+    if shared.byte_offset + shared.nbytes > shared.storage_bytes:
+        raise ProtocolError(f"CUDA IPC tensor of {shared.nbytes} bytes at {shared.byte_offset} overruns its "
+                            f"storage of {shared.storage_bytes}")
+    return shared
+
+
+# ---------------------------------------------------------------- the daemon's side
+
+
+class Importer:
+    """Opens shared tensors and copies them into this process's memory on a copy stream; the
+    opened memory is let go (the producer's counter decremented) once its copy has finished."""
+
+    def __init__(self) -> None:
+        self._streams: dict[int, torch.cuda.Stream] = {}
+        self._held: list[tuple[torch.cuda.Event, torch.UntypedStorage]] = []
+        self._index_of: dict[str, int] | None = None
+        self.imported = 0
+        self.imported_bytes = 0
+
+    def _local_index(self, gpu: str) -> int:
+        if self._index_of is None:
+            self._index_of = {gpu_uuid(i): i for i in range(torch.cuda.device_count())}
+        if gpu not in self._index_of:
+            raise ProtocolError(f"CUDA IPC: GPU {gpu} is not visible to this daemon")
+        return self._index_of[gpu]
+
+    def _release_finished(self) -> None:
+        self._held = [(e, s) for e, s in self._held if not e.query()]
+
+    def copy_in(self, shared: SharedCudaTensor, device: torch.device) -> torch.Tensor:
+        """A tensor on `device` holding the shared tensor's values, ordered before later work
+        on `device`'s current stream."""
+        self._release_finished()
+        if shared.nbytes == 0:
+            return torch.empty(shared.shape, dtype=shared.dtype, device=device)
+        source = self._local_index(shared.gpu)
+        stream = self._streams.get(source)
+        if stream is None:
+            stream = self._streams[source] = torch.cuda.Stream(device=source)
+        with torch.cuda.device(source), torch.cuda.stream(stream):
+            # torch makes the current stream (the copy stream) wait for the producer's IPC event.
+            storage = torch.UntypedStorage._new_shared_cuda(
+                source, shared.handle, shared.storage_bytes, shared.storage_offset, shared.ref_counter,
+                shared.ref_counter_offset, shared.event, shared.event_sync)
+            view = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", source))
+            view.set_(storage, shared.byte_offset, (shared.nbytes,), (1,))
+            target = torch.empty(shared.nbytes, dtype=torch.uint8, device=device)
+            target.copy_(view, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        torch.cuda.current_stream(device).wait_event(done)
+        target.record_stream(torch.cuda.current_stream(device))
+        self._held.append((done, storage))
+        self.imported += 1
+        self.imported_bytes += shared.nbytes
+        return target.view(shared.dtype).view(shared.shape)

@@ -1,0 +1,124 @@
+"""The GPU data paths of a daemon on a CUDA GPU: pinned staging for bytes from the wire, CUDA IPC
+for CUDA tensors of a process on the same host, and replays that trace on the GPU. These need a
+GPU on this machine; CI's machine has none, so they run where one is (see README, GPU nodes)."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+import genie
+from daemons import DaemonProcess, ipc_endpoint
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a GPU on this machine)")
+
+
+@pytest.fixture(scope="module")
+def gpu_daemon():
+    ipc, tmpdir = ipc_endpoint()
+    with DaemonProcess(ipc, extra=["--device", "cuda:0"]) as d:
+        genie.init(d.endpoint)
+        try:
+            yield d.endpoint
+        finally:
+            genie.shutdown()
+    shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _daemon_stats():
+    return genie.get_runtime().links[0].request("stats", {"dev": 0}).body
+
+
+def _sent():
+    return next(iter(genie.transport_stats().values()))["bytes_sent"]
+
+
+def test_the_daemon_serves_a_gpu_and_offers_cuda_ipc(gpu_daemon):
+    assert genie.get_runtime().links[0].devices[0]["type"] == "cuda"
+    info = genie.transport_info()["links"][gpu_daemon]
+    assert info["cuda_ipc"].startswith("CUDA tensors of this process go by CUDA IPC")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool])
+def test_cpu_tensors_reach_the_gpu_through_pinned_staging(gpu_daemon, dtype):
+    before = _daemon_stats()["pinned_staging"]
+    src = (torch.randn(257, 33) * 10).to(dtype)
+    x = src.to("remote_accelerator:0")
+    y = src[:, ::3].to("remote_accelerator:0")  # non-contiguous: made contiguous on the way
+    torch.testing.assert_close(x.clone().cpu(), src, rtol=0, atol=0)
+    torch.testing.assert_close(y.cpu(), src[:, ::3], rtol=0, atol=0)
+    after = _daemon_stats()["pinned_staging"]
+    assert after["uploads"] >= before["uploads"] + 2
+    assert after["pinned_bytes"] > 0
+
+
+def test_pinned_buffers_are_reused(gpu_daemon):
+    src = torch.randn(1 << 18)
+    for _ in range(3):
+        src.to("remote_accelerator:0").sum().item()
+    first = _daemon_stats()["pinned_staging"]["pinned_bytes"]
+    for _ in range(20):
+        src.to("remote_accelerator:0").sum().item()
+    assert _daemon_stats()["pinned_staging"]["pinned_bytes"] == first  # no new pinned memory
+
+
+@pytest.mark.parametrize("shape", [(4,), (1000, 37), (64 << 20,)])
+def test_a_cuda_tensor_goes_by_cuda_ipc_not_as_bytes(gpu_daemon, shape):
+    src = torch.randn(shape, device="cuda")
+    before, sent = _daemon_stats()["cuda_ipc_imports"], _sent()
+    x = src.to("remote_accelerator:0")
+    src.add_(1)  # after .to(): the daemon has its own copy, taken before this write
+    got = (x * 2).cpu()
+    torch.testing.assert_close(got, (src - 1).cpu() * 2)
+    after = _daemon_stats()["cuda_ipc_imports"]
+    assert after["tensors"] == before["tensors"] + 1
+    assert after["bytes"] - before["bytes"] == src.numel() * 4
+    assert _sent() - sent < 4096  # a handle, never the payload
+
+
+def test_a_view_of_a_cuda_tensor_goes_by_cuda_ipc(gpu_daemon):
+    base = torch.arange(4096, dtype=torch.float32, device="cuda").view(64, 64)
+    view = base[3:40, 5:9]  # offset into the storage and not contiguous
+    x = view.to("remote_accelerator:0")
+    torch.testing.assert_close(x.cpu(), view.cpu())
+    y = base[10:].to("remote_accelerator:0")  # contiguous, at an offset in its storage
+    torch.testing.assert_close(y.cpu(), base[10:].cpu())
+    z = base.T.conj().to("remote_accelerator:0")
+    torch.testing.assert_close(z.cpu(), base.T.cpu())
+
+
+def test_writes_queued_on_the_clients_stream_are_seen(gpu_daemon):
+    # The IPC event orders the daemon's copy after the work queued before .to().
+    a = torch.randn(4096, 4096, device="cuda")
+    for _ in range(5):
+        a = a @ a.T / 4096
+    x = a.to("remote_accelerator:0")
+    torch.testing.assert_close(x.cpu(), a.cpu())
+
+
+def test_cuda_tensors_as_op_arguments(gpu_daemon):
+    w = torch.randn(64, 64, device="cuda")
+    x = torch.randn(8, 64).to("remote_accelerator:0")
+    y = torch.nn.functional.linear(x, w.to("remote_accelerator:0"))
+    torch.testing.assert_close(y.cpu(), x.cpu() @ w.cpu().T, rtol=1e-4, atol=1e-4)
+
+
+def test_results_come_back_to_a_cuda_tensor(gpu_daemon):
+    x = torch.randn(300, 7).to("remote_accelerator:0")
+    y = (x + 1).to("cuda")
+    assert y.device.type == "cuda"
+    torch.testing.assert_close(y.cpu(), x.cpu() + 1)
+
+
+def test_a_graph_replays_on_the_gpu(gpu_daemon):
+    w = torch.randn(32, 32).to("remote_accelerator:0")
+    x = torch.zeros(4, 32).to("remote_accelerator:0")
+    g = genie.Graph()
+    with genie.graph(g):
+        y = torch.tanh(x @ w) + 1
+    for step in range(3):
+        x.copy_(torch.full((4, 32), float(step)).to("remote_accelerator:0"))
+        g.replay()
+        torch.testing.assert_close(y.cpu(), torch.tanh(x.cpu() @ w.cpu()) + 1, rtol=1e-4, atol=1e-4)
+    assert _daemon_stats()["program_segments"]["traced"] >= 1
