@@ -7,7 +7,8 @@ In one run, for each size, against a genie-daemon on cuda:0 listening on an ipc:
   copy-stream host-to-device copy;
 - Genie upload of a CUDA tensor: by CUDA IPC handle (one device-to-device copy on the daemon),
   and the same with IPC off (bytes: GPU -> host -> socket -> host -> GPU);
-- Genie download to the CPU (`.cpu()`) and to a CUDA tensor (`.to("cuda")`).
+- Genie download to the CPU (`.cpu()`: device-to-host into the daemon's pinned staging, then
+  the bulk lane), and to a CUDA tensor (`.to("cuda")`) by CUDA IPC and with IPC off.
 Each figure: payload bytes / median time of several repetitions, each timed to completion
 (`synchronize` on both sides).
 
@@ -91,7 +92,10 @@ def main(argv=None) -> int:
             resident = cpu.to(dev)
             sync()
             row["genie_down_cpu"] = _time(lambda: resident.cpu(), reps)
-            row["genie_down_cuda"] = _time(lambda: resident.to("cuda"), reps)
+            row["genie_down_cuda_ipc"] = _time(lambda: resident.to("cuda"), reps)
+            offer, link.cuda_ipc_offer = link.cuda_ipc_offer, None
+            row["genie_down_cuda_bytes"] = _time(lambda: resident.to("cuda"), reps)
+            link.cuda_ipc_offer = offer
             results[n] = {k: n / v / 1e6 for k, v in row.items()}  # MB/s
             print(f"{n >> 20} MiB: " + ", ".join(f"{k} {v:,.0f}" for k, v in results[n].items()), flush=True)
             del resident, cpu, pinned, gpu
@@ -100,7 +104,7 @@ def main(argv=None) -> int:
         daemon.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     cols = ["local_pageable_h2d", "local_pinned_h2d", "local_d2d", "genie_up_cpu", "genie_up_cuda_ipc",
-            "genie_up_cuda_bytes", "genie_down_cpu", "genie_down_cuda"]
+            "genie_up_cuda_bytes", "genie_down_cpu", "genie_down_cuda_ipc", "genie_down_cuda_bytes"]
     print_table([(f"{n >> 20} MiB", *(f"{results[n][c]:,.0f}" for c in cols)) for n in results], ("MB/s", *cols))
     print("wrote", write_json("gpu_paths", {"device": torch.cuda.get_device_name(), "results_MBps": results}))
     return 0

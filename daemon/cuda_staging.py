@@ -7,17 +7,20 @@ torch launches allocates from, and its statistics (allocated, reserved, peak,
 inactive split bytes = fragmentation) are what `stats` reports on a GPU. Writing
 a second allocator beside it would only fragment memory between the two.
 
-What torch does not do for us is the host side of a receive: a payload arriving
+What torch does not do for us is the host side of a transfer: a payload arriving
 in a ZeroMQ frame is pageable memory, and a copy from pageable memory to the
-GPU is synchronous and slow. `Uploader` copies it into a pinned buffer taken
-from a pool (recycled once the copy that used it has finished), starts a
-non_blocking host-to-device copy on a dedicated copy stream, and makes the
-compute stream wait for it with an event, so compute never waits on the host.
-Nothing here runs on a machine without CUDA.
+GPU is synchronous and slow. `PinnedStaging.upload` copies it into a pinned
+buffer taken from a pool (recycled once the copy that used it has finished),
+starts a non_blocking host-to-device copy on a dedicated copy stream, and makes
+the compute stream wait for it with an event, so compute never waits on the host.
+`PinnedStaging.download` is the way back for large results: device-to-host into a
+recycled pinned buffer (not a fresh pageable one, whose first touch alone costs
+more than the copy), sent from there. Nothing here runs on a machine without CUDA.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 
 import torch
 
@@ -62,16 +65,41 @@ class PinnedPool:
         self._in_use.append((event, buf.numel(), buf))
 
 
-class Uploader:
+class PinnedStaging:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.copy_stream = torch.cuda.Stream(device=device)
         self.pool = PinnedPool()
         self.uploads = 0
         self.bytes = 0
+        self.downloads = 0
+        self.download_bytes = 0
 
     def stats(self) -> dict:
-        return {"uploads": self.uploads, "bytes": self.bytes, "pinned_bytes": self.pool.pinned_bytes}
+        return {"uploads": self.uploads, "bytes": self.bytes, "downloads": self.downloads,
+                "download_bytes": self.download_bytes, "pinned_bytes": self.pool.pinned_bytes}
+
+    @contextlib.contextmanager
+    def download(self, t: torch.Tensor):
+        """The bytes of a GPU tensor in a pinned buffer, as a memoryview valid inside the block
+        (the caller sends them synchronously); the buffer goes back to the pool after it."""
+        src = t.detach()
+        if not src.is_contiguous() or src.is_conj() or src.is_neg():
+            src = src.resolve_conj().resolve_neg().contiguous()
+        nbytes = src.numel() * src.element_size()
+        staging = self.pool.take(nbytes)
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            staging[:nbytes].copy_(src.reshape(-1).view(torch.uint8), non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.copy_stream)
+        done.synchronize()
+        self.downloads += 1
+        self.download_bytes += nbytes
+        try:
+            yield memoryview(staging[:nbytes].numpy())
+        finally:
+            self.pool.give_back_after(staging, done)
 
     def upload(self, host: torch.Tensor) -> torch.Tensor:
         """A device copy of a CPU tensor (from a received frame), ordered before later compute."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 
+import msgpack
 import torch
 
 from genie.transport import protocol
@@ -31,6 +32,7 @@ RECV_OP = "genie::recv"
 EVENT_RECORD_OP = "genie::event_record"
 EVENT_WAIT_OP = "genie::event_wait"
 ADOPT_OP = "genie::adopt"
+SHARE_CUDA_OP = "genie::share_cuda"  # a resident GPU tensor for a client on this host, by CUDA IPC
 KV_APPEND_OP, KV_GET_OP, KV_CLOSE_OP = "genie::kv_append", "genie::kv_get", "genie::kv_close"
 DEFINE_PROGRAM_OP, REPLAY_OP, DROP_PROGRAM_OP = "genie::define_program", "genie::replay", "genie::drop_program"
 
@@ -51,6 +53,8 @@ class Executor:
                  mailbox=None, send_to_peer=None, transfer_timeout: float = 120.0, bulk=None) -> None:
         self.devices = devices
         self.has_cuda = any(d.type == "cuda" for d in devices)
+        self.cuda_ipc_offered = False  # set by the server: clients on this host may take GPU tensors by handle
+        self._warm_ops: set[str] = set()  # op names run on a GPU before (see quick_to_start)
         self.bulk = bulk  # BulkListener, or None when the daemon offers no bulk lanes
         self.mailbox = mailbox
         self.send_to_peer = send_to_peer
@@ -81,6 +85,8 @@ class Executor:
                     result = self._run_op(client, call, frames, device, raise_errors=last)
                     if last:
                         reported = self._describe(call.outs, result)
+                    if self.has_cuda:
+                        self._warm_ops.add(call.name)
         finally:
             self._imported.clear()
         for handle in request.frees:
@@ -101,6 +107,8 @@ class Executor:
                 return client.streams.wait(_int_arg(call, 0), device)
             if call.name == ADOPT_OP:
                 return self._adopt(client, call, frames, device)
+            if call.name == SHARE_CUDA_OP:
+                return self._share_cuda(client, call)
             if call.name in (KV_APPEND_OP, KV_GET_OP, KV_CLOSE_OP):
                 return self._kv(client, call, frames, device)
             if call.name == REPLAY_OP:
@@ -201,14 +209,21 @@ class Executor:
         staged = [u.stats() for u in self._uploaders.values()]
         return {
             "cuda_ipc_imports": {"tensors": imp.imported if imp else 0, "bytes": imp.imported_bytes if imp else 0},
-            "pinned_staging": {k: sum(s[k] for s in staged) for k in ("uploads", "bytes", "pinned_bytes")},
+            "pinned_staging": {k: sum(s[k] for s in staged)
+                               for k in ("uploads", "bytes", "downloads", "download_bytes", "pinned_bytes")},
         }
 
     def quick_to_start(self, client: ClientState, request) -> bool:
         """Whether the request can run on the daemon's event loop without stalling it: no GPU work
-        of this client still running (a read-back would wait for it) and no replay that traces first."""
-        if self.has_cuda and not client.streams.idle(self.devices):
-            return False
+        of this client still running (a read-back would wait for it), no op this daemon has not run
+        before (the first conv loads cuDNN, the first use of a kernel loads its module: on an H100,
+        a test of nn functionals run inline stalled the event loop past the 3 s heartbeat timeout),
+        and no replay that traces first."""
+        if self.has_cuda:
+            if not client.streams.idle(self.devices):
+                return False
+            if not all(call.name in self._warm_ops for call in request.ops):
+                return False
         for call in request.ops:
             if call.name == REPLAY_OP and len(call.args) == 1 and type(call.args[0]) is int:
                 program = client.programs.get(call.args[0])
@@ -230,9 +245,9 @@ class Executor:
     def _uploader(self, device: torch.device):
         uploader = self._uploaders.get(device)
         if uploader is None:
-            from .cuda_staging import Uploader
+            from .cuda_staging import PinnedStaging
 
-            uploader = self._uploaders[device] = Uploader(device)
+            uploader = self._uploaders[device] = PinnedStaging(device)
         return uploader
 
     def _enforce_limit(self, client: ClientState, call: OpCall) -> None:
@@ -286,6 +301,20 @@ class Executor:
         client.put(call.outs, tensor)
         self._enforce_limit(client, call)
         return tensor
+
+    def _share_cuda(self, client: ClientState, call: OpCall):
+        """A snapshot of a resident GPU tensor as a CUDA IPC descriptor (reported), or None when
+        it cannot go that way (the client then fetches its bytes)."""
+        from genie.transport import cuda_ipc
+
+        if len(call.args) != 1 or not isinstance(call.args[0], HandleRef):
+            raise ProtocolError(f"{SHARE_CUDA_OP} takes one handle")
+        found = client.get(call.args[0].id)
+        if isinstance(found, Poison):
+            raise _Poisoned(found)
+        if not self.cuda_ipc_offered or found.device.type != "cuda":
+            return None
+        return protocol.encode_cuda_ipc(cuda_ipc.describe(found))
 
     def _send(self, client: ClientState, call: OpCall):
         """Ship a tensor to a peer daemon (for the client's genie::recv there)."""
@@ -389,6 +418,10 @@ class Executor:
                 raise ProtocolError("a reported tensor needs a handle id")
             return {"tensor": [outs, dtype_name(result.dtype), list(result.shape), list(result.stride()),
                                result.storage_offset(), result.untyped_storage().nbytes()]}
+        if type(result) is msgpack.ExtType:  # a tuple too: before the tuple case
+            if result.code != protocol.EXT_CUDA_IPC:
+                raise ProtocolError("cannot report this extension value")
+            return result
         if isinstance(result, (list, tuple)):
             sub = outs if isinstance(outs, list) and len(outs) >= len(result) else [None] * len(result)
             return [self._describe(o, r) for o, r in zip(sub, result)]
@@ -417,7 +450,12 @@ class Executor:
         nbytes = found.numel() * found.element_size()
         if bulk_min and nbytes >= bulk_min and self.bulk is not None:
             try:
-                xfer = self.bulk.send_download(client.identity, tensor_to_buffer(found.detach()))
+                if found.device.type == "cuda":
+                    # The lane sends synchronously: the pinned buffer is free again right after.
+                    with self._uploader(found.device).download(found) as staged:
+                        xfer = self.bulk.send_download(client.identity, staged)
+                else:
+                    xfer = self.bulk.send_download(client.identity, tensor_to_buffer(found.detach()))
             except ConnectionError as e:
                 return {"error": protocol.error_body(e)}
             if xfer is not None:

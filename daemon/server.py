@@ -133,6 +133,7 @@ class DaemonServer:
         self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         if self.cuda_ipc_allowed:
             self.ipc_offer = cuda_ipc.offer(self.bound_endpoint)
+            self.executor.cuda_ipc_offered = self.ipc_offer is not None
             log.info("CUDA IPC from clients on this host: %s", "accepted" if self.ipc_offer else
                      "off (the daemon listens beyond this host)")
         if self.bulk_lanes:

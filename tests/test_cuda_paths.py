@@ -104,11 +104,39 @@ def test_cuda_tensors_as_op_arguments(gpu_daemon):
     torch.testing.assert_close(y.cpu(), x.cpu() @ w.cpu().T, rtol=1e-4, atol=1e-4)
 
 
-def test_results_come_back_to_a_cuda_tensor(gpu_daemon):
-    x = torch.randn(300, 7).to("remote_accelerator:0")
+def _received():
+    return next(iter(genie.transport_stats().values()))["bytes_received"]
+
+
+@pytest.mark.parametrize("shape", [(300, 7), (32 << 20,)])
+def test_results_come_back_to_a_cuda_tensor_by_cuda_ipc(gpu_daemon, shape):
+    x = torch.randn(shape).to("remote_accelerator:0")
+    expected = x.cpu() + 1
+    received = _received()
     y = (x + 1).to("cuda")
-    assert y.device.type == "cuda"
-    torch.testing.assert_close(y.cpu(), x.cpu() + 1)
+    assert y.device.type == "cuda" and y.is_contiguous()
+    assert _received() - received < 4096  # a handle came back, not the payload
+    torch.testing.assert_close(y.cpu(), expected)
+    x.add_(5)  # the daemon shared a snapshot: later remote writes do not reach y
+    torch.testing.assert_close(y.cpu(), expected)
+
+
+def test_a_view_comes_back_to_cuda_with_its_values_and_dtype_change(gpu_daemon):
+    x = torch.arange(600, dtype=torch.float32).view(20, 30).to("remote_accelerator:0")
+    v = x[2:9, ::4]
+    y = v.to("cuda", dtype=torch.float64)
+    assert y.dtype == torch.float64 and y.shape == v.shape
+    torch.testing.assert_close(y.cpu(), v.cpu().double())
+
+
+def test_large_results_leave_the_gpu_through_pinned_staging(gpu_daemon):
+    x = torch.randn(8 << 20).to("remote_accelerator:0")  # 32 MiB: the bulk lane
+    before = _daemon_stats()["pinned_staging"]
+    got = (x * 3).cpu()
+    torch.testing.assert_close(got, x.cpu() * 3)
+    after = _daemon_stats()["pinned_staging"]
+    assert after["downloads"] >= before["downloads"] + 2
+    assert after["download_bytes"] - before["download_bytes"] >= 2 * (32 << 20)
 
 
 def test_a_graph_replays_on_the_gpu(gpu_daemon):

@@ -37,3 +37,27 @@ def test_embedded_daemon_starts_and_stops(tmp_path):
     else:
         os.kill(pid, 9)
         raise AssertionError("embedded daemon outlived its client")
+
+
+CRASH_SCRIPT = textwrap.dedent("""
+    import os, signal, torch, genie
+    from genie.runtime import get_runtime
+    x = torch.randn(8, device="remote_accelerator:0")
+    print("FIRST", (x + 1).sum().item() is not None)
+    os.kill(get_runtime().local_daemon.process.pid, signal.SIGKILL)
+    try:
+        (x * 2).sum().item()
+    except genie.GenieConnectionError as e:
+        print("ERROR", str(e).replace(chr(10), " "))
+""")
+
+
+def test_a_crashed_local_daemon_is_reported_with_how_it_ended():
+    # A daemon that dies mid-run (a GPU library crashing, the OOM killer) must not read as a mere
+    # network loss: the error says the process ended and how.
+    env = {k: v for k, v in os.environ.items() if k != "GENIE_SERVER_URL"}
+    env["GENIE_HEARTBEAT_TIMEOUT"] = "1"
+    out = subprocess.run([sys.executable, "-c", CRASH_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    lines = dict(line.split(" ", 1) for line in out.stdout.strip().splitlines())
+    assert lines.get("FIRST") == "True", out.stderr
+    assert "was lost" in lines["ERROR"] and "the local genie-daemon was killed by signal 9" in lines["ERROR"], lines

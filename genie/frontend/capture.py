@@ -412,11 +412,34 @@ def _to_copy(func, args, kwargs):
     from .materialize import to_cpu
 
     rest = {k: v for k, v in kwargs.items() if k != "device" and not _same_as_source(k, v, src)}
+    if target.type == "cuda":
+        local = _fetch_by_cuda_ipc(src, target)
+        if local is not None:
+            return torch.ops.aten._to_copy.default(local, **rest) if rest else local
     cpu = to_cpu(src)  # already a fresh tensor: no second copy unless something changes
     local = torch.ops.aten._to_copy.default(cpu, **rest) if rest else cpu
     if target.type == "cpu":
         return local
     return torch.ops.aten._to_copy.default(local, device=target)
+
+
+SHARE_CUDA_OP = "genie::share_cuda"
+
+
+def _fetch_by_cuda_ipc(src: LazyTensor, target: torch.device) -> torch.Tensor | None:
+    """`.to("cuda")` from a daemon on this host: the daemon shares a snapshot of the tensor by CUDA
+    IPC and this process copies it on its GPU (no host memory, no bytes on the wire). None where
+    that path is not open (another host, a CPU daemon, GENIE_CUDA_IPC=0): fetch bytes instead."""
+    stream = src._genie.stream
+    device = torch.device("cuda", target.index if target.index is not None else torch.cuda.current_device())
+    if not stream.link.cuda_ipc_for(device):
+        return None
+    shared = stream.run_reported([SHARE_CUDA_OP, [protocol.encode_handle(src._genie.id)], {}, None])
+    if isinstance(shared, protocol.msgpack.ExtType) and shared.code == protocol.EXT_CUDA_IPC:
+        shared = protocol.decode_ext(shared.code, shared.data)
+    if type(shared) is not cuda_ipc.SharedCudaTensor:
+        return None  # the daemon could not share it (e.g. it lives on its CPU)
+    return cuda_ipc.client_importer().copy_in(shared, device)
 
 
 ADOPT_OP = "genie::adopt"

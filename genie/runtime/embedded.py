@@ -72,6 +72,16 @@ class LocalDaemon:
             if len(self._stderr_tail) > 200:
                 del self._stderr_tail[:100]
 
+    def exit_report(self) -> str | None:
+        """How the process ended, with the last lines it wrote, once it has; None while it runs."""
+        proc = self.process
+        if proc is None or proc.poll() is None:
+            return None
+        code = proc.returncode
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        tail = "".join(self._stderr_tail[-8:]).strip()
+        return f"the local genie-daemon {how}" + (f"; its last words:\n{tail}" if tail else "")
+
     def stop(self, timeout: float = 5.0) -> None:
         proc = self.process
         if proc is None or proc.poll() is not None:

@@ -151,6 +151,12 @@ class DaemonLink:
         if self.lost is not None:
             return
         waiting = len(self.channel._pending) if self.channel else 0
+        local = self.runtime.local_daemon
+        if local is not None and local.endpoint == self.endpoint:
+            time.sleep(0.05)  # a crashing process may still be exiting when its heartbeats stop
+            ended = local.exit_report()
+            if ended:
+                reason = f"{reason}; {ended}"
         self.lost = (f"genie-daemon at {self.endpoint} was lost ({reason}); {waiting} request(s) in flight failed "
                      "and tensors that lived only on it are gone; the next use of a remote device reconnects")
         log.error("%s", self.lost)

@@ -100,15 +100,16 @@ class SharedCudaTensor:
 
 
 def describe(t: torch.Tensor) -> list:
-    """Client side: the wire form of a snapshot of a CUDA tensor.
+    """The wire form of a snapshot of a CUDA tensor, for the process at the other end to copy.
 
-    The daemon copies when it runs the request, which may be after the caller has written to `t`
-    again (`.to()` returns at once), so what is shared is a contiguous copy made now on the
-    caller's stream: one device-to-device copy, ordered before the caller's later writes. torch
-    keeps that copy's memory out of reuse until the daemon has let go of it."""
+    The receiver copies later (a daemon when it runs the request, which may be after the client
+    has written to `t` again: `.to()` returns at once; a client after the reply), so what is
+    shared is a contiguous copy made now on the current stream: one device-to-device copy,
+    ordered before later writes. torch keeps that copy's memory out of reuse until the receiver
+    has let go of it, even once this process has dropped it."""
     from .tensors import dtype_name
 
-    t = t.resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format)
+    t = t.detach().resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format)
     (_, handle, storage_bytes, storage_offset, ref_counter, ref_offset,
      event, event_sync) = t.untyped_storage()._share_cuda_()
     return [gpu_uuid(t.device.index), handle, storage_bytes, storage_offset, t.storage_offset() * t.element_size(),
@@ -151,7 +152,8 @@ def parse(fields: list) -> SharedCudaTensor:
 
 class Importer:
     """Opens shared tensors and copies them into this process's memory on a copy stream; the
-    opened memory is let go (the producer's counter decremented) once its copy has finished."""
+    opened memory is let go (the producer's counter decremented) once its copy has finished.
+    Daemons import what clients send; clients import what `.to("cuda")` fetches."""
 
     def __init__(self) -> None:
         self._streams: dict[int, torch.cuda.Stream] = {}
@@ -197,3 +199,14 @@ class Importer:
         self.imported += 1
         self.imported_bytes += shared.nbytes
         return target.view(shared.dtype).view(shared.shape)
+
+
+_client_importer: Importer | None = None
+
+
+def client_importer() -> Importer:
+    """This process's importer for results fetched to its GPUs (one copy stream per GPU)."""
+    global _client_importer
+    if _client_importer is None:
+        _client_importer = Importer()
+    return _client_importer
