@@ -1,0 +1,60 @@
+"""Which requests a daemon may run on its event loop (Executor.quick_to_start), without a daemon:
+never a replay that still has to trace, and on a GPU never with the client's GPU work queued or
+with an op the daemon has not run before (a first conv loads cuDNN: the loop would miss heartbeats)."""
+from __future__ import annotations
+
+import torch
+
+from daemon import fused, programs
+from daemon.executor import REPLAY_OP, Executor
+from daemon.handles import ClientState, MemoryAccount
+from genie.transport.protocol import Exec, OpCall
+
+
+def _request(*names, args=()):
+    return Exec(device=0, ops=[OpCall(n, list(args), {}, None) for n in names], frees=[], fetch=[], report=False)
+
+
+def _client_with_program(program_id: int) -> tuple[ClientState, programs.Program]:
+    client = ClientState(b"unit", MemoryAccount())
+    program = programs.Program([], set())
+    program.compiled = programs.Compiled(0, [], [], [], [])
+    seg = fused.Segment(0, 2, inputs=[0], outputs=[1], drop=[], key=("unit-inline",))
+    program.compiled.segments = [(seg, None)]
+    client.programs[program_id] = program
+    return client, program
+
+
+def test_a_replay_that_must_trace_first_goes_to_the_worker():
+    executor = Executor([torch.device("cpu")])
+    client, program = _client_with_program(7)
+    replay = _request(REPLAY_OP, args=[7])
+    assert not executor.quick_to_start(client, replay)
+    program.compiled.segments[0][0].fn = fused.INTERPRET  # what its first replay leaves behind
+    assert executor.quick_to_start(client, replay)
+    assert executor.quick_to_start(client, _request(REPLAY_OP, args=[8]))  # unknown: the op reports it
+    assert executor.quick_to_start(client, _request(REPLAY_OP, args=[[7]]))  # malformed: likewise
+
+
+def test_on_a_gpu_only_ops_run_there_before_and_only_with_the_gpu_idle(monkeypatch):
+    executor = Executor([torch.device("cpu")])
+    executor.has_cuda = True  # the rules, without a GPU: the stream query is stood in for
+    client = ClientState(b"unit", MemoryAccount())
+    idle = [True]
+    monkeypatch.setattr(client.streams, "idle", lambda devices: idle[0])
+    request = _request("aten::conv2d", "aten::relu")
+    assert not executor.quick_to_start(client, request)
+    executor._warm_ops.update({"aten::conv2d"})
+    assert not executor.quick_to_start(client, request)
+    executor._warm_ops.add("aten::relu")
+    assert executor.quick_to_start(client, request)
+    idle[0] = False
+    assert not executor.quick_to_start(client, request)
+
+
+def test_running_a_request_on_a_gpu_daemon_warms_its_ops():
+    executor = Executor([torch.device("cpu")])
+    executor.has_cuda = True
+    client = ClientState(b"unit", MemoryAccount())
+    executor.run(client, _request("aten::zeros"), [])  # a bad call still counts: it ran
+    assert "aten::zeros" in executor._warm_ops
