@@ -76,6 +76,8 @@ class Executor:
             self.kv_store.begin_request()
         started = time.time()
         reported = None
+        if self._importer is not None:
+            self._importer.release_finished()  # clients' memory whose copy here is done
         try:
             with client.streams.context(device, request.stream):
                 if request.shared:

@@ -439,7 +439,8 @@ def _fetch_by_cuda_ipc(src: LazyTensor, target: torch.device) -> torch.Tensor | 
         shared = protocol.decode_ext(shared.code, shared.data)
     if type(shared) is not cuda_ipc.SharedCudaTensor:
         return None  # the daemon could not share it (e.g. it lives on its CPU)
-    return cuda_ipc.client_importer().copy_in(shared, device)
+    # Waits for the copy (a blocking read anyway), so the daemon's snapshot is freed at once.
+    return cuda_ipc.client_importer().copy_in(shared, device, wait=True)
 
 
 ADOPT_OP = "genie::adopt"

@@ -169,13 +169,16 @@ class Importer:
             raise ProtocolError(f"CUDA IPC: GPU {gpu} is not visible to this daemon")
         return self._index_of[gpu]
 
-    def _release_finished(self) -> None:
-        self._held = [(e, s) for e, s in self._held if not e.query()]
+    def release_finished(self) -> None:
+        """Let go of opened memory whose copy has finished (the producer may then free it)."""
+        if self._held:
+            self._held = [(e, s) for e, s in self._held if not e.query()]
 
-    def copy_in(self, shared: SharedCudaTensor, device: torch.device) -> torch.Tensor:
+    def copy_in(self, shared: SharedCudaTensor, device: torch.device, wait: bool = False) -> torch.Tensor:
         """A tensor on `device` holding the shared tensor's values, ordered before later work
-        on `device`'s current stream."""
-        self._release_finished()
+        on `device`'s current stream. `wait`: return once the copy is done and the producer's
+        memory let go (a client reading a result); else that happens at a later call."""
+        self.release_finished()
         if shared.nbytes == 0:
             return torch.empty(shared.shape, dtype=shared.dtype, device=device)
         source = self._local_index(shared.gpu)
@@ -195,7 +198,11 @@ class Importer:
             done.record(stream)
         torch.cuda.current_stream(device).wait_event(done)
         target.record_stream(torch.cuda.current_stream(device))
-        self._held.append((done, storage))
+        if wait:
+            done.synchronize()
+            del storage, view
+        else:
+            self._held.append((done, storage))
         self.imported += 1
         self.imported_bytes += shared.nbytes
         return target.view(shared.dtype).view(shared.shape)
