@@ -147,6 +147,26 @@ def parse(fields: list) -> SharedCudaTensor:
     return shared
 
 
+SHM_DIR = "/dev/shm"
+
+
+def check_ref_counter_owner(shared: SharedCudaTensor) -> None:
+    """Refuse a reference counter file this process's user does not own. Releasing an import
+    decrements a slot in that file: without this, a client of another user could have the
+    daemon (say, run as root) change the counters of processes it cannot touch itself."""
+    import os
+
+    path = SHM_DIR + shared.ref_counter.decode("ascii")
+    try:
+        owner = os.stat(path).st_uid
+    except OSError:
+        raise ProtocolError(f"CUDA IPC: no reference counter {shared.ref_counter.decode('ascii')} on this host "
+                            "(is the client on another machine or in another container?)") from None
+    if owner != os.getuid():
+        raise ProtocolError("CUDA IPC: the client runs as another user than this daemon; send bytes "
+                            "(GENIE_CUDA_IPC=0 on the client) or run both as one user")
+
+
 # ---------------------------------------------------------------- the daemon's side
 
 
@@ -174,13 +194,17 @@ class Importer:
         if self._held:
             self._held = [(e, s) for e, s in self._held if not e.query()]
 
-    def copy_in(self, shared: SharedCudaTensor, device: torch.device, wait: bool = False) -> torch.Tensor:
+    def copy_in(self, shared: SharedCudaTensor, device: torch.device, wait: bool = False,
+                check_owner: bool = True) -> torch.Tensor:
         """A tensor on `device` holding the shared tensor's values, ordered before later work
         on `device`'s current stream. `wait`: return once the copy is done and the producer's
-        memory let go (a client reading a result); else that happens at a later call."""
+        memory let go (a client reading a result); else that happens at a later call.
+        `check_owner`: refuse a producer of another user (a daemon importing from clients)."""
         self.release_finished()
         if shared.nbytes == 0:
             return torch.empty(shared.shape, dtype=shared.dtype, device=device)
+        if check_owner:
+            check_ref_counter_owner(shared)
         source = self._local_index(shared.gpu)
         stream = self._streams.get(source)
         if stream is None:

@@ -83,3 +83,25 @@ def test_an_offer_from_another_host_is_not_used(monkeypatch):
     assert not cuda_ipc.usable({"host": "other-host", "gpus": [GPU]}, torch.device("cuda", 0))
     assert not cuda_ipc.usable(None, torch.device("cuda", 0))
     assert not cuda_ipc.usable({"host": "this-host", "gpus": "all"}, torch.device("cuda", 0))
+
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/dev/shm"), reason="needs /dev/shm (Linux)")
+def test_a_reference_counter_of_another_user_or_of_nothing_is_refused():
+    import os
+
+    name = f"/torch_{os.getpid()}_424242_0"
+    shared = decode(fields(ref=name.encode()))
+    with pytest.raises(ProtocolError, match="no reference counter"):
+        cuda_ipc.check_ref_counter_owner(shared)  # no such file: another host or container
+    path = cuda_ipc.SHM_DIR + name
+    with open(path, "wb") as f:
+        f.write(b"\0" * 8 * cuda_ipc.REF_COUNTER_SLOTS)
+    try:
+        cuda_ipc.check_ref_counter_owner(shared)  # this user's: accepted
+        if os.getuid() == 0:
+            os.chown(path, 65534, 65534)  # as root, make it another user's file
+            with pytest.raises(ProtocolError, match="another user"):
+                cuda_ipc.check_ref_counter_owner(shared)
+    finally:
+        os.unlink(path)
