@@ -11,8 +11,9 @@ no host memory, no socket bytes.
 
 Only a daemon that listens on this host alone (an ipc:// path or a loopback address) accepts
 handles: opening one maps another process's GPU memory, and its reference counter names a
-shared-memory file, which no remote peer may choose. Every field is checked before torch sees
-it. Nothing here needs CUDA until a handle is made or opened.
+shared-memory file, which no remote peer may choose; and only from clients of its own user
+(the counter file's owner), so it never changes counters its user could not. Every field is
+checked before torch sees it. Nothing here needs CUDA until a handle is made or opened.
 """
 from __future__ import annotations
 
@@ -61,13 +62,17 @@ def offer(endpoint: str) -> dict | None:
     host = host_id()
     if host is None:
         return None
-    return {"host": host, "gpus": [gpu_uuid(i) for i in range(torch.cuda.device_count())]}
+    import os
+
+    return {"host": host, "uid": os.getuid(), "gpus": [gpu_uuid(i) for i in range(torch.cuda.device_count())]}
 
 
 def usable(offered, device: torch.device) -> bool:
     """Client side: whether a tensor on `device` can go to a daemon that offered `offered`."""
-    if not isinstance(offered, dict) or offered.get("host") != host_id():
-        return False
+    import os
+
+    if not isinstance(offered, dict) or offered.get("host") != host_id() or offered.get("uid") != os.getuid():
+        return False  # another machine, or another user (whose handles the daemon refuses)
     gpus = offered.get("gpus")
     return isinstance(gpus, list) and gpu_uuid(device.index if device.index is not None else
                                                 torch.cuda.current_device()) in gpus

@@ -7,7 +7,7 @@ Client -> daemon header: ``[kind, request_id, body]``
 
   hello  {}                                   -> {version, devices: [{name, type, total_memory, flops}]}
   hello  {} -> also {bulk: ["tcp", port] | ["unix", path]} when the daemon offers a bulk lane (see `bulk`)
-  hello  {} -> also {cuda_ipc: {host, gpus}} when it accepts CUDA IPC handles (see `cuda_ipc`)
+  hello  {} -> also {cuda_ipc: {host, uid, gpus}} when it accepts CUDA IPC handles (see `cuda_ipc`)
   exec   {dev, stream, ops, frees, fetch, report, bulk_min?, wait?} -> {fetched: [...], report: value | None, time: [t0, t1]}
          (wait: true says the client is blocked on this reply, so an idle daemon may run it at once)
   event  {query: [ids]} | {elapsed: [a, b]}    -> {done: [bool]} | {ms}  (answered without waiting)

@@ -78,11 +78,18 @@ def test_no_offer_without_cuda(monkeypatch):
     assert cuda_ipc.offer("ipc:///tmp/x.sock") is None
 
 
-def test_an_offer_from_another_host_is_not_used(monkeypatch):
+def test_an_offer_from_another_host_or_user_is_not_used(monkeypatch):
+    import os
+
     monkeypatch.setattr(cuda_ipc, "host_id", lambda: "this-host")
-    assert not cuda_ipc.usable({"host": "other-host", "gpus": [GPU]}, torch.device("cuda", 0))
+    monkeypatch.setattr(cuda_ipc, "gpu_uuid", lambda index: GPU)
+    me = os.getuid()
+    assert cuda_ipc.usable({"host": "this-host", "uid": me, "gpus": [GPU]}, torch.device("cuda", 0))
+    assert not cuda_ipc.usable({"host": "other-host", "uid": me, "gpus": [GPU]}, torch.device("cuda", 0))
+    assert not cuda_ipc.usable({"host": "this-host", "uid": me + 1, "gpus": [GPU]}, torch.device("cuda", 0))
+    assert not cuda_ipc.usable({"host": "this-host", "uid": me, "gpus": ["GPU-other"]}, torch.device("cuda", 0))
     assert not cuda_ipc.usable(None, torch.device("cuda", 0))
-    assert not cuda_ipc.usable({"host": "this-host", "gpus": "all"}, torch.device("cuda", 0))
+    assert not cuda_ipc.usable({"host": "this-host", "uid": me, "gpus": "all"}, torch.device("cuda", 0))
 
 
 
