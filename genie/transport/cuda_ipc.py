@@ -182,7 +182,7 @@ class Importer:
 
     def __init__(self) -> None:
         self._streams: dict[int, torch.cuda.Stream] = {}
-        self._held: list[tuple[torch.cuda.Event, torch.UntypedStorage]] = []
+        self._held: list[tuple[torch.cuda.Event, torch.cuda.Stream, torch.UntypedStorage]] = []
         self._index_of: dict[str, int] | None = None
         self.imported = 0
         self.imported_bytes = 0
@@ -191,13 +191,30 @@ class Importer:
         if self._index_of is None:
             self._index_of = {gpu_uuid(i): i for i in range(torch.cuda.device_count())}
         if gpu not in self._index_of:
-            raise ProtocolError(f"CUDA IPC: GPU {gpu} is not visible to this daemon")
+            raise ProtocolError(f"CUDA IPC: GPU {gpu} is not visible to this process")
         return self._index_of[gpu]
 
     def release_finished(self) -> None:
-        """Let go of opened memory whose copy has finished (the producer may then free it)."""
-        if self._held:
-            self._held = [(e, s) for e, s in self._held if not e.query()]
+        """Let go of opened memory whose copy has finished (the producer may then free it).
+
+        torch's deleter for opened memory synchronizes the *current* stream of its GPU, with the
+        GIL held: done with the default stream current, that waits for every kernel queued there
+        (the daemon's event loop, needing the GIL, would stall as long). So it runs with the copy
+        stream current, whose work is the copies alone."""
+        if not self._held:
+            return
+        finished: dict = {}
+        keep = []
+        for item in self._held:
+            if item[0].query():
+                finished.setdefault(item[1], []).append(item[2])
+            else:
+                keep.append(item)
+        item = None
+        self._held = keep
+        for stream, storages in finished.items():
+            with torch.cuda.stream(stream):
+                storages.clear()
 
     def copy_in(self, shared: SharedCudaTensor, device: torch.device, wait: bool = False,
                 check_owner: bool = True) -> torch.Tensor:
@@ -225,13 +242,15 @@ class Importer:
             target.copy_(view, non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
+            view = None
+            if wait:
+                done.synchronize()
+                storage = None  # released here, with the copy stream current (see release_finished)
+            else:
+                self._held.append((done, stream, storage))
+                storage = None
         torch.cuda.current_stream(device).wait_event(done)
         target.record_stream(torch.cuda.current_stream(device))
-        if wait:
-            done.synchronize()
-            del storage, view
-        else:
-            self._held.append((done, storage))
         self.imported += 1
         self.imported_bytes += shared.nbytes
         return target.view(shared.dtype).view(shared.shape)
