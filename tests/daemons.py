@@ -14,7 +14,9 @@ READY = "GENIE_DAEMON_READY"
 class DaemonProcess:
     def __init__(self, listen: str = "tcp://127.0.0.1:0", extra: list[str] | None = None,
                  use_console_script: bool = True) -> None:
-        exe = shutil.which("genie-daemon") if use_console_script else None
+        # The console script only when it is this interpreter's (another install's on PATH would
+        # run other code, or another Python without torch).
+        exe = shutil.which("genie-daemon", path=os.path.dirname(sys.executable)) if use_console_script else None
         cmd = [exe] if exe else [sys.executable, "-m", "genie_daemon"]
         self.cmd = [*cmd, "--listen", listen, "--threads", "1", "--log-level", "WARNING", *(extra or [])]
         self.proc: subprocess.Popen | None = None
