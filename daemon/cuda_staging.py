@@ -24,6 +24,8 @@ import contextlib
 
 import torch
 
+from genie.transport.tensors import dense
+
 
 class PinnedPool:
     """Pinned host buffers by power-of-two size class, reused after their copy has completed."""
@@ -83,9 +85,7 @@ class PinnedStaging:
     def download(self, t: torch.Tensor):
         """The bytes of a GPU tensor in a pinned buffer, as a memoryview valid inside the block
         (the caller sends them synchronously); the buffer goes back to the pool after it."""
-        src = t.detach()
-        if not src.is_contiguous() or src.is_conj() or src.is_neg():
-            src = src.resolve_conj().resolve_neg().contiguous()
+        src = dense(t.detach())
         nbytes = src.numel() * src.element_size()
         staging = self.pool.take(nbytes)
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))

@@ -12,7 +12,7 @@ import time
 import msgpack
 import torch
 
-from genie.transport import protocol
+from genie.transport import cuda_ipc, protocol
 from genie.transport.cuda_ipc import SharedCudaTensor
 from genie.transport.errors import ProtocolError
 from genie.transport.protocol import BulkTensor, DeviceRef, Exec, HandleRef, InlineTensor, OpCall
@@ -195,9 +195,7 @@ class Executor:
             self._imported.update((id(m), err) for m in shared)
             return
         if self._importer is None:
-            from genie.transport.cuda_ipc import Importer
-
-            self._importer = Importer()
+            self._importer = cuda_ipc.Importer()
         for marker in shared:
             try:
                 self._imported[id(marker)] = self._importer.copy_in(marker, device)
@@ -307,8 +305,6 @@ class Executor:
     def _share_cuda(self, client: ClientState, call: OpCall):
         """A snapshot of a resident GPU tensor as a CUDA IPC descriptor (reported), or None when
         it cannot go that way (the client then fetches its bytes)."""
-        from genie.transport import cuda_ipc
-
         if len(call.args) != 1 or not isinstance(call.args[0], HandleRef):
             raise ProtocolError(f"{SHARE_CUDA_OP} takes one handle")
         found = client.get(call.args[0].id)

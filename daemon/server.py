@@ -22,7 +22,6 @@ import zmq
 import zmq.asyncio
 
 from genie.transport import calibration, cuda_ipc, protocol, tensors
-from genie.transport.cuda_ipc import SharedCudaTensor
 from genie.transport.errors import ProtocolError
 from genie.transport.protocol import BulkTensor
 
@@ -73,7 +72,7 @@ class DaemonServer:
                  memory_limit: int = 0, bulk_lanes: bool = True, curve=None, transfer_timeout: float = 120.0,
                  kv_dir: str | None = None, spin_s: float = 0.0, cuda_ipc_allowed: bool = True) -> None:
         self.endpoint = endpoint
-        self.cuda_ipc_allowed = cuda_ipc_allowed and any(d.type == "cuda" for d in devices)
+        self.cuda_ipc_allowed = cuda_ipc_allowed
         self.ipc_offer: dict | None = None  # hello's cuda_ipc: set once bound, where handles are accepted
         self.spin_s = spin_s  # how long an idle daemon polls for the next request before sleeping
         self._spin_misses = 0  # spins in a row that saw nothing
@@ -131,7 +130,7 @@ class DaemonServer:
         sock.bind(self.endpoint)
         self._socket = sock
         self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        if self.cuda_ipc_allowed:
+        if self.cuda_ipc_allowed and self.executor.has_cuda:
             self.ipc_offer = cuda_ipc.offer(self.bound_endpoint)
             self.executor.cuda_ipc_offered = self.ipc_offer is not None
             log.info("CUDA IPC from clients on this host: %s", "accepted" if self.ipc_offer else
@@ -311,7 +310,7 @@ class DaemonServer:
         elif request.kind == "exec":
             try:
                 parsed = protocol.parse_exec(request.body)
-                shared = tuple(m for m in bulk_refs if type(m) is SharedCudaTensor)
+                shared = tuple(m for m in bulk_refs if type(m) is cuda_ipc.SharedCudaTensor)
                 if shared:
                     if self.ipc_offer is None:
                         raise ProtocolError("this daemon takes no CUDA IPC handles (it has no GPU, or it listens "

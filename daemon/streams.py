@@ -88,4 +88,3 @@ class ClientStreams:
         if a.cuda_event is not None:
             return a.cuda_event.elapsed_time(b.cuda_event)
         return (b.time - a.time) * 1e3
-

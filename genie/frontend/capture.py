@@ -434,9 +434,8 @@ def _fetch_by_cuda_ipc(src: LazyTensor, target: torch.device) -> torch.Tensor | 
     device = torch.device("cuda", target.index if target.index is not None else torch.cuda.current_device())
     if not stream.link.cuda_ipc_for(device):
         return None
+    # Replies are decoded with protocol.decode_ext: a descriptor arrives checked and parsed.
     shared = stream.run_reported([SHARE_CUDA_OP, [protocol.encode_handle(src._genie.id)], {}, None])
-    if isinstance(shared, protocol.msgpack.ExtType) and shared.code == protocol.EXT_CUDA_IPC:
-        shared = protocol.decode_ext(shared.code, shared.data)
     if type(shared) is not cuda_ipc.SharedCudaTensor:
         return None  # the daemon could not share it (e.g. it lives on its CPU)
     # Waits for the copy (a blocking read anyway), so the daemon's snapshot is freed at once.

@@ -48,12 +48,19 @@ def parse_dtype(name: object) -> torch.dtype:
     return DTYPES[name]
 
 
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself when its elements are one plain run in memory, else such a copy (conj and neg
+    bits resolved): what can be sent as raw bytes."""
+    if not t.is_contiguous() or t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg().contiguous()
+    return t
+
+
 def tensor_to_buffer(t: torch.Tensor) -> memoryview:
     """A memoryview over the bytes of `t` (made contiguous on the CPU if it is not)."""
     if t.device.type != "cpu":
         t = t.cpu()
-    if not t.is_contiguous() or t.is_conj() or t.is_neg():
-        t = t.resolve_conj().resolve_neg().contiguous()
+    t = dense(t)
     if t.numel() == 0:
         return memoryview(b"")
     # A contiguous tensor's elements are one dense run starting at its offset.
