@@ -90,3 +90,71 @@ def test_transport_info_says_what_paths_exist(dev):
         assert local["gpudirect_rdma"].startswith("none")
     if not torch.cuda.is_available():
         assert local["cuda"] is False
+
+
+def test_an_upload_batch_goes_with_its_bytes_and_a_sync_after_it_asks_nothing_more(dev):
+    link = genie.get_runtime().links[0]
+    ch = link.channel
+    torch.remote_accelerator.synchronize()
+    src = torch.arange(BIG, dtype=torch.float32)
+    before = ch.messages_sent
+    x = src.to(dev)
+    assert ch.messages_sent == before + 1  # the op reading the transfer went out with it, not batched for later
+    torch.remote_accelerator.synchronize()
+    assert ch.messages_sent == before + 1  # its answer says the upload is done: no round trip of its own
+    assert torch.equal(x.cpu(), src)
+
+
+def test_a_failing_op_with_a_bulk_argument_is_reported(dev):
+    from genie.errors import RemoteExecutionError
+
+    x = torch.zeros(10, device=dev)
+    index = torch.full((BIG // 2,), 99, dtype=torch.int64)  # 6 MiB of out-of-range indices: on the lane
+    y = x.index_select(0, index)  # planned fine here (shapes); fails on the daemon
+    torch.remote_accelerator.synchronize()  # the batch ran; its failure stays with y, as for any op
+    with pytest.raises(RemoteExecutionError, match="index"):
+        y.cpu()
+    del y
+    assert torch.equal((x + 1).cpu(), torch.ones(10))  # the connection carries on
+
+
+def test_an_unread_upload_answer_does_not_block_another_thread(dev):
+    import threading
+
+    small = torch.ones(4, device=dev)
+    torch.remote_accelerator.synchronize()
+    src = torch.randn(BIG)
+    x = src.to(dev)  # its answer is left unread on the direct socket
+    got = []
+    t = threading.Thread(target=lambda: got.append((small * 3).cpu()))
+    t.start()
+    t.join(60)
+    assert not t.is_alive() and torch.equal(got[0], torch.full((4,), 3.0))
+    assert torch.equal(x.cpu(), src)
+
+
+def test_a_claimed_transfer_is_dropped_when_a_later_argument_fails(dev):
+    from genie.errors import UnsupportedOperationError
+    from genie.frontend import capture
+
+    stream = genie.get_runtime().stream(0)
+    with stream.lock:
+        with pytest.raises(UnsupportedOperationError):
+            capture.encode_call([torch.randn(BIG), torch.Generator()], {}, stream)
+        assert stream.pending_bulk == []
+    src = torch.randn(BIG)
+    assert torch.equal(src.to(dev).cpu(), src)  # the lane is still in step
+
+
+def test_a_refused_direct_post_is_reported_by_the_next_sync(dev):
+    from genie.errors import RemoteExecutionError
+
+    rt = genie.get_runtime()
+    link, stream = rt.links[0], rt.stream(0)
+    torch.remote_accelerator.synchronize()
+    bad = {"dev": 0, "stream": -1, "ops": [], "frees": [], "fetch": [], "report": False}  # a bad stream id
+    assert link.post_direct(bad, [], stream)
+    with pytest.raises(RemoteExecutionError, match="stream"):
+        torch.remote_accelerator.synchronize()
+    torch.remote_accelerator.synchronize()  # said once
+    assert (torch.ones(3, device=dev) * 2).cpu().tolist() == [2.0, 2.0, 2.0]

@@ -38,8 +38,8 @@ def test_backpressure_bounds_bytes_in_flight(two_daemons, monkeypatch):
     peak = []
     original = link.submit_exec
 
-    def watched(body, frames, stream, waited):
-        future = original(body, frames, stream, waited)
+    def watched(body, frames, stream, waited, **kw):
+        future = original(body, frames, stream, waited, **kw)
         peak.append(link.inflight_bytes)
         return future
 

@@ -101,6 +101,16 @@ def _walk(value, w: _Walk, seen: dict):
 # ---------------------------------------------------------------- wire encoding (stream lock held)
 
 
+def encode_call(args, kwargs, stream) -> tuple[list, dict]:
+    """The wire form of an op's arguments. Bulk transfers claimed on the way are dropped if a
+    later argument fails: no op will read them."""
+    try:
+        return _encode(args, stream), {k: _encode(v, stream) for k, v in kwargs.items()}
+    except BaseException:
+        stream.discard_pending_bulk()
+        raise
+
+
 def _encode(value, stream):
     if type(value) is LazyTensor:
         return value._genie.wire
@@ -329,7 +339,7 @@ def _capture_general(func, args: tuple, kwargs: dict, walked: tuple | None = Non
         if wire_args is not None:
             entry = [_names.get(id(func)) or op_name(func), wire_args, {}, outs]
         else:
-            entry = [op_name(func), _encode(args, stream), {k: _encode(v, stream) for k, v in kwargs.items()}, outs]
+            entry = [op_name(func), *encode_call(args, kwargs, stream), outs]
         stream.append(entry)
     if plan.mutations:
         _apply_mutations(plan.mutations, tensors)
@@ -344,7 +354,7 @@ def run_reported(func, args, kwargs, stream):
         outs = [_report_slots(str(r.type), stream) for r in func._schema.returns]
         if len(outs) == 1:
             outs = outs[0]
-        entry = [op_name(func), _encode(args, stream), {k: _encode(v, stream) for k, v in kwargs.items()}, outs]
+        entry = [op_name(func), *encode_call(args, kwargs, stream), outs]
     return _from_report(stream.run_reported(entry), stream)
 
 
@@ -459,7 +469,7 @@ def _try_adopt(dst: LazyTensor, src: torch.Tensor) -> bool:
         if last is None or last[3] != dst._genie.id or last[0] not in ("aten::empty.memory_format", "aten::empty_strided"):
             return False
         stream.ops.pop()
-        stream.append([ADOPT_OP, [_encode(src, stream)], {}, dst._genie.id])
+        stream.append([ADOPT_OP, encode_call([src], {}, stream)[0], {}, dst._genie.id])
     return True
 
 

@@ -184,7 +184,7 @@ def mark_persistent(tensor) -> None:
     """Tell the daemon this remote tensor is long-lived state (a KV cache), not a temporary."""
     ref = tensor._genie
     with ref.stream.lock:
-        ref.stream.append([PERSIST_OP, [capture._encode(tensor, ref.stream)], {}, None])
+        ref.stream.append([PERSIST_OP, capture.encode_call([tensor], {}, ref.stream)[0], {}, None])
 
 
 # ------------------------------------------------------------------ registration

@@ -41,8 +41,7 @@ def _new_empty(op: str, size, stride, dtype, device, memory_format=None):
             args = [list(size)]
         else:
             args = [list(size), list(stride)]
-        stream.append([op, capture._encode(args, stream),
-                       {k: capture._encode(v, stream) for k, v in kwargs.items()}, handle])
+        stream.append([op, *capture.encode_call(args, kwargs, stream), handle])
     return t
 
 

@@ -73,7 +73,7 @@ class KVSession:
         with s.lock:
             handles = (s.new_handle(), s.new_handle())
             outs = self._views(shape, dim, key.dtype, handles)
-            s.append([KV_APPEND_OP, [self.id, layer, capture._encode(key, s), capture._encode(value, s), dim], {},
+            s.append([KV_APPEND_OP, [self.id, layer, *capture.encode_call([key, value], {}, s)[0], dim], {},
                       list(handles)])
         self._layers[layer] = (shape, dim, key.dtype)
         return outs

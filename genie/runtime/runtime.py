@@ -48,6 +48,8 @@ class DaemonLink:
         self._inflight = threading.Condition()
         self._outstanding = 0  # exec requests posted through the loop and not yet answered
         self._direct_busy = False  # a caller thread is in a direct request (see `direct_exec`)
+        self._direct_unread: tuple[int, DeviceStream] | None = None  # see `post_direct`
+        self._collect_lock = threading.Lock()
         self.lost: str | None = None  # why this daemon was declared lost, once it is
         self.token = bulk.new_token()  # this client's routing id on the daemon; also opens its bulk lane
         self.bulk_lane: bulk.Lane | None = None
@@ -169,10 +171,13 @@ class DaemonLink:
         with self._inflight:
             self._inflight.notify_all()
 
-    def submit_exec(self, body: dict, frames: list, stream: DeviceStream, waited: bool) -> concurrent.futures.Future:
-        """Post an exec in order. When nobody waits for it, failures are kept on the stream."""
+    def submit_exec(self, body: dict, frames: list, stream: DeviceStream, waited: bool,
+                    on_settled=None) -> concurrent.futures.Future:
+        """Post an exec in order. When nobody waits for it, failures are kept on the stream.
+        `on_settled` is called once its answer is handled, failures recorded included."""
         nbytes = sum(memoryview(f).nbytes for f in frames)
         limit = self.runtime.config.max_inflight_bytes
+        self.collect_direct()  # an unread direct answer goes first: program order, and it frees the direct socket
         with self._inflight:
             # Wait while too much is in flight (a single batch larger than the bound still goes alone).
             if not self._inflight.wait_for(lambda: self.lost is not None or not self._direct_busy and (
@@ -187,20 +192,20 @@ class DaemonLink:
         future = self.channel.post_threadsafe(self.runtime.loop.loop, "exec", body, frames)
 
         def done(f: concurrent.futures.Future) -> None:
-            with self._inflight:
-                self.inflight_bytes -= nbytes
-                self._outstanding -= 1
-                self._inflight.notify_all()
-            if f.cancelled():
-                return
-            exc = f.exception()
-            if exc is not None:
-                if not waited:
-                    stream.record_async_error(to_genie_error(exc, self.endpoint))
-                return
-            timing = f.result().body.get("time")
-            if timing:
-                stream.exec_log.append(tuple(timing))
+            try:
+                if not f.cancelled():
+                    exc = f.exception()
+                    if exc is None:
+                        self._log_timing(f.result(), stream)
+                    elif not waited:
+                        stream.record_async_error(to_genie_error(exc, self.endpoint))
+            finally:
+                with self._inflight:
+                    self.inflight_bytes -= nbytes
+                    self._outstanding -= 1
+                    self._inflight.notify_all()
+                if on_settled is not None:
+                    on_settled()
         future.add_done_callback(done)
         return future
 
@@ -210,31 +215,88 @@ class DaemonLink:
         Returns a finished future, or None when the loop path must be used (requests in flight,
         another direct request running, or called on the loop thread).
         """
-        if self.runtime.loop.in_loop_thread() or self.channel is None or self.channel.closed:
+        if not self._claim_direct():
             return None
-        with self._inflight:
-            if self._outstanding or self._direct_busy:
-                return None
-            self._direct_busy = True
         future: concurrent.futures.Future = concurrent.futures.Future()
         try:
             reply = self.channel.request_sync("exec", body, frames, self.runtime.config.request_timeout,
-                                              alive=lambda: self.lost is None and not self.channel.closed)
-            timing = reply.body.get("time")
-            if timing:
-                stream.exec_log.append(tuple(timing))
+                                              alive=self._alive)
+            self._log_timing(reply, stream)
             future.set_result(reply)
-        except TimeoutError as e:
-            future.set_exception(GenieConnectionError(str(e)))
-        except ChannelClosed as e:
-            future.set_exception(GenieConnectionError(self.lost or str(e)))
         except Exception as e:  # noqa: BLE001 - handed to the waiter like a loop-path failure
-            future.set_exception(e)
+            future.set_exception(self._direct_failure(e))
         finally:
-            with self._inflight:
-                self._direct_busy = False
-                self._inflight.notify_all()
+            self._release_direct()
         return future
+
+    def post_direct(self, body: dict, frames: list, stream: DeviceStream) -> bool:
+        """Send an exec nobody waits for yet on the direct socket, its answer read later by
+        `collect_direct` (a sync, or the next request on this link, on whatever thread).
+
+        For a batch whose bulk bytes follow it: the caller sends them, and a later sync reads
+        the answer off the socket itself, without the loop thread's two hops. False when the
+        loop path must be used (as for `direct_exec`).
+        """
+        if not self._claim_direct():
+            return False
+        try:
+            rid = self.channel.send_direct("exec", body, frames)
+        except Exception:
+            self._release_direct()
+            raise
+        self._direct_unread = (rid, stream)
+        return True
+
+    def collect_direct(self) -> None:
+        """Read the answer to a `post_direct` exec, if one is unread: a failure of its ops is kept
+        on its stream (nobody waited for it); a lost connection raises here."""
+        if self._direct_unread is None:
+            return
+        with self._collect_lock:
+            if self._direct_unread is None:
+                return  # another thread read it
+            rid, stream = self._direct_unread
+            try:
+                reply = self.channel.receive_direct(rid, self.runtime.config.request_timeout, alive=self._alive)
+                self._log_timing(reply, stream)
+            except RemoteError as e:
+                stream.record_async_error(to_genie_error(e, self.endpoint))
+            except Exception as e:  # noqa: BLE001 - the connection failed: said to this caller
+                raise self._direct_failure(e) from None
+            finally:
+                self._direct_unread = None
+                self._release_direct()
+
+    def _claim_direct(self) -> bool:
+        if self.runtime.loop.in_loop_thread() or self.channel is None or self.channel.closed:
+            return False
+        self.collect_direct()
+        with self._inflight:
+            if self._outstanding or self._direct_busy:
+                return False
+            self._direct_busy = True
+        return True
+
+    def _release_direct(self) -> None:
+        with self._inflight:
+            self._direct_busy = False
+            self._inflight.notify_all()
+
+    def _alive(self) -> bool:
+        return self.lost is None and not self.channel.closed
+
+    def _direct_failure(self, e: Exception) -> Exception:
+        if isinstance(e, TimeoutError):
+            return GenieConnectionError(str(e))
+        if isinstance(e, ChannelClosed):
+            return GenieConnectionError(self.lost or str(e))
+        return e
+
+    @staticmethod
+    def _log_timing(reply, stream: DeviceStream) -> None:
+        timing = reply.body.get("time")
+        if timing:
+            stream.exec_log.append(tuple(timing))
 
     def request(self, kind: str, body: dict, timeout: float | None = None):
         return self.wait(self.channel.post_threadsafe(self.runtime.loop.loop, kind, body), timeout)

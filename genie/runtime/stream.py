@@ -95,6 +95,9 @@ class DeviceStream:
         self.exec_log: collections.deque[tuple[float, float]] = collections.deque(maxlen=4096)
         # While a genie.graph records this stream: the [ops, frees] of each batch taken (see graphs).
         self.recording: list | None = None
+        self.pending_bulk: list = []  # (transfer id, bytes, tensor) claimed by the op being queued
+        self._unsettled = 0  # batches posted through the loop whose answer has not been handled yet
+        self._settled = threading.Condition()
 
     # ------------------------------------------------------------ building batches (lock held by caller)
 
@@ -116,10 +119,13 @@ class DeviceStream:
         return len(self.frames) - 1
 
     def send_bulk(self, value: torch.Tensor) -> int | None:
-        """Send a large CPU tensor's bytes on the bulk lane now; its transfer id, or None to inline it.
+        """Claim a bulk-lane transfer for a large CPU tensor; its id, or None to inline the bytes.
 
-        Sent at capture time, like a blocking host-to-device copy: later writes to `value` do not
-        change what the daemon receives.
+        The bytes go out in `append`, right after the batch holding the op that reads them, so the
+        daemon has the op in hand while the payload streams in and answers as soon as it lands
+        (sending the payload first put a whole round trip after every transfer). They are sent
+        before `append` returns, like a blocking host-to-device copy: later writes to `value` do
+        not change what the daemon receives.
         """
         self._not_while_recording("a host-to-device copy")
         lane = self.link.bulk_lane
@@ -127,25 +133,56 @@ class DeviceStream:
         if lane is None or lane.closed or nbytes < self.link.runtime.config.bulk_min_bytes:
             return None
         xfer = lane.next_id()
-        try:
-            lane.send(xfer, tensor_bytes(value))
-        except ConnectionError:
-            return None  # the lane died: this payload (and later ones) go inline
-        self.inline_bytes += nbytes  # counts toward sending the batch, so the daemon claims it soon
+        self.pending_bulk.append((xfer, tensor_bytes(value), value))
         return xfer
 
-    def append(self, entry: list) -> None:
+    def discard_pending_bulk(self) -> None:
+        """The op that claimed these transfers was never queued (its arguments failed to encode)."""
+        self.pending_bulk.clear()
+
+    def _send_pending_bulk(self, post=None) -> None:
+        """Send the claimed transfers' bytes; `post` (sending their batch) runs once the first
+        transfer's head is out (see `bulk.Lane.send`)."""
+        pending, self.pending_bulk = self.pending_bulk, []
+        lane = self.link.bulk_lane
+        for xfer, payload, _ in pending:
+            try:
+                lane.send(xfer, payload, after_head=post)
+            except ConnectionError as e:
+                # The batch naming this transfer is out (or never will be): the daemon fails it.
+                raise GenieConnectionError(f"genie-daemon at {self.link.endpoint}: {e}") from None
+            post = None
+
+    def append(self, entry: list, send_now: bool = True) -> None:
+        """Queue an op. With transfers claimed for it (`send_bulk`), the batch goes out now and
+        then their bytes, unless `send_now` is False (the caller posts it and calls `send_claimed`)."""
         ids = getattr(_current, "ids", None)  # current_stream_id, inlined: this runs once per captured op
         sid = ids.get(self.global_index, 0) if ids else 0
         if sid != self.batch_stream:
             # A batch runs on one daemon-side stream: switching streams closes the batch.
             if self.ops:
+                pending, self.pending_bulk = self.pending_bulk, []  # they belong to `entry`
                 self._post(self._take(fetch=[], report=False), wait=False)
+                self.pending_bulk = pending
             self.batch_stream = sid
         self.ops.append(entry)
         self.ops_captured += 1
-        if len(self.ops) >= self.batch_ops or self.inline_bytes >= self.batch_bytes:
+        if self.pending_bulk:
+            if send_now:
+                body, frames = self._take(fetch=[], report=False)
+                body["wait"] = True  # a hint: answered soon after its bytes land, not queued behind
+
+                def post() -> None:
+                    if not self.link.post_direct(body, frames, self):
+                        self._post((body, frames), wait=False)
+                self._send_pending_bulk(post)
+        elif len(self.ops) >= self.batch_ops or self.inline_bytes >= self.batch_bytes:
             self._post(self._take(fetch=[], report=False), wait=False)
+
+    def send_claimed(self) -> None:
+        """Send the bytes of transfers claimed by ops already posted (see `append`)."""
+        if self.pending_bulk:
+            self._send_pending_bulk()
 
     def _take(self, fetch: list[int], report: bool) -> tuple[dict, list]:
         frees = []
@@ -170,7 +207,27 @@ class DeviceStream:
             done = self.link.direct_exec(body, frames, self)
             if done is not None:
                 return done
-        return self.link.submit_exec(body, frames, self, waited=wait)
+        with self._settled:
+            self._unsettled += 1
+        try:
+            return self.link.submit_exec(body, frames, self, waited=wait, on_settled=self._on_settled)
+        except BaseException:
+            self._on_settled()  # never posted
+            raise
+
+    def _on_settled(self) -> None:
+        """A posted batch's answer was handled (a failure nobody waited for is recorded by now)."""
+        with self._settled:
+            self._unsettled -= 1
+            self._settled.notify_all()
+
+    def _wait_settled(self) -> None:
+        timeout = self.link.runtime.config.request_timeout
+        with self._settled:
+            if not self._settled.wait_for(lambda: self._unsettled == 0 or self.link.lost is not None, timeout):
+                raise GenieConnectionError(f"genie-daemon at {self.link.endpoint} did not answer within {timeout:.0f}s")
+        if self._unsettled and self.link.lost is not None:
+            raise GenieConnectionError(self.link.lost)
 
     # ------------------------------------------------------------ errors from batches nobody waited for
 
@@ -192,10 +249,17 @@ class DeviceStream:
             return self._post(self._take(fetch=[], report=False), wait=True)
 
     def synchronize(self) -> None:
-        """Wait until every op queued so far has run on the daemon."""
+        """Wait until every op queued so far has run on the daemon.
+
+        With nothing queued, the answers to batches already posted say that: no round trip."""
         with self.lock:
-            future = self._post(self._take(fetch=[], report=False), wait=True, direct=True)
-        self.link.wait(future)
+            future = None
+            if self.ops or self.frees:
+                future = self._post(self._take(fetch=[], report=False), wait=True, direct=True)
+        if future is not None:
+            self.link.wait(future)
+        self.link.collect_direct()
+        self._wait_settled()
         self._raise_async_error()
 
     def fetch_async(self, handles: list[int], direct: bool = False) -> concurrent.futures.Future:
@@ -244,8 +308,11 @@ class DeviceStream:
         """Queue `entry` last and run the batch now, returning its outputs described by the daemon."""
         self._not_while_recording(f"{entry[0]} (its result is a value or has a data-dependent shape)")
         with self.lock:
-            self.append(entry)
-            future = self._post(self._take(fetch=[], report=True), wait=True, direct=True)
+            self.append(entry, send_now=False)
+            # With bulk bytes to follow, the request cannot go direct (that thread would block on
+            # the answer before sending them).
+            future = self._post(self._take(fetch=[], report=True), wait=True, direct=not self.pending_bulk)
+            self.send_claimed()
         reply = self.link.wait(future)
         self._raise_async_error()
         return reply.body["report"]

@@ -39,6 +39,7 @@ TOKEN_BYTES = 16
 _HEADER = struct.Struct("<QQ")
 UNIX_BUFFER_BYTES = 4 << 20
 _SEND_SLICE = 64 << 20  # sendall in slices: bounded time per call, and the GIL is let go between
+HEAD_BYTES = 64 << 10  # sent before the `after_head` callback of `Lane.send`
 
 
 def recv_exactly(sock: socket.socket, n: int) -> bytes:
@@ -52,9 +53,11 @@ def recv_exactly(sock: socket.socket, n: int) -> bytes:
 
 
 def recv_into_exactly(sock: socket.socket, view: memoryview) -> None:
+    # MSG_WAITALL: one blocking call for the whole payload (it returns early only on a signal or
+    # a closed peer), so the receiving thread does not need the GIL back after every chunk.
     got, n = 0, view.nbytes
     while got < n:
-        k = sock.recv_into(view[got:], n - got)
+        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
         if k == 0:
             raise ConnectionError("bulk lane closed mid-transfer")
         got += k
@@ -133,20 +136,39 @@ class Lane:
         with self._send_lock:
             return next(self._ids)
 
-    def send(self, xfer: int, payload: memoryview) -> None:
-        """Write one transfer; holds the lane for its whole length so transfers never interleave."""
+    def send(self, xfer: int, payload: memoryview, after_head: Callable[[], None] | None = None) -> None:
+        """Write one transfer; holds the lane for its whole length so transfers never interleave.
+
+        `after_head` runs once the first HEAD_BYTES are out: the sender's ZeroMQ message about
+        this transfer goes then, so the receiving thread is already reading (woken while the
+        receiver's CPU was free) when that message lands; sent before the payload, its handling
+        could hold that CPU at the moment the payload's wake-up came, and on a two-core machine
+        the receiving thread then waited behind the sender for the whole transfer. An exception
+        from `after_head` is raised once the payload is out (the stream must stay in step).
+        """
         payload = payload.cast("B") if payload.format != "B" or payload.ndim != 1 else payload
+        deferred: BaseException | None = None
         with self._send_lock:
             if self.closed:
                 raise ConnectionError("bulk lane is closed")
             try:
                 self.sock.sendall(_HEADER.pack(xfer, payload.nbytes))
-                for i in range(0, payload.nbytes, _SEND_SLICE):
+                start = 0
+                if after_head is not None:
+                    start = min(HEAD_BYTES, payload.nbytes)
+                    self.sock.sendall(payload[:start])
+                    try:
+                        after_head()
+                    except BaseException as e:  # noqa: BLE001 - raised below, after the payload
+                        deferred = e
+                for i in range(start, payload.nbytes, _SEND_SLICE):
                     self.sock.sendall(payload[i:i + _SEND_SLICE])
             except OSError as e:
                 self.close(e)
                 raise ConnectionError(f"bulk lane send failed: {e}") from e
             self.bytes_sent += payload.nbytes + _HEADER.size
+        if deferred is not None:
+            raise deferred
 
     def _receive_loop(self) -> None:
         try:

@@ -196,11 +196,21 @@ class Channel:
         Raises TimeoutError, ChannelClosed, or RemoteError.
         """
         with self._direct_lock:
-            if self.closed:
-                raise ChannelClosed(f"connection to {self.endpoint} is closed")
-            return self._request_sync(kind, body, frames, timeout, alive, poll_s)
+            return self._receive_direct(self._send_direct(kind, body, frames), timeout, alive, poll_s)
 
-    def _request_sync(self, kind, body, frames, timeout, alive, poll_s) -> Reply:
+    def send_direct(self, kind: str, body: dict, frames: list | None) -> int:
+        """The first half of `request_sync`: send, and return the id `receive_direct` waits for.
+        Until then the caller makes no other direct request (same guarantees as `request_sync`)."""
+        with self._direct_lock:
+            return self._send_direct(kind, body, frames)
+
+    def receive_direct(self, rid: int, timeout: float, alive=lambda: True, poll_s: float = 0.5) -> Reply:
+        with self._direct_lock:
+            return self._receive_direct(rid, timeout, alive, poll_s)
+
+    def _send_direct(self, kind, body, frames) -> int:
+        if self.closed:
+            raise ChannelClosed(f"connection to {self.endpoint} is closed")
         sock = self._direct_socket()
         rid = next(self._ids)
         header = protocol.pack([kind, rid, body])
@@ -209,6 +219,12 @@ class Channel:
         sock.send_multipart([header, *frames], copy=all(n < COPY_THRESHOLD for n in sizes))
         self.bytes_sent += len(header) + sum(sizes)
         self.messages_sent += 1
+        return rid
+
+    def _receive_direct(self, rid, timeout, alive, poll_s) -> Reply:
+        if self.closed:
+            raise ChannelClosed(f"connection to {self.endpoint} is closed")
+        sock = self._direct_socket()
         waited = 0.0
         while True:
             if not sock.poll(int(min(poll_s, timeout - waited) * 1000) or 1):
