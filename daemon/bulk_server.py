@@ -141,12 +141,21 @@ class BulkListener:
         except (TimeoutError, ConnectionError) as e:
             raise ProtocolError(str(e)) from None
 
-    def send_download(self, identity: bytes, payload: memoryview) -> int | None:
-        """Send a payload to the client; its transfer id, or None when the client has no lane."""
+    def claim_download(self, identity: bytes) -> int | None:
+        """A transfer id for a download sent later with `send_download`; None: the client has no lane."""
+        lane = self.lane(identity)
+        return None if lane is None else lane.next_id()
+
+    def send_download(self, identity: bytes, payload: memoryview, xfer: int | None = None) -> int | None:
+        """Send a payload to the client (as transfer `xfer` when claimed before); its transfer id,
+        or None when the client has no lane."""
         lane = self.lane(identity)
         if lane is None:
+            if xfer is not None:
+                raise ConnectionError("the client's bulk lane closed before its download was sent")
             return None
-        xfer = lane.next_id()
+        if xfer is None:
+            xfer = lane.next_id()
         lane.send(xfer, payload)
         self.last_transfer = time.monotonic()
         return xfer

@@ -6,6 +6,7 @@ A failing op poisons its outputs and the tensors it writes (see `handles`).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -68,7 +69,12 @@ class Executor:
 
     # ------------------------------------------------------------ exec
 
-    def run(self, client: ClientState, request: Exec, frames: list) -> tuple[dict, list]:
+    def run(self, client: ClientState, request: Exec, frames: list, later: list | None = None) -> tuple[dict, list]:
+        """Run a request; its answer and frames. With `later` (a list), bulk-lane downloads of CPU
+        tensors are not sent here but appended to it as calls, for the caller to make once the
+        answer is out: the client then has the answer while the bytes stream in, instead of
+        waiting for the bytes and then for the answer. The caller must run them before any
+        later request of this daemon runs (they read the tensors' memory as it is now)."""
         if request.device >= len(self.devices):
             raise ProtocolError(f"device index {request.device} out of range ({len(self.devices)} devices)")
         device = self.devices[request.device]
@@ -94,7 +100,7 @@ class Executor:
         for handle in request.frees:
             client.release(handle)
         out_frames: list = []
-        fetched = [self._fetch(client, h, out_frames, request.bulk_min) for h in request.fetch]
+        fetched = [self._fetch(client, h, out_frames, request.bulk_min, later) for h in request.fetch]
         return {"fetched": fetched, "report": reported, "time": [started, time.time()]}, out_frames
 
     def _run_op(self, client: ClientState, call: OpCall, frames: list, device: torch.device, raise_errors: bool):
@@ -438,7 +444,8 @@ class Executor:
         raw = self.bulk.take_upload(client.identity, value.xfer, self.transfer_timeout)
         return bytes_as_tensor(raw, value.dtype, value.shape, f"bulk transfer {value.xfer}")
 
-    def _fetch(self, client: ClientState, handle: int, out_frames: list, bulk_min: int = 0):
+    def _fetch(self, client: ClientState, handle: int, out_frames: list, bulk_min: int = 0,
+               later: list | None = None):
         try:
             found = client.get(handle)
         except KeyError as e:
@@ -452,6 +459,11 @@ class Executor:
                     # The lane sends synchronously: the pinned buffer is free again right after.
                     with self._uploader(found.device).download(found) as staged:
                         xfer = self.bulk.send_download(client.identity, staged)
+                elif later is not None:
+                    xfer = self.bulk.claim_download(client.identity)
+                    if xfer is not None:
+                        later.append(functools.partial(self.bulk.send_download, client.identity,
+                                                       tensor_to_buffer(found.detach()), xfer))
                 else:
                     xfer = self.bulk.send_download(client.identity, tensor_to_buffer(found.detach()))
             except ConnectionError as e:

@@ -344,7 +344,7 @@ class DaemonServer:
             self._pending += 1
             self._finish(identity, rid, future)
             return
-        self._submit(identity, rid, self.executor.run, client, parsed, payload)
+        self._submit_exec(identity, rid, client, parsed, payload)
 
     # ------------------------------------------------------------ requests that wait for transfers
 
@@ -406,8 +406,40 @@ class DaemonServer:
             lambda f: loop.call_soon_threadsafe(self._finish, identity, rid, f)
         )
 
+    def _submit_exec(self, identity: bytes, rid: int, client: ClientState, parsed, payload: list) -> None:
+        """Run an exec on the worker. Its bulk-lane downloads go after its answer: the client
+        reads the answer while the bytes stream in, rather than after them. The request counts
+        as pending until they are sent, so nothing runs meanwhile (they read the tensors' memory)."""
+        self._pending += 1
+        loop = self._loop
+
+        def job() -> None:
+            downloads: list = []
+            answer: concurrent.futures.Future = concurrent.futures.Future()
+            try:
+                try:
+                    answer.set_result(self.executor.run(client, parsed, payload, later=downloads))
+                except BaseException as e:  # noqa: BLE001 - reported to the client like any failure
+                    answer.set_exception(e)
+                loop.call_soon_threadsafe(self._answer, identity, rid, answer)
+                for send in downloads:
+                    try:
+                        send()
+                    except (ConnectionError, OSError) as e:  # the lane closed: the client's wait fails with it
+                        log.warning("bulk download to %s failed: %s", identity.hex(), e)
+            finally:
+                loop.call_soon_threadsafe(self._settle)
+
+        self._worker.submit(job)
+
+    def _settle(self) -> None:
+        self._pending -= 1
+
     def _finish(self, identity: bytes, rid: int, future: concurrent.futures.Future) -> None:
         self._pending -= 1
+        self._answer(identity, rid, future)
+
+    def _answer(self, identity: bytes, rid: int, future: concurrent.futures.Future) -> None:
         try:
             result = future.result()
         except RemoteOpError as e:
