@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import socket
 import struct
 import threading
@@ -171,8 +172,16 @@ class Lane:
             raise deferred
 
     def _receive_loop(self) -> None:
+        # Wait for the next header in poll(), not in a blocking recv: a thread blocked in recv is
+        # woken each time this socket gains send space (the kernel does not filter that wake-up
+        # for it), so while this side sends a large payload it was woken every ~15 us (seen in
+        # `perf sched`), taking a core from the two threads doing the copy. A poll() waiter is
+        # woken only for the events it asked for.
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN | select.POLLPRI)
         try:
             while True:
+                poller.poll()
                 xfer, nbytes = _HEADER.unpack(recv_exactly(self.sock, _HEADER.size))
                 if nbytes > self.max_transfer:
                     raise ProtocolError(f"bulk transfer of {nbytes} bytes exceeds the limit of {self.max_transfer}")
