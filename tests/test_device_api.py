@@ -64,3 +64,25 @@ def test_manual_seed_makes_remote_random_reproducible(dev):
     c = torch.randn(8, device=dev).cpu()
     assert torch.equal(a, b)
     assert not torch.equal(b, c)
+
+
+def _native_backend() -> bool:
+    from genie.frontend import native_guard
+
+    return native_guard.loaded()
+
+
+@pytest.mark.skipif(not _native_backend(), reason="needs Genie's C++ backend library (no C++ compiler here)")
+def test_pin_memory_and_a_pinning_data_loader_work_after_import(dev):
+    # remote_accelerator is the current accelerator once registered: pinning asks its hooks.
+    assert torch.accelerator.current_accelerator().type == "remote_accelerator"
+    t = torch.arange(6.0)
+    pinned = t.pin_memory()
+    assert torch.equal(pinned, t) and pinned.data_ptr() != t.data_ptr()
+    # Page-locked (CUDA's allocator) only where this process has a GPU, as with PyTorch alone.
+    assert pinned.is_pinned() == torch.cuda.is_available()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(8.0)), batch_size=4,
+                                         pin_memory=True)
+    batches = [b for (b,) in loader]
+    assert [b.tolist() for b in batches] == [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0]]
+    assert torch.equal(batches[1].to(dev).cpu(), batches[1])

@@ -7,6 +7,9 @@
 // device Genie connected to (deviceCount never throws), and gives events timestamps. The remote work
 // itself is ordered by Genie's streams; these guard-level events are complete
 // when recorded, because everything before them was already submitted in order.
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <ATen/detail/PrivateUse1HooksInterface.h>
+#include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <atomic>
@@ -96,9 +99,39 @@ struct RemoteGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   }
 };
 
+// Backend hooks. PyTorch makes a registered PrivateUse1 backend the current accelerator, so
+// `t.pin_memory()` and DataLoader(pin_memory=True) ask these hooks for pinned memory. A remote
+// device needs none; page-locked memory still helps local CUDA copies, so: CUDA's pinned
+// allocator where this process has a GPU (the same buffers `torch.cuda` would give), else
+// ordinary host memory (is_pinned() stays false, as with PyTorch on a machine without one).
+struct RemoteHooks final : public at::PrivateUse1HooksInterface {
+  bool isBuilt() const override { return true; }
+  bool isAvailable() const override { return true; }
+  bool hasPrimaryContext(c10::DeviceIndex /*device_index*/) const override { return true; }
+  void init() const override {}
+  bool isPinnedPtr(const void* data) const override {
+    const auto& cuda = at::detail::getCUDAHooks();
+    return cuda.hasCUDA() && cuda.isPinnedPtr(data);
+  }
+  c10::Allocator* getPinnedMemoryAllocator() const override {
+    const auto& cuda = at::detail::getCUDAHooks();
+    return cuda.hasCUDA() ? cuda.getPinnedMemoryAllocator() : c10::GetCPUAllocator();
+  }
+};
+
 }  // namespace
 
 extern "C" {
+// Registers the hooks above for PrivateUse1: 0 on success, 1 if PyTorch refused (hooks already
+// registered). Call before anything registers other hooks (they can be registered only once).
+int genie_install_hooks() {
+  try {
+    at::RegisterPrivateUse1HooksInterface(new RemoteHooks());  // leaked on purpose, like the guard
+    return 0;
+  } catch (const std::exception&) {
+    return 1;
+  }
+}
 // Called by Genie after (re)connecting: the number of remote devices.
 void genie_set_device_count(int n) { g_device_count.store(n > 0 ? n : 1); }
 // Installs this guard for PrivateUse1, replacing the one-device Python guard.

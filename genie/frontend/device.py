@@ -198,18 +198,34 @@ def register() -> types.ModuleType:
     module = sys.modules[__name__]
     if _registered:
         return module
-    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
-
-    if torch._C._get_privateuse1_backend_name() != NAME:
-        _setup_privateuseone_for_python_backend(NAME, backend_module=module)
     from . import factories, native_guard
 
+    if torch._C._get_privateuse1_backend_name() != NAME:
+        _setup_backend(module)
     factories.register()
     if native_guard.load():
         get_runtime().on_start.append(lambda: native_guard.set_device_count(len(get_runtime().streams)))
     get_runtime().on_start.append(_apply_pending_seed)
     _registered = True
     return module
+
+
+def _setup_backend(module: types.ModuleType) -> None:
+    """torch.utils.backend_registration._setup_privateuseone_for_python_backend, in its order,
+    except that the backend hooks are Genie's C++ ones where they build (PyTorch takes hooks
+    once): with PyTorch's Python stand-in, `t.pin_memory()` and DataLoader(pin_memory=True)
+    raised NotImplementedError after `import genie`, since the registered backend becomes the
+    current accelerator. The C++ device guard, loaded with them, replaces the Python one."""
+    from torch.utils import backend_registration
+
+    from . import native_guard
+
+    torch.utils.rename_privateuse1_backend(NAME)
+    torch.utils.generate_methods_for_privateuse1_backend()
+    torch._register_device_module(NAME, module)
+    torch._C._acc.register_python_privateuseone_device_guard(backend_registration._DummyDeviceGuard())
+    if not (native_guard.load() and native_guard.install_hooks()):  # load() puts the C++ guard over it
+        torch._C._acc.register_python_privateuseone_hook(backend_registration._DummyPrivateUse1Hook())
 
 
 __all__ = [

@@ -43,7 +43,7 @@ def _build(target: str) -> None:
         out = os.path.join(tmp, "guard.so")
         cmd = [compiler, "-shared", "-fPIC", "-O2", "-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
                "-I", os.path.join(torch_dir, "include"), SOURCE, "-L", os.path.join(torch_dir, "lib"),
-               "-lc10", f"-Wl,-rpath,{os.path.join(torch_dir, 'lib')}", "-o", out]
+               "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{os.path.join(torch_dir, 'lib')}", "-o", out]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
             raise RuntimeError(f"compiling the device guard failed:\n{result.stderr[-2000:]}")
@@ -64,12 +64,28 @@ def load() -> bool:
         lib = ctypes.CDLL(target, mode=ctypes.RTLD_GLOBAL)
         lib.genie_install_guard()
         lib.genie_set_device_count.argtypes = [ctypes.c_int]
+        lib.genie_install_hooks.restype = ctypes.c_int
     except Exception as e:  # noqa: BLE001 - any failure: keep the Python guard and say so
         warnings.warn(f"genie: using PyTorch's single-device Python guard for remote_accelerator ({e}); "
                       "autograd and device guards on remote_accelerator:1 and above will not work", RuntimeWarning)
         return False
     _lib = lib
     return True
+
+
+def loaded() -> bool:
+    return _lib is not None
+
+
+def install_hooks() -> bool:
+    """Register the C++ backend hooks (pinned memory for the current accelerator); False where
+    PyTorch already has hooks for PrivateUse1 (they can be registered once) or the library is not loaded."""
+    if _lib is None:
+        return False
+    installed = _lib.genie_install_hooks() == 0
+    if not installed:
+        log.warning("PrivateUse1 hooks were registered before Genie's: t.pin_memory() will not work")
+    return installed
 
 
 def set_device_count(n: int) -> None:
