@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from genie.transport import bulk
+from genie.transport import bulk, stream_framing
 from genie.transport.errors import ProtocolError
 from genie.transport.hostmem import HostBufferPool
 
@@ -59,6 +59,8 @@ class BulkListener:
         self._lock = threading.Lock()
         self._closed = False
         self.on_arrival: Callable[[], None] | None = None  # told (from a lane's thread) when an upload lands
+        # Given direct-lane connections (see genie.transport.stream_framing), from a greeting thread.
+        self.on_direct: Callable[[socket.socket, bytes], None] | None = None
         self.last_transfer = 0.0  # time.monotonic() of the last upload landed or download sent
         threading.Thread(target=self._accept_loop, name="genie-bulk-accept", daemon=True).start()
 
@@ -76,8 +78,9 @@ class BulkListener:
         try:
             conn.settimeout(GREETING_TIMEOUT_S)
             greeting = bulk.recv_exactly(conn, len(bulk.MAGIC) + bulk.TOKEN_BYTES)
-            token = greeting[len(bulk.MAGIC):]
-            if greeting[:len(bulk.MAGIC)] != bulk.MAGIC or not self._is_known(token):
+            token, magic = greeting[len(bulk.MAGIC):], greeting[:len(bulk.MAGIC)]
+            direct = magic == stream_framing.MAGIC and self.on_direct is not None
+            if (magic != bulk.MAGIC and not direct) or not self._is_known(token):
                 raise ProtocolError("bad bulk greeting or unknown client")
             conn.sendall(b"\x01")
             conn.settimeout(None)
@@ -90,6 +93,9 @@ class BulkListener:
         except (OSError, ConnectionError, ProtocolError) as e:
             log.warning("refused a bulk connection: %s", e)
             conn.close()
+            return
+        if direct:
+            self.on_direct(conn, token)  # the server's: requests and answers, on its event loop
             return
         lane = bulk.Lane(conn, self.pool, self.max_transfer, name=token.hex()[:8], on_close=self._forget)
         lane.arrivals.on_change = self._arrived

@@ -21,7 +21,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from genie.transport import calibration, cuda_ipc, protocol, tensors
+from genie.transport import calibration, cuda_ipc, protocol, stream_framing, tensors
 from genie.transport.errors import ProtocolError
 from genie.transport.protocol import BulkTensor
 
@@ -100,6 +100,7 @@ class DaemonServer:
         # measured here, ~25 us less per request than awaiting an asyncio socket.
         self._sync_ctx = zmq.Context.shadow(self._ctx.underlying)
         self._socket: zmq.Socket | None = None
+        self._direct: dict[bytes, _DirectLane] = {}  # identity -> a client's direct-lane connection
         self._drain_scheduled = False
         self._stopping = asyncio.Event()
         self.bound_endpoint: str | None = None
@@ -159,6 +160,7 @@ class DaemonServer:
             return
         self.executor.bulk = self.bulk
         self.bulk.on_arrival = self._wake_threadsafe
+        self.bulk.on_direct = self._direct_threadsafe
         log.info("bulk lane listening: %s", " ".join(map(str, self.bulk.advertised)))
 
     def stop(self) -> None:
@@ -184,6 +186,14 @@ class DaemonServer:
         self._parked.clear()
         await asyncio.get_running_loop().run_in_executor(None, self._worker.shutdown, True)
         await asyncio.sleep(0)  # the last replies' callbacks
+        for lane in list(self._direct.values()):
+            try:
+                lane.sock.setblocking(True)
+                lane.sock.settimeout(DRAIN_LINGER_MS / 1000)
+                lane.writer.flush()  # answers still queued, as the ROUTER's linger does below
+            except (ConnectionError, OSError):
+                pass
+            self._close_direct(lane, "daemon stopping")
         self.peers.close()
         if self.bulk is not None:
             self.bulk.close()
@@ -242,17 +252,99 @@ class DaemonServer:
         poller.register(sock, zmq.POLLIN)
         for lane_socket in self.bulk.lane_sockets() if self.bulk is not None else ():
             poller.register(lane_socket, zmq.POLLIN)
+        direct = {lane.sock: lane for lane in self._direct.values()}
+        for direct_socket in direct:
+            poller.register(direct_socket, zmq.POLLIN)
         deadline = time.perf_counter() + self.spin_s
         while time.perf_counter() < deadline:
             ready = poller.poll(0)
             if ready:
                 self._spin_misses = 0
+                for s, _ in ready:
+                    if s in direct:  # its reader runs next, not nested in this one
+                        self._loop.call_soon(self._on_direct_readable, direct[s])
                 return any(s is sock for s, _ in ready)
         self._spin_misses += 1
         if self._spin_misses >= SPIN_MISSES:
             self._spin_misses = 0
             self._spin_off_until = time.monotonic() + SPIN_BACKOFF_S
         return False
+
+    # ------------------------------------------------------------ direct lanes
+
+    def _direct_threadsafe(self, conn, token: bytes) -> None:
+        loop = self._loop
+        if loop is None or self._stopping.is_set():
+            conn.close()
+            return
+        loop.call_soon_threadsafe(self._adopt_direct, conn, token)
+
+    def _adopt_direct(self, conn, token: bytes) -> None:
+        """A client's direct lane: its blocking requests and their answers, read and written here."""
+        conn.setblocking(False)
+        identity = token + DIRECT_SUFFIX  # client_key() maps it to the client, like its ZeroMQ sockets
+        lane = _DirectLane(conn, identity, stream_framing.MessageReader(
+            conn, protocol.MAX_FRAMES + 1, max(tensors.MAX_FRAME_BYTES, protocol.MAX_HEADER_BYTES) + 4096,
+            self.bulk.max_transfer if self.bulk is not None else 1 << 40), stream_framing.MessageWriter(conn))
+        old = self._direct.pop(identity, None)
+        if old is not None:
+            self._close_direct(old, "replaced")
+        self._direct[identity] = lane
+        self._loop.add_reader(conn.fileno(), self._on_direct_readable, lane)
+
+    def _on_direct_readable(self, lane: "_DirectLane") -> None:
+        if self._direct.get(lane.identity) is not lane:
+            return  # closed meanwhile
+        try:
+            messages = lane.reader.read()
+        except (ConnectionError, OSError) as e:
+            self._close_direct(lane, e)
+            return
+        except ProtocolError as e:  # framing is lost: no way to find the next message
+            log.warning("closing the direct lane of %s: %s", lane.identity.hex(), e)
+            self._close_direct(lane, e)
+            return
+        identity_frame = stream_framing.Frame(lane.identity)
+        for parts in messages:
+            try:
+                self._handle([identity_frame, *parts])
+            except Exception as e:  # a bug here must not stop the daemon, and the client still gets an answer
+                log.exception("unexpected error handling a message")
+                self._reply_error(lane.identity, 0, RuntimeError(f"genie-daemon internal error: {e!r}"))
+        if messages and self._direct.get(lane.identity) is lane and self._spin(self._socket):
+            self._schedule_drain()
+
+    def _send_direct(self, lane: "_DirectLane", parts: list) -> None:
+        try:
+            lane.writer.write(parts)
+        except ConnectionError as e:
+            self._close_direct(lane, e)
+            return
+        if lane.writer.pending and not lane.writing:
+            lane.writing = True  # the client is slow to read: the rest goes when it can take it
+            self._loop.add_writer(lane.sock.fileno(), self._flush_direct, lane)
+
+    def _flush_direct(self, lane: "_DirectLane") -> None:
+        try:
+            lane.writer.flush()
+        except ConnectionError as e:
+            self._close_direct(lane, e)
+            return
+        if not lane.writer.pending:
+            lane.writing = False
+            self._loop.remove_writer(lane.sock.fileno())
+
+    def _close_direct(self, lane: "_DirectLane", why) -> None:
+        if self._direct.get(lane.identity) is lane:
+            del self._direct[lane.identity]
+        try:
+            self._loop.remove_reader(lane.sock.fileno())
+            if lane.writing:
+                self._loop.remove_writer(lane.sock.fileno())
+        except (ValueError, OSError):
+            pass
+        lane.sock.close()
+        log.info("direct lane of %s closed: %s", lane.identity.hex(), why)
 
     def _schedule_drain(self) -> None:
         if not self._drain_scheduled and self._loop is not None:
@@ -514,7 +606,14 @@ class DaemonServer:
             log.info("client %s left", identity.hex())
         if self.bulk is not None:
             self.bulk.drop(identity)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._drop_direct, identity + DIRECT_SUFFIX)
         return {}
+
+    def _drop_direct(self, identity: bytes) -> None:
+        lane = self._direct.get(identity)
+        if lane is not None:
+            self._close_direct(lane, "client left")
 
     async def _sweep_idle_clients(self) -> None:
         while True:
@@ -535,6 +634,10 @@ class DaemonServer:
         self._send(identity, [rid, False, protocol.error_body(exc)], [])
 
     def _send(self, identity: bytes, header: list, frames: list) -> None:
+        lane = self._direct.get(identity)
+        if lane is not None:
+            self._send_direct(lane, [protocol.pack(header), *frames])
+            return
         parts = [identity, protocol.pack(header), *frames]
         copy = all(memoryview(f).nbytes < COPY_THRESHOLD for f in frames)
         try:
@@ -554,6 +657,7 @@ def client_key(routing_id: bytes) -> bytes:
 # No idle polling for this long after a bulk-lane transfer, or after SPIN_MISSES polls in a
 # row that saw nothing (see DaemonServer._spin).
 BULK_QUIET_S = 0.1
+DIRECT_SUFFIX = b"\x02"  # appended to a client's token: the identity of its direct lane
 SPIN_BACKOFF_S = 0.05
 SPIN_MISSES = 3
 # Requests taken per reader callback before other callbacks get a turn.
@@ -593,3 +697,12 @@ def _small(request) -> bool:
 
 # Below this size a copying send is cheaper than pinning the buffer for zero-copy.
 COPY_THRESHOLD = 64 * 1024
+
+
+@dataclasses.dataclass(eq=False)
+class _DirectLane:
+    sock: object
+    identity: bytes
+    reader: stream_framing.MessageReader
+    writer: stream_framing.MessageWriter
+    writing: bool = False  # a writer callback is registered for what the socket did not take

@@ -60,6 +60,12 @@ class Config:
     curve_server_key: str | None
     log_intercepts: bool
     cuda_ipc: bool
+    direct_lane: bool
+    client_spin_us: float
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def load() -> Config:
@@ -80,4 +86,6 @@ def load() -> Config:
         curve_server_key=os.environ.get("GENIE_CURVE_SERVER_KEY") or None,
         log_intercepts=os.environ.get("GENIE_LOG_INTERCEPTS", "") == "1",
         cuda_ipc=os.environ.get("GENIE_CUDA_IPC", "1") != "0",
+        direct_lane=os.environ.get("GENIE_DIRECT_LANE", "1") != "0",
+        client_spin_us=_float("GENIE_CLIENT_SPIN_US", 1000.0 if _cpus() >= 2 else 0.0),
     )

@@ -104,7 +104,13 @@ def test_an_unlisted_key_cannot_execute_anything(keys, curve_daemon):
 
 
 @pytest.mark.parametrize("encrypted", [False, True])
-def test_payloads_are_unreadable_on_the_wire_only_with_curve(keys, encrypted):
+def test_payloads_are_unreadable_on_the_wire_only_with_curve(keys, encrypted, monkeypatch):
+    import dataclasses
+
+    # The proxy records the ZeroMQ connection; the plaintext direct lane (off under CURVE) would
+    # carry this small request past it.
+    rt = genie.get_runtime()
+    monkeypatch.setattr(rt, "config", dataclasses.replace(rt.config, direct_lane=False))
     extra = ["--curve-secret", keys["server_secret"], "--allow-keys", keys["allow"]] if encrypted else []
     with DaemonProcess("tcp://127.0.0.1:0", extra=extra) as d:
         proxy = RecordingProxy(int(d.endpoint.rsplit(":", 1)[1]))

@@ -20,7 +20,7 @@ import zmq.asyncio
 
 from genie import config as config_module
 from genie.errors import GenieConnectionError, GenieError
-from genie.transport import bulk, cuda_ipc
+from genie.transport import bulk, cuda_ipc, stream_framing
 from genie.transport.channel import Channel, ChannelClosed, RemoteError
 from genie.transport.hostmem import HostBufferPool
 
@@ -83,15 +83,26 @@ class DaemonLink:
             self._heartbeat = asyncio.create_task(self._beat(heartbeat))
 
     async def _open_bulk_lane(self, advertised, timeout: float) -> None:
+        """The bulk lane and the direct lane, both to the daemon's lane listener (plaintext: not under CURVE)."""
         config = self.runtime.config
         address = bulk.connect_address(advertised, self.endpoint)
-        if address is None or config.bulk_min_bytes <= 0 or self.runtime.curve is not None:  # lane is plaintext
+        if address is None or self.runtime.curve is not None:
             return
-        try:
-            self.bulk_lane = await asyncio.get_running_loop().run_in_executor(
-                None, bulk.open_client_lane, address, self.token, self.runtime.host_pool, 1 << 40, min(timeout, 10.0))
-        except (OSError, ConnectionError) as e:
-            log.warning("no bulk lane to %s (large payloads go over ZeroMQ): %s", self.endpoint, e)
+        loop = asyncio.get_running_loop()
+        if config.bulk_min_bytes > 0:
+            try:
+                self.bulk_lane = await loop.run_in_executor(
+                    None, bulk.open_client_lane, address, self.token, self.runtime.host_pool, 1 << 40, min(timeout, 10.0))
+            except (OSError, ConnectionError) as e:
+                log.warning("no bulk lane to %s (large payloads go over ZeroMQ): %s", self.endpoint, e)
+        if config.direct_lane:
+            try:
+                self.channel.direct_stream = await loop.run_in_executor(
+                    None, bulk.connect_greeted, address, stream_framing.MAGIC, self.token, min(timeout, 10.0))
+                self.channel.spin_s = max(0.0, config.client_spin_us) / 1e6
+                self.channel.loss_grace_s = config.heartbeat_timeout + 2 * config.heartbeat
+            except (OSError, ConnectionError) as e:
+                log.warning("no direct lane to %s (blocking requests go over ZeroMQ): %s", self.endpoint, e)
 
     def cuda_ipc_for(self, device) -> bool:
         """Whether a CUDA tensor on this process's `device` goes to this daemon as a CUDA IPC handle
@@ -492,6 +503,7 @@ class Runtime:
                 "cuda_ipc": ("CUDA tensors of this process go by CUDA IPC handle (same host)"
                              if link.cuda_ipc_offer else "no: CUDA tensors travel as bytes"),
                 "bulk_min_bytes": self.config.bulk_min_bytes if lane is not None else None,
+                "direct_lane": link.channel is not None and link.channel.direct_stream is not None,
                 "encrypted": self.curve is not None,
             }
         return {"links": links, "local": local_capabilities()}

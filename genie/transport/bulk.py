@@ -251,8 +251,8 @@ def widen_buffers(sock: socket.socket) -> None:
                 pass
 
 
-def open_client_lane(address: tuple[int, object], token: bytes, pool: HostBufferPool, max_transfer: int,
-                     timeout: float) -> Lane:
+def connect_greeted(address: tuple[int, object], magic: bytes, token: bytes, timeout: float) -> socket.socket:
+    """A connection to the daemon's lane listener, greeted with `magic` + `token` and accepted."""
     family, where = address
     sock = socket.socket(family, socket.SOCK_STREAM)
     widen_buffers(sock)
@@ -261,14 +261,19 @@ def open_client_lane(address: tuple[int, object], token: bytes, pool: HostBuffer
         sock.connect(where)
         if family != socket.AF_UNIX:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.sendall(MAGIC + token)
+        sock.sendall(magic + token)
         if recv_exactly(sock, 1) != b"\x01":
-            raise ConnectionError("daemon refused the bulk lane")
+            raise ConnectionError("daemon refused the connection")
     except BaseException:
         sock.close()
         raise
     sock.settimeout(None)
-    return Lane(sock, pool, max_transfer, name="client")
+    return sock
+
+
+def open_client_lane(address: tuple[int, object], token: bytes, pool: HostBufferPool, max_transfer: int,
+                     timeout: float) -> Lane:
+    return Lane(connect_greeted(address, MAGIC, token, timeout), pool, max_transfer, name="client")
 
 
 def new_token() -> bytes:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import select
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from . import protocol
+from . import protocol, stream_framing
 from .errors import ProtocolError
 
 log = logging.getLogger("genie.transport")
@@ -56,6 +58,11 @@ class Reply:
     frames: list  # zmq.Frame objects, each exposing .buffer
 
 
+SPIN_MISSES = 3  # spins in a row without an answer that switch spinning off ...
+SPIN_BACKOFF_S = 0.05  # ... for this long
+WAIT_AVERAGING = 0.25  # weight of the latest wait in the moving average that decides on spinning
+
+
 class Channel:
     def __init__(self, endpoint: str, context: zmq.asyncio.Context, routing_id: bytes | None = None,
                  curve=None) -> None:
@@ -75,6 +82,16 @@ class Channel:
         self.bytes_received = 0
         self.messages_sent = 0
         self._direct: zmq.Socket | None = None  # the caller-thread socket of `request_sync`
+        # The direct lane (stream_framing): a plain socket that `request_sync` uses instead of
+        # `_direct` once attached; dropped for `_direct` if it fails.
+        self.direct_stream: socket.socket | None = None
+        self._direct_sent_on: socket.socket | None = None  # where the last direct request went
+        self.loss_grace_s = 5.0  # after the direct lane breaks, how long to wait for the link's verdict
+        self.spin_s = 0.0  # how long a direct request polls for its answer before blocking (see _spin_for_reply)
+        self._spin_misses = 0
+        self._spin_off_until = 0.0
+        self._typical_wait = 0.0  # moving average of how long direct requests waited for their answer
+        self._direct_sent_at = 0.0
         self._sync_ctx: zmq.Context | None = None
         self._direct_lock = threading.Lock()
         self.last_heard = 0.0  # time.monotonic() of the last reply from the daemon
@@ -211,19 +228,105 @@ class Channel:
     def _send_direct(self, kind, body, frames) -> int:
         if self.closed:
             raise ChannelClosed(f"connection to {self.endpoint} is closed")
-        sock = self._direct_socket()
         rid = next(self._ids)
         header = protocol.pack([kind, rid, body])
         frames = frames or []
         sizes = [memoryview(f).nbytes for f in frames]
-        sock.send_multipart([header, *frames], copy=all(n < COPY_THRESHOLD for n in sizes))
+        stream = self.direct_stream
+        if stream is not None:
+            try:
+                stream_framing.send_message(stream, [header, *frames])
+            except OSError as e:  # nothing usable went out: this request goes by ZeroMQ
+                self._drop_direct_stream(e)
+                stream = None
+        if stream is None:
+            self._direct_socket().send_multipart([header, *frames], copy=all(n < COPY_THRESHOLD for n in sizes))
         self.bytes_sent += len(header) + sum(sizes)
         self.messages_sent += 1
+        self._direct_sent_on = stream
+        self._direct_sent_at = time.perf_counter()
         return rid
+
+    def _drop_direct_stream(self, why) -> None:
+        log.warning("direct lane to %s failed (%s); blocking requests go by ZeroMQ", self.endpoint, why)
+        try:
+            self.direct_stream.close()
+        except (OSError, AttributeError):
+            pass
+        self.direct_stream = None
 
     def _receive_direct(self, rid, timeout, alive, poll_s) -> Reply:
         if self.closed:
             raise ChannelClosed(f"connection to {self.endpoint} is closed")
+        stream = self._direct_sent_on
+        if stream is None:
+            return self._receive_zmq_direct(rid, timeout, alive, poll_s)
+        poller = select.poll()
+        poller.register(stream, select.POLLIN)
+        self._spin_for_reply(poller)
+        waited = 0.0
+        while True:
+            if not poller.poll(int(min(poll_s, timeout - waited) * 1000) or 1):
+                waited += poll_s
+                if self.closed or not alive():
+                    raise ChannelClosed(f"connection to {self.endpoint} was lost")
+                if waited >= timeout:
+                    raise TimeoutError(f"genie-daemon at {self.endpoint} did not answer within {timeout:.0f}s")
+                continue
+            try:
+                parts = stream_framing.receive_message(stream, protocol.MAX_FRAMES + 1, 1 << 62, 1 << 62)
+            except (OSError, ProtocolError) as e:
+                if self.direct_stream is stream:
+                    self._drop_direct_stream(e)
+                # The daemon may have died: its ZeroMQ link is what says so (and how), within
+                # its heartbeat timeout. If it is alive, it closed only this lane.
+                deadline = time.monotonic() + self.loss_grace_s
+                while time.monotonic() < deadline and not self.closed and alive():
+                    time.sleep(0.02)
+                if self.closed or not alive():
+                    raise ChannelClosed(f"connection to {self.endpoint} was lost") from None
+                raise ChannelClosed(f"direct lane to {self.endpoint} failed: {e}") from None
+            reply = self._reply_for(rid, parts)
+            if reply is not None:
+                waited = time.perf_counter() - self._direct_sent_at
+                self._typical_wait += WAIT_AVERAGING * (waited - self._typical_wait)
+                return reply
+
+    def _spin_for_reply(self, poller) -> None:
+        """Poll for the answer for up to `spin_s` before blocking. A thread blocked in poll() on
+        this 2-vCPU machine took ~50 us to wake once the answer came; polling, (x+1).item() went
+        from ~180 to ~105 us and a replayed GPT decode step from ~1.45x to ~1.3x local eager.
+        Not when answers have lately taken longer than `spin_s` (a busy daemon: with 16 clients
+        on these 2 cores, polling cost them 17% of their requests/s), and not for SPIN_BACKOFF_S
+        after SPIN_MISSES spins in a row that ended without an answer."""
+        if not self.spin_s or self._typical_wait > self.spin_s or time.monotonic() < self._spin_off_until:
+            return
+        deadline = time.perf_counter() + self.spin_s
+        while time.perf_counter() < deadline:
+            if poller.poll(0):
+                self._spin_misses = 0
+                return
+        self._spin_misses += 1
+        if self._spin_misses >= SPIN_MISSES:
+            self._spin_misses = 0
+            self._spin_off_until = time.monotonic() + SPIN_BACKOFF_S
+
+    def _reply_for(self, rid: int, parts: list) -> Reply | None:
+        """The reply in `parts` if it answers `rid` (None: a late answer, or malformed and dropped)."""
+        self.last_heard = time.monotonic()
+        self.bytes_received += sum(len(p) for p in parts)
+        try:
+            got_rid, ok, reply_body = protocol.unpack_header(parts[0].buffer)
+        except (ProtocolError, ValueError, TypeError) as e:
+            log.warning("dropping a malformed reply from %s: %s", self.endpoint, e)
+            return None
+        if got_rid != rid:
+            return None  # the late answer to a request that timed out
+        if ok:
+            return Reply(reply_body, parts[1:])
+        raise RemoteError(reply_body)
+
+    def _receive_zmq_direct(self, rid, timeout, alive, poll_s) -> Reply:
         sock = self._direct_socket()
         waited = 0.0
         while True:
@@ -234,19 +337,9 @@ class Channel:
                 if waited >= timeout:
                     raise TimeoutError(f"genie-daemon at {self.endpoint} did not answer within {timeout:.0f}s")
                 continue
-            parts = sock.recv_multipart(copy=False)
-            self.last_heard = time.monotonic()
-            self.bytes_received += sum(len(p) for p in parts)
-            try:
-                got_rid, ok, reply_body = protocol.unpack_header(parts[0].buffer)
-            except (ProtocolError, ValueError, TypeError) as e:
-                log.warning("dropping a malformed reply from %s: %s", self.endpoint, e)
-                continue
-            if got_rid != rid:
-                continue  # the late answer to a request that timed out
-            if ok:
-                return Reply(reply_body, parts[1:])
-            raise RemoteError(reply_body)
+            reply = self._reply_for(rid, sock.recv_multipart(copy=False))
+            if reply is not None:
+                return reply
 
     def _direct_socket(self) -> zmq.Socket:
         if self._direct is None:
@@ -277,8 +370,11 @@ class Channel:
         if self._socket is not None:
             self._socket.close(linger=0)
         # A thread may be inside request_sync: it sees `closed` within one poll and gives up.
-        if self._direct is not None and self._direct_lock.acquire(timeout=1.0):
+        if (self._direct is not None or self.direct_stream is not None) and self._direct_lock.acquire(timeout=1.0):
             try:
-                self._direct.close(linger=0)
+                if self._direct is not None:
+                    self._direct.close(linger=0)
+                if self.direct_stream is not None:
+                    self.direct_stream.close()
             finally:
                 self._direct_lock.release()

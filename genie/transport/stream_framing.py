@@ -1,0 +1,203 @@
+"""ZeroMQ-shaped messages on a plain stream socket: the framing of the direct lane.
+
+A blocking read with nothing else in flight (`.item()`, `.cpu()`, a sync) is one
+request and one answer. Over ZeroMQ each leg passes through two I/O threads, and
+on a small VM every thread hop is a wake-up: a pyzmq echo took ~120 us here where
+the same exchange on a plain Unix socket took well under 10. The direct lane
+carries exactly the ZeroMQ messages (header frame + payload frames) on a plain
+socket per client instead, beside the bulk lane and on the same listener.
+
+Message: ``<u32 frame count><u64 length> * count`` then the frames back to back.
+Frames are read into buffers of exactly their size (`recv_into`), and handed
+out as `Frame` objects with the `.buffer` / `.bytes` of a ZeroMQ frame, so the
+code above treats both transports alike and payloads are not copied again.
+"""
+from __future__ import annotations
+
+import socket
+import struct
+
+import torch
+
+from .errors import ProtocolError
+
+MAGIC = b"GND1"  # greeting of a direct-lane connection (the bulk lane's is bulk.MAGIC)
+_COUNT = struct.Struct("<I")
+_LENGTH = struct.Struct("<Q")
+_SMALL = 64 << 10  # messages up to this size are joined and written with one call
+
+
+class Frame:
+    """A received frame: the `.buffer` and `.bytes` that code reading ZeroMQ frames uses."""
+
+    __slots__ = ("buffer",)
+
+    def __init__(self, data) -> None:
+        self.buffer = memoryview(data).cast("B")
+
+    @property
+    def bytes(self) -> bytes:
+        return self.buffer.tobytes()
+
+    def __len__(self) -> int:
+        return self.buffer.nbytes
+
+
+def encode(parts: list) -> list:
+    """The buffers to write for a message of `parts` (bytes-like), prefix first."""
+    views = [memoryview(p).cast("B") for p in parts]
+    prefix = _COUNT.pack(len(views)) + b"".join(_LENGTH.pack(v.nbytes) for v in views)
+    if len(prefix) + sum(v.nbytes for v in views) <= _SMALL:
+        return [b"".join([prefix, *views])]
+    return [prefix, *views]
+
+
+def send_message(sock: socket.socket, parts: list) -> None:
+    """Write one message on a blocking socket."""
+    for buf in encode(parts):
+        sock.sendall(buf)
+
+
+def _buffer(n: int):
+    """A writable buffer of n bytes for a frame. Large ones are not zero-filled first (bytearray's
+    memset would touch every page of a payload about to be overwritten)."""
+    if n < _SMALL:
+        return bytearray(n)
+    return torch.empty(n, dtype=torch.uint8).numpy()
+
+
+def _recv_exactly_into(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < view.nbytes:
+        n = sock.recv_into(view[got:], view.nbytes - got, socket.MSG_WAITALL)
+        if n == 0:
+            raise ConnectionError("direct lane closed")
+        got += n
+
+
+def _check_count(count: int, max_frames: int) -> None:
+    if not 1 <= count <= max_frames:
+        raise ProtocolError(f"a message of {count} frames (1 to {max_frames} allowed)")
+
+
+def _check_lengths(lengths: list[int], max_frame: int, max_bytes: int) -> None:
+    if lengths and max(lengths) > max_frame:
+        raise ProtocolError(f"a frame of {max(lengths)} bytes exceeds the limit of {max_frame}")
+    if sum(lengths) > max_bytes:
+        raise ProtocolError(f"a message of {sum(lengths)} bytes exceeds the limit of {max_bytes}")
+
+
+def receive_message(sock: socket.socket, max_frames: int, max_frame: int, max_bytes: int) -> list[Frame]:
+    """Read one whole message from a blocking socket."""
+    head = bytearray(_COUNT.size)
+    _recv_exactly_into(sock, memoryview(head))
+    (count,) = _COUNT.unpack(head)
+    _check_count(count, max_frames)
+    raw = bytearray(_LENGTH.size * count)
+    _recv_exactly_into(sock, memoryview(raw))
+    lengths = [n for (n,) in _LENGTH.iter_unpack(raw)]
+    _check_lengths(lengths, max_frame, max_bytes)
+    frames = []
+    for n in lengths:
+        buf = _buffer(n)
+        if n:
+            _recv_exactly_into(sock, memoryview(buf).cast("B"))
+        frames.append(Frame(buf))
+    return frames
+
+
+class MessageReader:
+    """Incremental reading of messages from a non-blocking socket (the daemon's event loop):
+    `read()` takes what has arrived and returns the messages now complete. Every length is
+    checked before anything is allocated for it."""
+
+    def __init__(self, sock: socket.socket, max_frames: int, max_frame: int, max_bytes: int) -> None:
+        self.sock = sock
+        self.max_frames = max_frames
+        self.max_frame = max_frame
+        self.max_bytes = max_bytes
+        self._reset()
+
+    def _reset(self) -> None:
+        self._lengths: list[int] | None = None  # known once the length table is in
+        self._frames: list[Frame] = []
+        self._target = bytearray(_COUNT.size)  # what is being filled: the count, the table, a frame
+        self._filled = 0
+        self._in_count = True
+
+    def read(self) -> list[list[Frame]]:
+        """Complete messages; raises ConnectionError when the peer closed, ProtocolError on a bad one."""
+        done = []
+        while True:
+            view = memoryview(self._target).cast("B")
+            if self._filled < view.nbytes:
+                try:
+                    n = self.sock.recv_into(view[self._filled:])
+                except (BlockingIOError, InterruptedError):
+                    return done
+                if n == 0:
+                    raise ConnectionError("direct lane closed")
+                self._filled += n
+                if self._filled < view.nbytes:
+                    continue
+            message = self._advance()
+            if message is not None:
+                done.append(message)
+
+    def _advance(self) -> list[Frame] | None:
+        """The buffer being filled is full: start the next one; the message once it is complete."""
+        if self._in_count:
+            (count,) = _COUNT.unpack(self._target)
+            _check_count(count, self.max_frames)
+            self._in_count = False
+            self._target, self._filled = bytearray(_LENGTH.size * count), 0
+            return None
+        if self._lengths is None:
+            lengths = [n for (n,) in _LENGTH.iter_unpack(self._target)]
+            _check_lengths(lengths, self.max_frame, self.max_bytes)
+            self._lengths = lengths
+        else:
+            self._frames.append(Frame(self._target))
+        while len(self._frames) < len(self._lengths) and self._lengths[len(self._frames)] == 0:
+            self._frames.append(Frame(bytearray(0)))
+        if len(self._frames) == len(self._lengths):
+            message = self._frames
+            self._reset()
+            return message
+        self._target, self._filled = _buffer(self._lengths[len(self._frames)]), 0
+        return None
+
+
+class MessageWriter:
+    """Writes of messages on a non-blocking socket without ever waiting: what the socket does
+    not take now is kept, in order, and `flush()` (called when it is writable) sends more."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._queue: list[memoryview] = []
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._queue)
+
+    def write(self, parts: list) -> None:
+        self._queue.extend(memoryview(b).cast("B") for b in encode(parts))
+        self.flush()
+
+    def flush(self) -> None:
+        """Send what the socket takes now; raises ConnectionError when the peer is gone."""
+        while self._queue:
+            try:
+                sent = self.sock.sendmsg(self._queue[:64])
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                raise ConnectionError(f"direct lane send failed: {e}") from e
+            while sent and self._queue:
+                head = self._queue[0]
+                if sent >= head.nbytes:
+                    sent -= head.nbytes
+                    self._queue.pop(0)
+                else:
+                    self._queue[0] = head[sent:]
+                    sent = 0

@@ -1,0 +1,136 @@
+"""The direct lane: blocking requests and their answers on a plain socket beside ZeroMQ."""
+from __future__ import annotations
+
+import struct
+import time
+
+import pytest
+import torch
+import zmq
+
+import genie
+from genie.transport import bulk, protocol, stream_framing
+
+
+def _link():
+    return genie.get_runtime().links[0]
+
+
+class FakeClient:
+    """A client of its own (a ZeroMQ DEALER that said hello) with a raw direct-lane socket."""
+
+    def __init__(self, link) -> None:
+        self.token = bulk.new_token()
+        self.ctx = zmq.Context()
+        self.dealer = self.ctx.socket(zmq.DEALER)
+        self.dealer.setsockopt(zmq.ROUTING_ID, self.token)
+        self.dealer.setsockopt(zmq.LINGER, 0)
+        self.dealer.connect(link.endpoint)
+        self.dealer.send(protocol.pack(["hello", 70000, {}]))
+        assert self.dealer.poll(10_000), "no hello answer"
+        self.dealer.recv()
+        address = bulk.connect_address(["tcp", link.bulk_lane.sock.getpeername()[1]], link.endpoint)
+        self.sock = bulk.connect_greeted(address, stream_framing.MAGIC, self.token, 10.0)
+
+    def close(self) -> None:
+        self.sock.close()
+        self.dealer.close()
+        self.ctx.term()
+
+
+def test_blocking_reads_go_on_the_direct_lane(dev):
+    link = _link()
+    assert genie.transport_info()["links"][link.endpoint]["direct_lane"] is True
+    x = torch.arange(6.0, device=dev)
+    assert (x * 2).sum().item() == 30.0
+    assert torch.equal((x + 1).cpu(), torch.arange(1.0, 7.0))
+    assert link.channel._direct is None  # no ZeroMQ direct socket was needed
+
+
+def test_without_the_direct_lane_blocking_reads_use_zeromq(monkeypatch, daemon_endpoint):
+    import dataclasses
+
+    rt = genie.get_runtime()
+    monkeypatch.setattr(rt, "config", dataclasses.replace(rt.config, direct_lane=False))  # GENIE_DIRECT_LANE=0
+    genie.init(daemon_endpoint)
+    try:
+        link = _link()
+        assert genie.transport_info()["links"][link.endpoint]["direct_lane"] is False
+        assert (torch.ones(3, device="remote_accelerator:0") * 2).sum().item() == 6.0
+        assert link.channel._direct is not None
+    finally:
+        monkeypatch.undo()
+        genie.init(daemon_endpoint)
+
+
+def test_a_message_on_the_direct_lane_gets_its_answer(dev):
+    fake = FakeClient(_link())
+    try:
+        stream_framing.send_message(fake.sock, [protocol.pack(["ping", 70001, {}])])
+        reply = stream_framing.receive_message(fake.sock, 4, 1 << 20, 1 << 20)
+        assert protocol.unpack_header(reply[0].buffer) == [70001, True, {}]
+    finally:
+        fake.close()
+    assert (torch.ones(2, device=dev) + 1).sum().item() == 4.0
+
+
+def test_an_unknown_token_gets_no_direct_lane(dev):
+    link = _link()
+    address = bulk.connect_address(["tcp", link.bulk_lane.sock.getpeername()[1]], link.endpoint)
+    with pytest.raises(ConnectionError):
+        bulk.connect_greeted(address, stream_framing.MAGIC, bulk.new_token(), 10.0)
+
+
+@pytest.mark.parametrize("garbage", [
+    struct.pack("<I", 0),                                   # a message of no frames
+    struct.pack("<I", protocol.MAX_FRAMES + 10),            # too many frames
+    struct.pack("<IQ", 1, 1 << 50),                         # a frame larger than any allowed
+    struct.pack("<IQ", 1, 5) + b"\xc1\xc1\xc1\xc1\xc1",     # a header that is not msgpack
+])
+def test_a_bad_message_closes_that_lane_and_the_daemon_carries_on(dev, garbage):
+    fake = FakeClient(_link())
+    sock = fake.sock
+    try:
+        sock.sendall(garbage)
+        sock.settimeout(10)
+        data = sock.recv(1 << 16)
+        if data:  # a malformed header is answered with an error, like on ZeroMQ
+            frames = struct.unpack_from("<I", data)[0]
+            assert frames == 1 and b"ProtocolError" in data
+        else:
+            assert data == b""  # framing violations close the lane
+    finally:
+        fake.close()
+    assert (torch.ones(2, device=dev) * 3).sum().item() == 6.0
+
+
+def test_half_a_message_does_not_hold_the_daemon(dev):
+    fake = FakeClient(_link())
+    try:
+        whole = b"".join(bytes(b) for b in stream_framing.encode([protocol.pack(["ping", 70002, {}])]))
+        fake.sock.sendall(whole[:7])  # the rest never comes
+        time.sleep(0.2)
+        assert (torch.ones(4, device=dev) * 2).sum().item() == 8.0  # others are served meanwhile
+        fake.sock.sendall(whole[7:])
+        fake.sock.settimeout(10)
+        reply = stream_framing.receive_message(fake.sock, 4, 1 << 20, 1 << 20)
+        assert protocol.unpack_header(reply[0].buffer)[:2] == [70002, True]
+    finally:
+        fake.close()
+
+
+def test_an_answer_the_client_does_not_read_does_not_hold_the_daemon(dev):
+    fake = FakeClient(_link())
+    try:
+        # 4 x 2.8 MiB of answer (under the bulk threshold: inline), more than the socket holds.
+        body = {"dev": 0, "stream": 0, "ops": [["aten::ones", [[700_000]], {}, 1 << 20]], "frees": [],
+                "fetch": [1 << 20] * 4, "report": False, "wait": True}
+        stream_framing.send_message(fake.sock, [protocol.pack(["exec", 70003, body])])
+        time.sleep(0.5)  # nobody reads it
+        assert (torch.ones(3, device=dev) + 2).sum().item() == 9.0  # others are served meanwhile
+        fake.sock.settimeout(30)
+        reply = stream_framing.receive_message(fake.sock, 8, 1 << 30, 1 << 30)  # all there, in order
+        assert protocol.unpack_header(reply[0].buffer)[:2] == [70003, True] and len(reply) == 5
+        assert all(f.buffer.nbytes == 700_000 * 4 for f in reply[1:])
+    finally:
+        fake.close()
