@@ -266,13 +266,7 @@ class Channel:
         self._spin_for_reply(poller)
         waited = 0.0
         while True:
-            if not poller.poll(int(min(poll_s, timeout - waited) * 1000) or 1):
-                waited += poll_s
-                if self.closed or not alive():
-                    raise ChannelClosed(f"connection to {self.endpoint} was lost")
-                if waited >= timeout:
-                    raise TimeoutError(f"genie-daemon at {self.endpoint} did not answer within {timeout:.0f}s")
-                continue
+            waited = self._wait_readable(poller.poll, timeout, alive, poll_s, waited)
             try:
                 parts = stream_framing.receive_message(stream, protocol.MAX_FRAMES + 1, 1 << 62, 1 << 62)
             except (OSError, ProtocolError) as e:
@@ -288,9 +282,20 @@ class Channel:
                 raise ChannelClosed(f"direct lane to {self.endpoint} failed: {e}") from None
             reply = self._reply_for(rid, parts)
             if reply is not None:
-                waited = time.perf_counter() - self._direct_sent_at
-                self._typical_wait += WAIT_AVERAGING * (waited - self._typical_wait)
+                elapsed = time.perf_counter() - self._direct_sent_at
+                self._typical_wait += WAIT_AVERAGING * (elapsed - self._typical_wait)
                 return reply
+
+    def _wait_readable(self, poll, timeout: float, alive, poll_s: float, waited: float) -> float:
+        """Block until `poll(ms)` reports input; the seconds waited so far, updated. Raises
+        ChannelClosed when the link is gone, TimeoutError past `timeout`."""
+        while not poll(int(min(poll_s, timeout - waited) * 1000) or 1):
+            waited += poll_s
+            if self.closed or not alive():
+                raise ChannelClosed(f"connection to {self.endpoint} was lost")
+            if waited >= timeout:
+                raise TimeoutError(f"genie-daemon at {self.endpoint} did not answer within {timeout:.0f}s")
+        return waited
 
     def _spin_for_reply(self, poller) -> None:
         """Poll for the answer for up to `spin_s` before blocking. A thread blocked in poll() on
@@ -330,13 +335,7 @@ class Channel:
         sock = self._direct_socket()
         waited = 0.0
         while True:
-            if not sock.poll(int(min(poll_s, timeout - waited) * 1000) or 1):
-                waited += poll_s
-                if self.closed or not alive():
-                    raise ChannelClosed(f"connection to {self.endpoint} was lost")
-                if waited >= timeout:
-                    raise TimeoutError(f"genie-daemon at {self.endpoint} did not answer within {timeout:.0f}s")
-                continue
+            waited = self._wait_readable(sock.poll, timeout, alive, poll_s, waited)
             reply = self._reply_for(rid, sock.recv_multipart(copy=False))
             if reply is not None:
                 return reply
