@@ -110,7 +110,7 @@ def summary() -> None:
     if e2e:
         gpt = e2e["gpt"]
         rows.append(("GPT decode vs local eager (target <= 1.3x)", f"{gpt['decode_slowdown']:.1f}x slower op by op"
-                     + (f", {gpt['decode_slowdown_replay']:.1f}x with genie.graph replay"
+                     + (f", {gpt['decode_slowdown_replay']:.2f}x with genie.graph replay"
                         if "decode_slowdown_replay" in gpt else "")))
         rows.append(("GPT wire bytes per token", f"{gpt['wire_bytes_per_token']:.0f} B"
                      + (f" ({gpt['wire_bytes_per_token_replay']:.0f} B replayed)"
