@@ -134,3 +134,13 @@ def test_an_answer_the_client_does_not_read_does_not_hold_the_daemon(dev):
         assert all(f.buffer.nbytes == 700_000 * 4 for f in reply[1:])
     finally:
         fake.close()
+
+
+def test_a_client_gone_before_its_answer_does_not_disturb_the_daemon(dev):
+    for _ in range(3):
+        fake = FakeClient(_link())
+        body = {"dev": 0, "stream": 0, "ops": [["aten::ones", [[1 << 20]], {}, 1 << 20]], "frees": [],
+                "fetch": [1 << 20], "report": False, "wait": True}
+        stream_framing.send_message(fake.sock, [protocol.pack(["exec", 70004, body])])
+        fake.close()  # before the 4 MiB answer (bulk-sized, but this client has no bulk lane: inline)
+    assert (torch.ones(5, device=dev) * 2).sum().item() == 10.0
