@@ -22,6 +22,7 @@ import zmq
 import zmq.asyncio
 
 from genie.transport import calibration, cuda_ipc, protocol, stream_framing, tensors
+from genie.transport.busy_poll import BusyPoll
 from genie.transport.errors import ProtocolError
 from genie.transport.protocol import BulkTensor
 
@@ -74,9 +75,7 @@ class DaemonServer:
         self.endpoint = endpoint
         self.cuda_ipc_allowed = cuda_ipc_allowed
         self.ipc_offer: dict | None = None  # hello's cuda_ipc: set once bound, where handles are accepted
-        self.spin_s = spin_s  # how long an idle daemon polls for the next request before sleeping
-        self._spin_misses = 0  # spins in a row that saw nothing
-        self._spin_off_until = 0.0
+        self._busy_poll = BusyPoll(spin_s)  # an idle daemon polls for the next request before sleeping
         self.curve = curve  # ServerKeys: CURVE on, only allow-listed clients; None: plaintext, open
         self.bulk_lanes = bulk_lanes and curve is None  # the bulk lane is plaintext
         self._authenticator = None
@@ -127,7 +126,7 @@ class DaemonServer:
             self.curve.apply(sock)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         # A frame bigger than any valid one (header or payload chunk) drops that peer, unallocated.
-        sock.setsockopt(zmq.MAXMSGSIZE, max(tensors.MAX_FRAME_BYTES, protocol.MAX_HEADER_BYTES) + 4096)
+        sock.setsockopt(zmq.MAXMSGSIZE, _max_frame_bytes())
         sock.bind(self.endpoint)
         self._socket = sock
         self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -137,7 +136,7 @@ class DaemonServer:
             log.info("CUDA IPC from clients on this host: %s", "accepted" if self.ipc_offer else
                      "off (the daemon listens beyond this host)")
         if self.bulk_lanes:
-            self._open_bulk_lanes()
+            self._open_lanes()
         return self.bound_endpoint
 
     def _start_authenticator(self) -> None:
@@ -150,7 +149,7 @@ class DaemonServer:
         self._authenticator.configure_curve(domain="*", location=self.curve.allow_dir)
         log.info("CURVE on: accepting the public keys in %s", self.curve.allow_dir)
 
-    def _open_bulk_lanes(self) -> None:
+    def _open_lanes(self) -> None:
         total = _describe_hardware(torch.device("cpu"))["total_memory"] or (1 << 40)
         try:
             self.bulk = BulkListener(self.bound_endpoint, lambda token: token in self.clients,
@@ -219,13 +218,16 @@ class DaemonServer:
             except zmq.ZMQError as e:
                 log.warning("receive failed: %s", e)
                 return
-            try:
-                self._handle(parts)
-            except Exception as e:  # a bug here must not stop the daemon, and the client still gets an answer
-                log.exception("unexpected error handling a message")
-                if len(parts) >= 2:
-                    self._reply_error(parts[0].bytes, 0, RuntimeError(f"genie-daemon internal error: {e!r}"))
+            self._handle_safely(parts)
         self._schedule_drain()
+
+    def _handle_safely(self, parts: list) -> None:
+        try:
+            self._handle(parts)
+        except Exception as e:  # a bug here must not stop the daemon, and the client still gets an answer
+            log.exception("unexpected error handling a message")
+            if len(parts) >= 2:
+                self._reply_error(parts[0].bytes, 0, RuntimeError(f"genie-daemon internal error: {e!r}"))
 
     def _spin(self, sock) -> bool:
         """Poll for the next request for up to `spin_s` when nothing else is running; True if
@@ -238,15 +240,13 @@ class DaemonServer:
         sockets are polled too, and bytes arriving there end the spin: the lane thread needs the
         GIL this loop would keep taking back (a 4 MiB upload's receive started 0.59 ms late);
         for the same reason there is no spin within BULK_QUIET_S of a bulk transfer. SPIN_MISSES
-        spins in a row that see nothing switch it off for SPIN_BACKOFF_S: a client on these cores
+        spins in a row that see nothing switch it off for SPIN_BACKOFF_S (genie.transport.busy_poll): a client on these cores
         can be the one kept waiting (4 KiB upload + sync: 0.55 ms without polling, 1.4 ms with,
         each spin running out just before the client's next request came)."""
-        if not self.spin_s or self._pending or len(self.clients) != 1 or any(self._parked.values()):
+        if not self._busy_poll.available() or self._pending or len(self.clients) != 1 \
+                or any(self._parked.values()):
             return False
-        now = time.monotonic()
-        if now < self._spin_off_until:
-            return False
-        if self.bulk is not None and now - self.bulk.last_transfer < BULK_QUIET_S:
+        if self.bulk is not None and time.monotonic() - self.bulk.last_transfer < BULK_QUIET_S:
             return False
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
@@ -255,20 +255,11 @@ class DaemonServer:
         direct = {lane.sock: lane for lane in self._direct.values()}
         for direct_socket in direct:
             poller.register(direct_socket, zmq.POLLIN)
-        deadline = time.perf_counter() + self.spin_s
-        while time.perf_counter() < deadline:
-            ready = poller.poll(0)
-            if ready:
-                self._spin_misses = 0
-                for s, _ in ready:
-                    if s in direct:  # its reader runs next, not nested in this one
-                        self._loop.call_soon(self._on_direct_readable, direct[s])
-                return any(s is sock for s, _ in ready)
-        self._spin_misses += 1
-        if self._spin_misses >= SPIN_MISSES:
-            self._spin_misses = 0
-            self._spin_off_until = time.monotonic() + SPIN_BACKOFF_S
-        return False
+        ready = self._busy_poll.run(lambda: poller.poll(0))
+        for s, _ in ready or ():
+            if s in direct:  # its reader runs next, not nested in this one
+                self._loop.call_soon(self._on_direct_readable, direct[s])
+        return any(s is sock for s, _ in ready or ())
 
     # ------------------------------------------------------------ direct lanes
 
@@ -284,7 +275,7 @@ class DaemonServer:
         conn.setblocking(False)
         identity = token + DIRECT_SUFFIX  # client_key() maps it to the client, like its ZeroMQ sockets
         lane = _DirectLane(conn, identity, stream_framing.MessageReader(
-            conn, protocol.MAX_FRAMES + 1, max(tensors.MAX_FRAME_BYTES, protocol.MAX_HEADER_BYTES) + 4096,
+            conn, protocol.MAX_FRAMES + 1, _max_frame_bytes(),
             self.bulk.max_transfer if self.bulk is not None else 1 << 40), stream_framing.MessageWriter(conn))
         old = self._direct.pop(identity, None)
         if old is not None:
@@ -306,11 +297,7 @@ class DaemonServer:
             return
         identity_frame = stream_framing.Frame(lane.identity)
         for parts in messages:
-            try:
-                self._handle([identity_frame, *parts])
-            except Exception as e:  # a bug here must not stop the daemon, and the client still gets an answer
-                log.exception("unexpected error handling a message")
-                self._reply_error(lane.identity, 0, RuntimeError(f"genie-daemon internal error: {e!r}"))
+            self._handle_safely([identity_frame, *parts])
         if messages and self._direct.get(lane.identity) is lane and self._spin(self._socket):
             self._schedule_drain()
 
@@ -320,8 +307,7 @@ class DaemonServer:
         except ConnectionError as e:
             self._close_direct(lane, e)
             return
-        if lane.writer.pending and not lane.writing:
-            lane.writing = True  # the client is slow to read: the rest goes when it can take it
+        if lane.writer.pending:  # the client is slow to read: the rest goes when it can take it
             self._loop.add_writer(lane.sock.fileno(), self._flush_direct, lane)
 
     def _flush_direct(self, lane: "_DirectLane") -> None:
@@ -331,7 +317,6 @@ class DaemonServer:
             self._close_direct(lane, e)
             return
         if not lane.writer.pending:
-            lane.writing = False
             self._loop.remove_writer(lane.sock.fileno())
 
     def _close_direct(self, lane: "_DirectLane", why) -> None:
@@ -339,8 +324,7 @@ class DaemonServer:
             del self._direct[lane.identity]
         try:
             self._loop.remove_reader(lane.sock.fileno())
-            if lane.writing:
-                self._loop.remove_writer(lane.sock.fileno())
+            self._loop.remove_writer(lane.sock.fileno())
         except (ValueError, OSError):
             pass
         lane.sock.close()
@@ -649,17 +633,19 @@ class DaemonServer:
             self._schedule_drain()
 
 
+def _max_frame_bytes() -> int:
+    """The largest frame a valid message has (a header or a payload chunk), with some slack."""
+    return max(tensors.MAX_FRAME_BYTES, protocol.MAX_HEADER_BYTES) + 4096
+
+
 def client_key(routing_id: bytes) -> bytes:
     """The client a routing id belongs to: a client's direct socket uses its 16-byte id plus one byte."""
     return routing_id[:16] if len(routing_id) == 17 else routing_id
 
 
-# No idle polling for this long after a bulk-lane transfer, or after SPIN_MISSES polls in a
-# row that saw nothing (see DaemonServer._spin).
+# No idle polling for this long after a bulk-lane transfer (see DaemonServer._spin).
 BULK_QUIET_S = 0.1
 DIRECT_SUFFIX = b"\x02"  # appended to a client's token: the identity of its direct lane
-SPIN_BACKOFF_S = 0.05
-SPIN_MISSES = 3
 # Requests taken per reader callback before other callbacks get a turn.
 DRAIN_BATCH = 4
 # On shutdown, how long queued replies may take to leave before the socket closes.
@@ -705,4 +691,3 @@ class _DirectLane:
     identity: bytes
     reader: stream_framing.MessageReader
     writer: stream_framing.MessageWriter
-    writing: bool = False  # a writer callback is registered for what the socket did not take

@@ -6,7 +6,7 @@ import time
 import torch
 import zmq
 
-from daemon import server as server_module
+from genie.transport import busy_poll
 from daemon.server import DaemonServer
 
 
@@ -29,8 +29,8 @@ def test_idle_polling_returns_as_soon_as_a_request_is_queued_and_backs_off_after
         while not srv._spin(srv._socket):  # the first polls may run out before the connection is up
             assert time.monotonic() < deadline
         srv._socket.recv_multipart()
-        srv._spin_off_until = 0.0
-        misses = server_module.SPIN_MISSES
+        srv._busy_poll.off_until = 0.0
+        misses = busy_poll.SPIN_MISSES
         started = time.perf_counter()
         for _ in range(misses):
             assert srv._spin(srv._socket) is False  # nothing queued: each poll runs out
@@ -38,7 +38,7 @@ def test_idle_polling_returns_as_soon_as_a_request_is_queued_and_backs_off_after
         started = time.perf_counter()
         assert srv._spin(srv._socket) is False  # backed off: returns at once
         assert time.perf_counter() - started < 0.025
-        srv._spin_off_until = 0.0
+        srv._busy_poll.off_until = 0.0
         srv.clients[b"another-client-x"] = object()
         started = time.perf_counter()
         assert srv._spin(srv._socket) is False  # never with two clients

@@ -77,12 +77,12 @@ class DaemonLink:
         self.devices = devices
         if self.runtime.config.cuda_ipc:
             self.cuda_ipc_offer = reply.body.get("cuda_ipc")
-        await self._open_bulk_lane(reply.body.get("bulk"), timeout)
+        await self._open_lanes(reply.body.get("bulk"), timeout)
         await self._probe_link()
         if heartbeat > 0:
             self._heartbeat = asyncio.create_task(self._beat(heartbeat))
 
-    async def _open_bulk_lane(self, advertised, timeout: float) -> None:
+    async def _open_lanes(self, advertised, timeout: float) -> None:
         """The bulk lane and the direct lane, both to the daemon's lane listener (plaintext: not under CURVE)."""
         config = self.runtime.config
         address = bulk.connect_address(advertised, self.endpoint)
@@ -99,7 +99,7 @@ class DaemonLink:
             try:
                 self.channel.direct_stream = await loop.run_in_executor(
                     None, bulk.connect_greeted, address, stream_framing.MAGIC, self.token, min(timeout, 10.0))
-                self.channel.spin_s = max(0.0, config.client_spin_us) / 1e6
+                self.channel.busy_poll.seconds = max(0.0, config.client_spin_us) / 1e6
                 self.channel.loss_grace_s = config.heartbeat_timeout + 2 * config.heartbeat
             except (OSError, ConnectionError) as e:
                 log.warning("no direct lane to %s (blocking requests go over ZeroMQ): %s", self.endpoint, e)

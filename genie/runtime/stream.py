@@ -95,7 +95,7 @@ class DeviceStream:
         self.exec_log: collections.deque[tuple[float, float]] = collections.deque(maxlen=4096)
         # While a genie.graph records this stream: the [ops, frees] of each batch taken (see graphs).
         self.recording: list | None = None
-        self.pending_bulk: list = []  # (transfer id, bytes, tensor) claimed by the op being queued
+        self.pending_bulk: list = []  # (transfer id, bytes) claimed by the op being queued; the bytes hold the tensor
         self._unsettled = 0  # batches posted through the loop whose answer has not been handled yet
         self._settled = threading.Condition()
 
@@ -133,7 +133,7 @@ class DeviceStream:
         if lane is None or lane.closed or nbytes < self.link.runtime.config.bulk_min_bytes:
             return None
         xfer = lane.next_id()
-        self.pending_bulk.append((xfer, tensor_bytes(value), value))
+        self.pending_bulk.append((xfer, tensor_bytes(value)))
         return xfer
 
     def discard_pending_bulk(self) -> None:
@@ -145,7 +145,7 @@ class DeviceStream:
         transfer's head is out (see `bulk.Lane.send`)."""
         pending, self.pending_bulk = self.pending_bulk, []
         lane = self.link.bulk_lane
-        for xfer, payload, _ in pending:
+        for xfer, payload in pending:
             try:
                 lane.send(xfer, payload, after_head=post)
             except ConnectionError as e:
@@ -155,7 +155,7 @@ class DeviceStream:
 
     def append(self, entry: list, send_now: bool = True) -> None:
         """Queue an op. With transfers claimed for it (`send_bulk`), the batch goes out now and
-        then their bytes, unless `send_now` is False (the caller posts it and calls `send_claimed`)."""
+        then their bytes, unless `send_now` is False (the caller posts it, then `_send_pending_bulk`)."""
         ids = getattr(_current, "ids", None)  # current_stream_id, inlined: this runs once per captured op
         sid = ids.get(self.global_index, 0) if ids else 0
         if sid != self.batch_stream:
@@ -178,11 +178,6 @@ class DeviceStream:
                 self._send_pending_bulk(post)
         elif len(self.ops) >= self.batch_ops or self.inline_bytes >= self.batch_bytes:
             self._post(self._take(fetch=[], report=False), wait=False)
-
-    def send_claimed(self) -> None:
-        """Send the bytes of transfers claimed by ops already posted (see `append`)."""
-        if self.pending_bulk:
-            self._send_pending_bulk()
 
     def _take(self, fetch: list[int], report: bool) -> tuple[dict, list]:
         frees = []
@@ -312,7 +307,7 @@ class DeviceStream:
             # With bulk bytes to follow, the request cannot go direct (that thread would block on
             # the answer before sending them).
             future = self._post(self._take(fetch=[], report=True), wait=True, direct=not self.pending_bulk)
-            self.send_claimed()
+            self._send_pending_bulk()
         reply = self.link.wait(future)
         self._raise_async_error()
         return reply.body["report"]

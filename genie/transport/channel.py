@@ -20,6 +20,7 @@ import zmq
 import zmq.asyncio
 
 from . import protocol, stream_framing
+from .busy_poll import BusyPoll
 from .errors import ProtocolError
 
 log = logging.getLogger("genie.transport")
@@ -58,8 +59,6 @@ class Reply:
     frames: list  # zmq.Frame objects, each exposing .buffer
 
 
-SPIN_MISSES = 3  # spins in a row without an answer that switch spinning off ...
-SPIN_BACKOFF_S = 0.05  # ... for this long
 WAIT_AVERAGING = 0.25  # weight of the latest wait in the moving average that decides on spinning
 
 
@@ -87,9 +86,7 @@ class Channel:
         self.direct_stream: socket.socket | None = None
         self._direct_sent_on: socket.socket | None = None  # where the last direct request went
         self.loss_grace_s = 5.0  # after the direct lane breaks, how long to wait for the link's verdict
-        self.spin_s = 0.0  # how long a direct request polls for its answer before blocking (see _spin_for_reply)
-        self._spin_misses = 0
-        self._spin_off_until = 0.0
+        self.busy_poll = BusyPoll(0.0)  # a direct request polls for its answer before blocking (_spin_for_reply)
         self._typical_wait = 0.0  # moving average of how long direct requests waited for their answer
         self._direct_sent_at = 0.0
         self._sync_ctx: zmq.Context | None = None
@@ -298,23 +295,14 @@ class Channel:
         return waited
 
     def _spin_for_reply(self, poller) -> None:
-        """Poll for the answer for up to `spin_s` before blocking. A thread blocked in poll() on
-        this 2-vCPU machine took ~50 us to wake once the answer came; polling, (x+1).item() went
-        from ~180 to ~105 us and a replayed GPT decode step from ~1.45x to ~1.3x local eager.
-        Not when answers have lately taken longer than `spin_s` (a busy daemon: with 16 clients
-        on these 2 cores, polling cost them 17% of their requests/s), and not for SPIN_BACKOFF_S
-        after SPIN_MISSES spins in a row that ended without an answer."""
-        if not self.spin_s or self._typical_wait > self.spin_s or time.monotonic() < self._spin_off_until:
-            return
-        deadline = time.perf_counter() + self.spin_s
-        while time.perf_counter() < deadline:
-            if poller.poll(0):
-                self._spin_misses = 0
-                return
-        self._spin_misses += 1
-        if self._spin_misses >= SPIN_MISSES:
-            self._spin_misses = 0
-            self._spin_off_until = time.monotonic() + SPIN_BACKOFF_S
+        """Poll for the answer for up to `busy_poll.seconds` before blocking. A thread blocked in
+        poll() on this 2-vCPU machine took ~50 us to wake once the answer came; polling,
+        (x+1).item() went from ~180 to ~105 us and a replayed GPT decode step from ~1.45x to
+        ~1.3x local eager. Not when answers have lately taken longer than that (a busy daemon:
+        with 16 clients on these 2 cores, polling cost them 17% of their requests/s), nor while
+        backed off after misses (busy_poll)."""
+        if self._typical_wait <= self.busy_poll.seconds and self.busy_poll.available():
+            self.busy_poll.run(lambda: poller.poll(0))
 
     def _reply_for(self, rid: int, parts: list) -> Reply | None:
         """The reply in `parts` if it answers `rid` (None: a late answer, or malformed and dropped)."""
