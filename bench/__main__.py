@@ -51,7 +51,9 @@ def plot() -> list[str]:
     written = []
     tt = load("transport_throughput")
     if tt:
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+        n = len(tt["results"])
+        fig, axes = plt.subplots(1, n, figsize=(5.5 * n, 4), sharey=True, squeeze=False)
+        axes = axes[0]
         for ax, (kind, per_size) in zip(axes, tt["results"].items()):
             sizes = [int(s) for s in per_size]
             for key, label in (("raw_MBps", "raw socket"), ("zmq_MBps", "pyzmq"), ("genie_up_MBps", "genie upload"),

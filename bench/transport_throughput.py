@@ -7,6 +7,9 @@ In one run, for each size and transport:
 - plain pyzmq: a DEALER sends the payload as one zero-copy frame, a ROUTER answers with an ack;
 - Genie upload: `t.to("remote_accelerator:0")` then synchronize, to a genie-daemon process;
 - Genie download: `.cpu()` of a tensor resident on the daemon.
+Over ipc Genie is measured twice: as it runs by default (payloads of 4 MiB and more in shared
+memory, client and daemon being one user on one host) and with the daemon's --no-shared-memory
+(the same payloads through the Unix socket).
 Throughput is payload bytes / median time of several repetitions (25 for payloads up to 16 MB,
 fewer for larger ones, at least --repeats).
 
@@ -169,17 +172,19 @@ def main(argv=None) -> int:
     from daemons import DaemonProcess
 
     results = {}
-    for kind in ("tcp", "ipc"):
+    for kind, variants in (("tcp", [("tcp", [])]),
+                           ("ipc", [("ipc", []), ("ipc, no shared memory", ["--no-shared-memory"])])):
         raw = raw_socket_times(kind, sizes, args.repeats)
         plain = zmq_times(kind, sizes, args.repeats)
-        listen = "tcp://127.0.0.1:0" if kind == "tcp" else f"ipc://{tempfile.mkdtemp()}/genie.sock"
-        with DaemonProcess(listen) as d:
-            up, down = genie_times(d.endpoint, sizes, args.repeats)
-        results[kind] = {
-            str(n): {"raw_MBps": n / raw[n] / 1e6, "zmq_MBps": n / plain[n] / 1e6,
-                     "genie_up_MBps": n / up[n] / 1e6, "genie_down_MBps": n / down[n] / 1e6}
-            for n in sizes
-        }
+        for label, extra in variants:
+            listen = "tcp://127.0.0.1:0" if kind == "tcp" else f"ipc://{tempfile.mkdtemp()}/genie.sock"
+            with DaemonProcess(listen, extra=extra) as d:
+                up, down = genie_times(d.endpoint, sizes, args.repeats)
+            results[label] = {
+                str(n): {"raw_MBps": n / raw[n] / 1e6, "zmq_MBps": n / plain[n] / 1e6,
+                         "genie_up_MBps": n / up[n] / 1e6, "genie_down_MBps": n / down[n] / 1e6}
+                for n in sizes
+            }
     m = machine()
     print(f"# tensor transfer throughput (MB/s), medians of {args.repeats} to 25 runs -- {m['cpus']} cpus, "
           f"pyzmq {m['pyzmq']}, libzmq {m['libzmq']}")

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from genie.transport import bulk, stream_framing
+from genie.transport import bulk, shared_segments, stream_framing
 from genie.transport.errors import ProtocolError
 from genie.transport.hostmem import HostBufferPool
 
@@ -31,7 +31,8 @@ BULK_POOL_BYTES = 2 << 30  # most bytes of idle receive buffers the daemon keeps
 
 class BulkListener:
     def __init__(self, zmq_endpoint: str, is_known_client: Callable[[bytes], bool], max_transfer: int,
-                 pool_bytes: int = BULK_POOL_BYTES, send_timeout_s: float = 60.0) -> None:
+                 pool_bytes: int = BULK_POOL_BYTES, send_timeout_s: float = 60.0,
+                 shared_memory: bool = True) -> None:
         address = bulk.listen_address_for(zmq_endpoint)
         if address is None:
             raise OSError(f"no bulk lane for endpoint {zmq_endpoint}")
@@ -55,6 +56,7 @@ class BulkListener:
         self.max_transfer = max_transfer
         self.pool = HostBufferPool(pool_bytes)
         self.send_timeout_s = send_timeout_s
+        self.shared_memory = shared_memory  # agree to shared-memory rings with clients that ask (Unix lanes)
         self._lanes: dict[bytes, bulk.Lane] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -80,9 +82,11 @@ class BulkListener:
             greeting = bulk.recv_exactly(conn, len(bulk.MAGIC) + bulk.TOKEN_BYTES)
             token, magic = greeting[len(bulk.MAGIC):], greeting[:len(bulk.MAGIC)]
             direct = magic == stream_framing.MAGIC and self.on_direct is not None
-            if (magic != bulk.MAGIC and not direct) or not self._is_known(token):
+            if (magic not in (bulk.MAGIC, bulk.MAGIC_SHARED) and not direct) or not self._is_known(token):
                 raise ProtocolError("bad bulk greeting or unknown client")
-            conn.sendall(b"\x01")
+            shared = (magic == bulk.MAGIC_SHARED and self.shared_memory and conn.family == socket.AF_UNIX
+                      and shared_segments.supported() and shared_segments.same_user(conn))
+            conn.sendall(bulk.ACCEPTED_SHARED if shared else bulk.ACCEPTED)
             conn.settimeout(None)
             if conn.family != socket.AF_UNIX:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -97,7 +101,8 @@ class BulkListener:
         if direct:
             self.on_direct(conn, token)  # the server's: requests and answers, on its event loop
             return
-        lane = bulk.Lane(conn, self.pool, self.max_transfer, name=token.hex()[:8], on_close=self._forget)
+        lane = bulk.Lane(conn, self.pool, self.max_transfer, name=token.hex()[:8], on_close=self._forget,
+                         shared=shared)
         lane.arrivals.on_change = self._arrived
         with self._lock:
             old = self._lanes.pop(token, None)

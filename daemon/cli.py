@@ -79,6 +79,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-cuda-ipc", action="store_true", default=os.environ.get("GENIE_CUDA_IPC", "1") == "0",
                    help="refuse CUDA IPC handles from clients on this host (they then send bytes); "
                         "handles are only ever accepted on an ipc:// or loopback endpoint")
+    p.add_argument("--no-shared-memory", action="store_true",
+                   default=os.environ.get("GENIE_SHARED_MEMORY", "1") == "0",
+                   help="refuse shared-memory rings for large payloads on ipc:// bulk lanes (they then go "
+                        "through the Unix socket); env GENIE_SHARED_MEMORY=0")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--log-level", default=os.environ.get("GENIE_LOG_LEVEL", "INFO"))
     return p.parse_args(argv)
@@ -124,7 +128,7 @@ async def _run(args: argparse.Namespace) -> None:
                           memory_limit=memory_limit, bulk_lanes=not args.no_bulk_lane,
                           curve=security_from(args), transfer_timeout=args.transfer_timeout,
                           kv_dir=args.kv_dir, spin_s=max(0.0, args.spin_us) / 1e6,
-                          cuda_ipc_allowed=not args.no_cuda_ipc)
+                          cuda_ipc_allowed=not args.no_cuda_ipc, shared_memory=not args.no_shared_memory)
     endpoint = server.bind()
     server.process_cap = cap_process_memory(devices, memory_limit, BULK_POOL_BYTES if server.bulk else 0)
     loop = asyncio.get_running_loop()

@@ -71,9 +71,11 @@ def _describe_hardware(device: torch.device) -> dict:
 class DaemonServer:
     def __init__(self, endpoint: str, devices: list[torch.device], client_lease_s: float = 60.0,
                  memory_limit: int = 0, bulk_lanes: bool = True, curve=None, transfer_timeout: float = 120.0,
-                 kv_dir: str | None = None, spin_s: float = 0.0, cuda_ipc_allowed: bool = True) -> None:
+                 kv_dir: str | None = None, spin_s: float = 0.0, cuda_ipc_allowed: bool = True,
+                 shared_memory: bool = True) -> None:
         self.endpoint = endpoint
         self.cuda_ipc_allowed = cuda_ipc_allowed
+        self.shared_memory = shared_memory  # shared-memory rings on ipc:// bulk lanes
         self.ipc_offer: dict | None = None  # hello's cuda_ipc: set once bound, where handles are accepted
         self._busy_poll = BusyPoll(spin_s)  # an idle daemon polls for the next request before sleeping
         self.curve = curve  # ServerKeys: CURVE on, only allow-listed clients; None: plaintext, open
@@ -153,7 +155,7 @@ class DaemonServer:
         total = _describe_hardware(torch.device("cpu"))["total_memory"] or (1 << 40)
         try:
             self.bulk = BulkListener(self.bound_endpoint, lambda token: token in self.clients,
-                                     max_transfer=self.memory_limit or total)
+                                     max_transfer=self.memory_limit or total, shared_memory=self.shared_memory)
         except OSError as e:
             log.warning("no bulk lane (large payloads go over ZeroMQ): %s", e)
             return

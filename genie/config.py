@@ -61,6 +61,7 @@ class Config:
     log_intercepts: bool
     cuda_ipc: bool
     direct_lane: bool
+    shared_memory: bool
     client_spin_us: float
 
 
@@ -87,5 +88,6 @@ def load() -> Config:
         log_intercepts=os.environ.get("GENIE_LOG_INTERCEPTS", "") == "1",
         cuda_ipc=os.environ.get("GENIE_CUDA_IPC", "1") != "0",
         direct_lane=os.environ.get("GENIE_DIRECT_LANE", "1") != "0",
+        shared_memory=os.environ.get("GENIE_SHARED_MEMORY", "1") != "0",
         client_spin_us=_float("GENIE_CLIENT_SPIN_US", 1000.0 if _cpus() >= 2 else 0.0),
     )

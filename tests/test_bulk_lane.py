@@ -1,6 +1,9 @@
 """The bulk lane: large payloads over a plain socket beside ZeroMQ, into recycled buffers."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import os
 import shutil
 import socket
 
@@ -9,6 +12,8 @@ import torch
 
 import genie
 from daemons import DaemonProcess, ipc_endpoint
+from genie.transport import bulk
+from genie.transport.shared_segments import size_class
 
 BIG = 1536 * 1024  # float32 elements: 6 MiB, above the 4 MiB default bulk threshold
 
@@ -31,20 +36,66 @@ def test_large_tensors_travel_on_the_tcp_bulk_lane(dev):
     assert lane.bytes_sent - sent >= BIG * 4 and lane.bytes_received - received >= BIG * 4
 
 
-def test_ipc_daemon_gets_a_unix_bulk_lane():
+@contextlib.contextmanager
+def _ipc_daemon(extra=None, **client_config):
+    """genie connected to a fresh ipc:// daemon, with `client_config` fields replaced meanwhile."""
     ipc, tmpdir = ipc_endpoint()
+    rt = genie.get_runtime()
+    saved = rt.config
     try:
-        with DaemonProcess(ipc) as d:
+        with DaemonProcess(ipc, extra=extra) as d:
+            rt.config = dataclasses.replace(saved, **client_config)
             genie.init(d.endpoint)
             try:
-                assert genie.transport_info()["links"][d.endpoint]["path"] == "zmq+bulk-unix"
-                src = torch.arange(BIG, dtype=torch.float32)
-                assert torch.equal((src.to("remote_accelerator:0") + 1).cpu(), src + 1)
-                assert _lane().bytes_received >= BIG * 4
+                yield d
             finally:
                 genie.shutdown()
     finally:
+        rt.config = saved
         shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def test_ipc_daemon_passes_payloads_in_shared_memory_used_in_place():
+    with _ipc_daemon() as d:
+        assert genie.transport_info()["links"][d.endpoint]["path"] == "zmq+bulk-shared-memory"
+        lane = _lane()
+        src = torch.arange(BIG, dtype=torch.float32)
+        x = src.to("remote_accelerator:0")
+        src.add_(1)  # taken at .to() time, as on every lane
+        y = (x + 1).cpu()
+        assert torch.equal(y, src)
+        # The result is the daemon's segment itself, mapped here: held while y lives, then handed back.
+        assert lane._incoming.in_use() == 1
+        del y
+        assert lane._incoming.in_use() == 0
+        assert lane.bytes_received >= BIG * 4 and lane.bytes_sent >= BIG * 4
+        for _ in range(3):  # segments recycled both ways: results stay right
+            src = torch.randn(BIG)
+            assert torch.equal((src.to("remote_accelerator:0") * 2).cpu(), src * 2)
+        assert lane._outgoing.held_bytes() <= 3 * size_class(BIG * 4)
+
+
+@pytest.mark.parametrize("extra, client", [(["--no-shared-memory"], {}), ([], {"shared_memory": False})])
+def test_shared_memory_can_be_turned_off_on_either_side(extra, client):  # daemon flag; client GENIE_SHARED_MEMORY=0
+    with _ipc_daemon(extra, **client) as d:
+        assert genie.transport_info()["links"][d.endpoint]["path"] == "zmq+bulk-unix"
+        src = torch.arange(BIG, dtype=torch.float32)
+        assert torch.equal((src.to("remote_accelerator:0") + 1).cpu(), src + 1)
+        assert _lane().bytes_received >= BIG * 4
+
+
+def test_daemon_survives_a_shared_lane_sending_a_file_that_is_no_segment():
+    with _ipc_daemon() as d:
+        x = torch.ones(4, device="remote_accelerator:0")
+        token = genie.get_runtime().links[0].token
+        path = genie.get_runtime().links[0].bulk_lane.sock.getpeername()
+        sock, answer = bulk.connect_greeted((socket.AF_UNIX, path), bulk.MAGIC_SHARED, token, 10.0)
+        assert answer == bulk.ACCEPTED_SHARED  # same user: agreed
+        with sock, open(os.devnull, "rb") as f:  # /dev/null: not a sealed memory file
+            socket.send_fds(sock, [bulk._HEADER.pack(bulk.SEGMENT, 1, 4096, 1)], [f.fileno()])
+            assert sock.recv(1) == b""  # the daemon closed that lane
+        assert d.proc.poll() is None
+        assert (x + 1).sum().item() == 8.0  # and still serves the client (its payloads go by ZeroMQ now)
 
 
 def test_bulk_download_lands_in_a_recycled_buffer_without_a_copy(dev):
@@ -74,7 +125,7 @@ def test_without_a_bulk_lane_large_payloads_go_over_zeromq():
 def test_daemon_refuses_a_bulk_connection_from_an_unknown_client(dev):
     port = _lane().sock.getpeername()[1]
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        s.sendall(b"GNB1" + b"\x00" * 16)  # a token no client owns
+        s.sendall(bulk.MAGIC + b"\x00" * 16)  # a token no client owns
         assert s.recv(1) == b""  # closed without the accepting byte
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
         s.sendall(b"HTTP/1.1 GET /\r\n\r\n")

@@ -30,7 +30,7 @@ class FakeClient:
         assert self.dealer.poll(10_000), "no hello answer"
         self.dealer.recv()
         address = bulk.connect_address(["tcp", link.bulk_lane.sock.getpeername()[1]], link.endpoint)
-        self.sock = bulk.connect_greeted(address, stream_framing.MAGIC, self.token, 10.0)
+        self.sock, _ = bulk.connect_greeted(address, stream_framing.MAGIC, self.token, 10.0)
 
     def close(self) -> None:
         self.sock.close()

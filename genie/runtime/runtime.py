@@ -11,7 +11,6 @@ import atexit
 import concurrent.futures
 import itertools
 import logging
-import socket
 import threading
 import time
 
@@ -92,12 +91,13 @@ class DaemonLink:
         if config.bulk_min_bytes > 0:
             try:
                 self.bulk_lane = await loop.run_in_executor(
-                    None, bulk.open_client_lane, address, self.token, self.runtime.host_pool, 1 << 40, min(timeout, 10.0))
+                    None, bulk.open_client_lane, address, self.token, self.runtime.host_pool, 1 << 40,
+                    min(timeout, 10.0), config.shared_memory)
             except (OSError, ConnectionError) as e:
                 log.warning("no bulk lane to %s (large payloads go over ZeroMQ): %s", self.endpoint, e)
         if config.direct_lane:
             try:
-                self.channel.direct_stream = await loop.run_in_executor(
+                self.channel.direct_stream, _ = await loop.run_in_executor(
                     None, bulk.connect_greeted, address, stream_framing.MAGIC, self.token, min(timeout, 10.0))
                 self.channel.busy_poll.seconds = max(0.0, config.client_spin_us) / 1e6
                 self.channel.loss_grace_s = config.heartbeat_timeout + 2 * config.heartbeat
@@ -118,7 +118,7 @@ class DaemonLink:
     def transport_path(self) -> str:
         if self.bulk_lane is None or self.bulk_lane.closed:
             return "zmq"
-        return "zmq+bulk-" + ("unix" if self.bulk_lane.sock.family == socket.AF_UNIX else "tcp")
+        return "zmq+bulk-" + self.bulk_lane.path
 
     async def _probe_link(self, payload: int = 4 << 20) -> None:
         """Measure this link: latency (best of a few pings) and bandwidth (a 4 MiB upload)."""

@@ -1,0 +1,207 @@
+"""Shared-memory segments and the bulk lane's shared mode, over an in-process Unix socket pair."""
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import tempfile
+import time
+
+import pytest
+import torch
+
+from genie.transport import bulk, shared_segments
+from genie.transport.errors import ProtocolError
+from genie.transport.hostmem import HostBufferPool
+
+pytestmark = pytest.mark.skipif(not shared_segments.supported(), reason="needs memfd seals and fd passing (Linux)")
+
+MiB = 1 << 20
+
+
+def _wait_for(condition, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.005)
+
+
+def _sealed_memfd(size, seals=shared_segments.REQUIRED_SEALS):
+    fd = os.memfd_create("test", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+# ---------------------------------------------------------------- the sender's segments
+
+
+def test_segments_are_reused_once_handed_back_and_bounded():
+    out = shared_segments.OutgoingSegments(max_bytes=8 * MiB)
+    a, dropped = out.acquire(3 * MiB)
+    assert a.nbytes == 4 * MiB and a.busy and dropped == []
+    b, _ = out.acquire(4 * MiB)
+    assert b.ident != a.ident
+    none, _ = out.acquire(MiB)  # 8 MiB in use: nothing more fits
+    assert none is None
+    out.release(a.ident)
+    again, _ = out.acquire(4 * MiB)
+    assert again is a
+    with pytest.raises(ProtocolError):
+        out.release(12345)
+    out.close()
+
+
+def test_idle_segments_are_dropped_to_make_room_and_reported_if_the_peer_knows_them():
+    out = shared_segments.OutgoingSegments(max_bytes=8 * MiB)
+    a, _ = out.acquire(4 * MiB)
+    b, _ = out.acquire(4 * MiB)
+    a.peer_has_fd = True
+    out.release(a.ident)
+    out.release(b.ident)
+    big, dropped = out.acquire(8 * MiB)
+    assert big is not None and big.nbytes == 8 * MiB
+    assert dropped == [a.ident]  # b was never sent: nothing for the peer to forget
+    assert out.held_bytes() == 8 * MiB
+    out.close()
+
+
+# ---------------------------------------------------------------- the receiver's checks
+
+
+def test_receiver_maps_a_sealed_memfd_and_hands_it_back_when_the_payload_is_freed():
+    freed = []
+    incoming = shared_segments.IncomingSegments(freed.append)
+    fd = _sealed_memfd(2 * MiB)
+    os.pwrite(fd, b"\x07" * 100, 0)
+    incoming.attach(1, fd)
+    payload = incoming.payload(1, 100)
+    assert payload.dtype == torch.uint8 and torch.all(payload == 7)
+    with pytest.raises(ProtocolError):
+        incoming.payload(1, 100)  # still in use: the sender may not have reused it
+    with pytest.raises(ProtocolError):
+        incoming.forget(1)
+    shaped = payload.view(torch.int32)[:5]  # views keep it in use too
+    del payload
+    assert freed == [] and incoming.in_use() == 1
+    del shaped
+    assert freed == [1] and incoming.in_use() == 0
+    incoming.forget(1)
+    with pytest.raises(ProtocolError):
+        incoming.payload(1, 100)
+
+
+@pytest.mark.parametrize("make, why", [
+    (lambda: _sealed_memfd(2 * MiB, seals=0), "sealed"),
+    (lambda: _sealed_memfd(2 * MiB, seals=fcntl.F_SEAL_GROW), "sealed"),
+    (lambda: _sealed_memfd(3 * MiB), "refused"),
+    (lambda: _sealed_memfd(0), "refused"),
+    (lambda: os.open(tempfile.mkstemp()[1], os.O_RDWR), "memfd"),
+    (lambda: os.open("/dev/null", os.O_RDWR), "memory file"),
+])
+def test_receiver_refuses_what_is_not_a_sealed_segment(make, why):
+    incoming = shared_segments.IncomingSegments(lambda ident: None)
+    fd = make()
+    with pytest.raises(ProtocolError, match=why):
+        incoming.attach(1, fd)
+    with pytest.raises(OSError):
+        os.fstat(fd)  # attach closed it either way
+
+
+def test_receiver_bounds_what_a_peer_may_make_it_map():
+    incoming = shared_segments.IncomingSegments(lambda ident: None, max_bytes=4 * MiB)
+    incoming.attach(1, _sealed_memfd(4 * MiB))
+    with pytest.raises(ProtocolError, match="refused"):
+        incoming.attach(2, _sealed_memfd(2 * MiB))
+    with pytest.raises(ProtocolError, match="already"):
+        incoming.attach(1, _sealed_memfd(2 * MiB))
+    with pytest.raises(ProtocolError, match="do not fit"):
+        incoming.payload(1, 4 * MiB + 1)
+
+
+# ---------------------------------------------------------------- lanes in shared mode
+
+
+@pytest.fixture
+def lane_pair():
+    a_sock, b_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    a = bulk.Lane(a_sock, HostBufferPool(0), 1 << 34, "a", shared=True, shared_bytes=16 * MiB)
+    b = bulk.Lane(b_sock, HostBufferPool(0), 1 << 34, "b", shared=True, shared_bytes=16 * MiB)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_payloads_cross_in_segments_both_ways_and_segments_come_back(lane_pair):
+    a, b = lane_pair
+    for size in (5 * MiB, 6 * MiB + 3, 1000):
+        data = torch.randint(0, 255, (size,), dtype=torch.uint8)
+        a.send(7, bulk.tensor_bytes(data))
+        got = b.arrivals.take(7, timeout=10)
+        assert torch.equal(got, data)
+        b.send(9, bulk.tensor_bytes(got))  # and back, from the segment it arrived in
+        assert torch.equal(a.arrivals.take(9, timeout=10), data)
+        assert b._incoming.in_use() == 1
+        del got
+        _wait_for(lambda: not any(s.busy for s in a._outgoing._segments.values()))
+    assert a.path == b.path == "shared-memory"
+    assert a.bytes_sent >= 11 * MiB and b.bytes_received >= 11 * MiB
+
+
+def test_a_payload_taken_at_send_time_is_not_changed_by_later_writes(lane_pair):
+    a, b = lane_pair
+    data = torch.zeros(4 * MiB, dtype=torch.uint8)
+    a.send(1, bulk.tensor_bytes(data))
+    data.fill_(1)
+    assert int(b.arrivals.take(1, timeout=10).sum()) == 0
+
+
+def test_when_segments_run_out_payloads_go_through_the_socket(lane_pair):
+    a, b = lane_pair
+    held = []
+    for xfer in range(1, 5):  # 4 x 6 MiB > the 16 MiB bound while the receiver keeps them all
+        data = torch.full((6 * MiB,), xfer, dtype=torch.uint8)
+        a.send(xfer, bulk.tensor_bytes(data))
+        held.append(b.arrivals.take(xfer, timeout=10))
+        assert torch.all(held[-1] == xfer)
+    assert b._incoming.in_use() == 2  # two in segments, two through the socket
+    del held
+    _wait_for(lambda: b._incoming.in_use() == 0)
+
+
+def test_a_bad_segment_record_closes_the_lane_and_nothing_else(lane_pair):
+    a, b = lane_pair
+    header = bulk._HEADER
+    fd = os.open("/dev/null", os.O_RDONLY)
+    try:
+        socket.send_fds(a.sock, [header.pack(bulk.SEGMENT, 1, 100, 5)], [fd])
+    finally:
+        os.close(fd)
+    _wait_for(lambda: b.closed)
+    with pytest.raises(ConnectionError, match="memory file"):
+        b.arrivals.take(1, timeout=1)
+
+
+@pytest.mark.parametrize("record", [
+    bulk._HEADER.pack(bulk.SEGMENT, 1, 100, 99),       # a segment never attached
+    bulk._HEADER.pack(bulk.HAND_BACK, 0, 0, 3),         # hands back what was never lent
+    bulk._HEADER.pack(bulk.FORGET, 0, 0, 3),            # forgets what was never attached
+    bulk._HEADER.pack(77, 0, 0, 0),                     # no such kind
+])
+def test_records_out_of_turn_close_the_lane(lane_pair, record):
+    a, b = lane_pair
+    a.sock.sendall(record)
+    _wait_for(lambda: b.closed)
+
+
+def test_a_plain_lane_refuses_segment_records():
+    a_sock, b_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    b = bulk.Lane(b_sock, HostBufferPool(0), 1 << 30, "b", shared=False)
+    try:
+        a_sock.sendall(bulk._HEADER.pack(bulk.SEGMENT, 1, 100, 1))
+        _wait_for(lambda: b.closed)
+    finally:
+        a_sock.close()
+        b.close()
