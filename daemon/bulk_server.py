@@ -14,7 +14,6 @@ import os
 import socket
 import struct
 import threading
-import time
 from typing import Callable
 
 import torch
@@ -63,7 +62,6 @@ class BulkListener:
         self.on_arrival: Callable[[], None] | None = None  # told (from a lane's thread) when an upload lands
         # Given direct-lane connections (see genie.transport.stream_framing), from a greeting thread.
         self.on_direct: Callable[[socket.socket, bytes], None] | None = None
-        self.last_transfer = 0.0  # time.monotonic() of the last upload landed or download sent
         threading.Thread(target=self._accept_loop, name="genie-bulk-accept", daemon=True).start()
 
     # ------------------------------------------------------------ connections
@@ -110,8 +108,14 @@ class BulkListener:
         if old is not None:
             old.close()
 
+    @property
+    def last_transfer(self) -> float:
+        """time.monotonic() of the last payload that went through a lane's socket (its thread needed
+        the GIL throughout); payloads in shared memory do not count: their threads barely run."""
+        with self._lock:
+            return max((lane.last_streamed for lane in self._lanes.values()), default=0.0)
+
     def _arrived(self) -> None:
-        self.last_transfer = time.monotonic()
         if self.on_arrival is not None:
             self.on_arrival()
 
@@ -168,7 +172,6 @@ class BulkListener:
         if xfer is None:
             xfer = lane.next_id()
         lane.send(xfer, payload)
-        self.last_transfer = time.monotonic()
         return xfer
 
     def waiting_bytes(self) -> int:

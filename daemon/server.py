@@ -241,7 +241,8 @@ class DaemonServer:
         polling took CPU they needed (4 clients: 642-656 -> 520-577 requests/s). The bulk lanes'
         sockets are polled too, and bytes arriving there end the spin: the lane thread needs the
         GIL this loop would keep taking back (a 4 MiB upload's receive started 0.59 ms late);
-        for the same reason there is no spin within BULK_QUIET_S of a bulk transfer. SPIN_MISSES
+        for the same reason there is no spin within BULK_QUIET_S of a payload through a lane's socket
+        (payloads in shared memory do not count). SPIN_MISSES
         spins in a row that see nothing switch it off for SPIN_BACKOFF_S (genie.transport.busy_poll): a client on these cores
         can be the one kept waiting (4 KiB upload + sync: 0.55 ms without polling, 1.4 ms with,
         each spin running out just before the client's next request came)."""

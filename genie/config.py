@@ -52,6 +52,7 @@ class Config:
     max_inflight_bytes: int
     max_frame_bytes: int
     bulk_min_bytes: int
+    shared_min_bytes: int
     host_pool_bytes: int
     heartbeat: float
     heartbeat_timeout: float
@@ -79,6 +80,7 @@ def load() -> Config:
         max_inflight_bytes=int(_float("GENIE_MAX_INFLIGHT_MB", 256) * (1 << 20)),
         max_frame_bytes=int(_float("GENIE_FRAME_MB", 1024) * (1 << 20)),
         bulk_min_bytes=int(_float("GENIE_BULK_MIN_KB", 4096) * 1024),
+        shared_min_bytes=int(_float("GENIE_SHARED_MIN_KB", 1024) * 1024),
         host_pool_bytes=int(_float("GENIE_HOST_POOL_MB", 1024) * (1 << 20)),
         heartbeat=_float("GENIE_HEARTBEAT", 1.0),
         heartbeat_timeout=_float("GENIE_HEARTBEAT_TIMEOUT", 3.0),

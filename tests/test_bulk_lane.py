@@ -57,7 +57,8 @@ def _ipc_daemon(extra=None, **client_config):
 
 def test_ipc_daemon_passes_payloads_in_shared_memory_used_in_place():
     with _ipc_daemon() as d:
-        assert genie.transport_info()["links"][d.endpoint]["path"] == "zmq+bulk-shared-memory"
+        info = genie.transport_info()["links"][d.endpoint]
+        assert info["path"] == "zmq+bulk-shared-memory" and info["bulk_min_bytes"] == 1 << 20
         lane = _lane()
         src = torch.arange(BIG, dtype=torch.float32)
         x = src.to("remote_accelerator:0")
@@ -78,7 +79,8 @@ def test_ipc_daemon_passes_payloads_in_shared_memory_used_in_place():
 @pytest.mark.parametrize("extra, client", [(["--no-shared-memory"], {}), ([], {"shared_memory": False})])
 def test_shared_memory_can_be_turned_off_on_either_side(extra, client):  # daemon flag; client GENIE_SHARED_MEMORY=0
     with _ipc_daemon(extra, **client) as d:
-        assert genie.transport_info()["links"][d.endpoint]["path"] == "zmq+bulk-unix"
+        info = genie.transport_info()["links"][d.endpoint]
+        assert info["path"] == "zmq+bulk-unix" and info["bulk_min_bytes"] == 4 << 20
         src = torch.arange(BIG, dtype=torch.float32)
         assert torch.equal((src.to("remote_accelerator:0") + 1).cpu(), src + 1)
         assert _lane().bytes_received >= BIG * 4

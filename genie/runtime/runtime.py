@@ -52,6 +52,7 @@ class DaemonLink:
         self.lost: str | None = None  # why this daemon was declared lost, once it is
         self.token = bulk.new_token()  # this client's routing id on the daemon; also opens its bulk lane
         self.bulk_lane: bulk.Lane | None = None
+        self.bulk_min_bytes = 0  # payloads at least this big take the bulk lane (set with the lane)
         self.cuda_ipc_offer: dict | None = None  # hello's cuda_ipc: the daemon takes handles from this host
         self._cuda_ipc_ok: dict[int, bool] = {}  # client GPU index -> whether its tensors go by CUDA IPC
 
@@ -93,6 +94,8 @@ class DaemonLink:
                 self.bulk_lane = await loop.run_in_executor(
                     None, bulk.open_client_lane, address, self.token, self.runtime.host_pool, 1 << 40,
                     min(timeout, 10.0), config.shared_memory)
+                # Shared memory wins from a smaller size than the socket does (see README, GENIE_SHARED_MIN_KB).
+                self.bulk_min_bytes = config.shared_min_bytes if self.bulk_lane.shared else config.bulk_min_bytes
             except (OSError, ConnectionError) as e:
                 log.warning("no bulk lane to %s (large payloads go over ZeroMQ): %s", self.endpoint, e)
         if config.direct_lane:
@@ -502,7 +505,7 @@ class Runtime:
                 "path": link.transport_path(),
                 "cuda_ipc": ("CUDA tensors of this process go by CUDA IPC handle (same host)"
                              if link.cuda_ipc_offer else "no: CUDA tensors travel as bytes"),
-                "bulk_min_bytes": self.config.bulk_min_bytes if lane is not None else None,
+                "bulk_min_bytes": link.bulk_min_bytes if lane is not None else None,
                 "direct_lane": link.channel is not None and link.channel.direct_stream is not None,
                 "encrypted": self.curve is not None,
             }

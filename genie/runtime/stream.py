@@ -130,7 +130,7 @@ class DeviceStream:
         self._not_while_recording("a host-to-device copy")
         lane = self.link.bulk_lane
         nbytes = value.numel() * value.element_size()
-        if lane is None or lane.closed or nbytes < self.link.runtime.config.bulk_min_bytes:
+        if lane is None or lane.closed or nbytes < self.link.bulk_min_bytes:
             return None
         xfer = lane.next_id()
         self.pending_bulk.append((xfer, tensor_bytes(value)))
@@ -187,7 +187,7 @@ class DeviceStream:
                 "fetch": fetch, "report": report}
         lane = self.link.bulk_lane
         if fetch and lane is not None and not lane.closed:
-            body["bulk_min"] = self.link.runtime.config.bulk_min_bytes
+            body["bulk_min"] = self.link.bulk_min_bytes
         frames = self.frames
         if self.recording is not None and (self.ops or frees):
             self.recording.append([self.ops, frees])

@@ -32,6 +32,7 @@ import select
 import socket
 import struct
 import threading
+import time
 from typing import Callable
 
 import numpy as np
@@ -151,6 +152,7 @@ class Lane:
         self.closed = False
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.last_streamed = 0.0  # time.monotonic() when a payload last went through the socket
         self.shared = shared
         self._outgoing = shared_segments.OutgoingSegments(shared_bytes) if shared else None
         self._incoming = shared_segments.IncomingSegments(self._hand_back) if shared else None
@@ -220,6 +222,7 @@ class Lane:
         for i in range(start, payload.nbytes, _SEND_SLICE):
             self.sock.sendall(payload[i:i + _SEND_SLICE])
         self.bytes_sent += payload.nbytes + _HEADER.size
+        self.last_streamed = time.monotonic()
         return deferred
 
     def _send_in_segment(self, segment, xfer: int, payload: memoryview, after_head) -> BaseException | None:
@@ -306,6 +309,9 @@ class Lane:
             if not self.closed:
                 log.info("bulk lane closed: %s", e)
             self.close(e)
+        except Exception as e:  # a bug: close the lane so waiters fail now, not after their timeout
+            log.exception("bulk lane receiver failed")
+            self.close(e)
 
     def _read_header(self) -> tuple[bytes, list[int]]:
         if not self.shared:
@@ -331,6 +337,7 @@ class Lane:
         if nbytes:
             recv_into_exactly(self.sock, memoryview(data.numpy()))
         self.bytes_received += nbytes + _HEADER.size
+        self.last_streamed = time.monotonic()
         self.arrivals.put(xfer, data)
 
     def _receive_control(self, kind: int, xfer: int, nbytes: int, segment: int, fds: list[int]) -> None:

@@ -150,6 +150,23 @@ def test_payloads_cross_in_segments_both_ways_and_segments_come_back(lane_pair):
     assert a.bytes_sent >= 11 * MiB and b.bytes_received >= 11 * MiB
 
 
+def test_only_payloads_through_the_socket_count_as_streamed(lane_pair):
+    a, b = lane_pair  # the daemon spins for requests unless a lane streamed lately (DaemonServer._spin)
+    a.send(1, bulk.tensor_bytes(torch.ones(4 * MiB, dtype=torch.uint8)))
+    b.arrivals.take(1, timeout=10)
+    assert a.last_streamed == b.last_streamed == 0.0
+    a_sock, b_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    plain_a = bulk.Lane(a_sock, HostBufferPool(0), 1 << 30, "pa")
+    plain_b = bulk.Lane(b_sock, HostBufferPool(0), 1 << 30, "pb")
+    try:
+        plain_a.send(1, bulk.tensor_bytes(torch.ones(MiB, dtype=torch.uint8)))
+        plain_b.arrivals.take(1, timeout=10)
+        assert plain_a.last_streamed > 0 and plain_b.last_streamed > 0
+    finally:
+        plain_a.close()
+        plain_b.close()
+
+
 def test_a_payload_taken_at_send_time_is_not_changed_by_later_writes(lane_pair):
     a, b = lane_pair
     data = torch.zeros(4 * MiB, dtype=torch.uint8)
