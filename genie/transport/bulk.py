@@ -53,7 +53,6 @@ STREAM = 1     # the payload follows on the socket
 SEGMENT = 2    # the payload is in the sender's segment (whose fd rides along the first time)
 HAND_BACK = 3  # the receiver no longer uses the sender's segment
 FORGET = 4     # the sender dropped one of its (idle) segments: the receiver unmaps it
-SHARED_BYTES = 1 << 30  # default bound on one side's segments
 UNIX_BUFFER_BYTES = 4 << 20
 _SEND_SLICE = 64 << 20  # sendall in slices: bounded time per call, and the GIL is let go between
 HEAD_BYTES = 64 << 10  # sent before the `after_head` callback of `Lane.send`
@@ -136,12 +135,12 @@ class Lane:
 
     `shared`: both ends agreed (by the greeting) to pass payloads in shared-memory segments (see
     `shared_segments`; Unix sockets, same user). Then a payload goes in a segment when one is free
-    or can be made within `shared_bytes`, else through the socket.
+    or can be made within `segments`' bounds, else through the socket.
     """
 
     def __init__(self, sock: socket.socket, pool: HostBufferPool, max_transfer: int, name: str,
                  on_close: Callable[["Lane"], None] | None = None, shared: bool = False,
-                 shared_bytes: int = SHARED_BYTES) -> None:
+                 segments: shared_segments.OutgoingSegments | None = None) -> None:
         self.sock = sock
         self.pool = pool
         self.max_transfer = max_transfer
@@ -154,7 +153,7 @@ class Lane:
         self.bytes_received = 0
         self.last_streamed = 0.0  # time.monotonic() when a payload last went through the socket
         self.shared = shared
-        self._outgoing = shared_segments.OutgoingSegments(shared_bytes) if shared else None
+        self._outgoing = (segments or shared_segments.OutgoingSegments()) if shared else None
         self._incoming = shared_segments.IncomingSegments(self._hand_back) if shared else None
         # Records about segments (hand-backs, forgets) waiting for a turn on the socket; see _flush_controls.
         self._controls: collections.deque[bytes] = collections.deque()

@@ -54,6 +54,18 @@ def test_segments_are_reused_once_handed_back_and_bounded():
     out.close()
 
 
+def test_segments_in_use_are_bounded_by_the_receivers_bound_idle_ones_by_their_own():
+    out = shared_segments.OutgoingSegments(max_bytes=64 * MiB, idle_bytes=6 * MiB)
+    busy = [out.acquire(8 * MiB)[0] for _ in range(4)]  # 32 MiB in use: beyond the idle bound, fine
+    assert all(s is not None for s in busy) and out.held_bytes() == 32 * MiB
+    for s in busy:
+        s.peer_has_fd = True
+        out.release(s.ident)
+    small, dropped = out.acquire(2 * MiB)  # 32 MiB idle > 6: all but what fits go
+    assert small is not None and len(dropped) == 4 and out.held_bytes() == 2 * MiB
+    out.close()
+
+
 def test_idle_segments_are_dropped_to_make_room_and_reported_if_the_peer_knows_them():
     out = shared_segments.OutgoingSegments(max_bytes=8 * MiB)
     a, _ = out.acquire(4 * MiB)
@@ -127,8 +139,10 @@ def test_receiver_bounds_what_a_peer_may_make_it_map():
 @pytest.fixture
 def lane_pair():
     a_sock, b_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    a = bulk.Lane(a_sock, HostBufferPool(0), 1 << 34, "a", shared=True, shared_bytes=16 * MiB)
-    b = bulk.Lane(b_sock, HostBufferPool(0), 1 << 34, "b", shared=True, shared_bytes=16 * MiB)
+    a = bulk.Lane(a_sock, HostBufferPool(0), 1 << 34, "a", shared=True,
+                  segments=shared_segments.OutgoingSegments(max_bytes=16 * MiB))
+    b = bulk.Lane(b_sock, HostBufferPool(0), 1 << 34, "b", shared=True,
+                  segments=shared_segments.OutgoingSegments(max_bytes=16 * MiB))
     yield a, b
     a.close()
     b.close()
