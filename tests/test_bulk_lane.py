@@ -76,6 +76,18 @@ def test_ipc_daemon_passes_payloads_in_shared_memory_used_in_place():
         assert lane._outgoing.held_bytes() <= 3 * size_class(BIG * 4)
 
 
+def test_a_result_in_the_daemons_segment_outlives_the_daemon():
+    with _ipc_daemon() as d:
+        src = torch.randn(BIG)
+        y = (src.to("remote_accelerator:0") * 3).cpu()
+        assert _lane()._incoming.in_use() == 1  # y lives in the daemon's segment
+        d.proc.kill()
+        d.proc.wait(10)
+        assert torch.equal(y, src * 3)  # the mapping keeps the memory: still readable, still right
+        y.add_(1)  # and writable
+        assert torch.equal(y, src * 3 + 1)
+
+
 @pytest.mark.parametrize("extra, client", [(["--no-shared-memory"], {}), ([], {"shared_memory": False})])
 def test_shared_memory_can_be_turned_off_on_either_side(extra, client):  # daemon flag; client GENIE_SHARED_MEMORY=0
     with _ipc_daemon(extra, **client) as d:
