@@ -678,7 +678,8 @@ _BLOCKING_OPS = frozenset({"genie::recv"})
 
 def _small(request) -> bool:
     # Only requests a client is blocked on gain from running inline. Bulk uploads are in by the
-    # time a request gets here (see `_park`); bulk downloads write to a socket: never inline.
+    # time a request gets here (see `_park`); bulk downloads write to a socket: never inline
+    # (clients ask for them, with bulk_min, only when a fetched tensor is big enough to go so).
     return ((request.waited or request.fetch or request.report) and len(request.ops) <= INLINE_MAX_OPS
             and len(request.fetch) <= 4 and not request.bulk_min
             and not any(op.name in _BLOCKING_OPS for op in request.ops))

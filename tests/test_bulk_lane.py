@@ -223,3 +223,15 @@ def test_a_refused_direct_post_is_reported_by_the_next_sync(dev):
         torch.remote_accelerator.synchronize()
     torch.remote_accelerator.synchronize()  # said once
     assert (torch.ones(3, device=dev) * 2).cpu().tolist() == [2.0, 2.0, 2.0]
+
+
+def test_only_fetches_of_big_tensors_ask_for_the_bulk_lane(dev):
+    # A request without bulk_min may be answered on the daemon's event loop (no worker hop).
+    stream = genie.get_runtime().stream(0)
+    threshold = genie.get_runtime().links[0].bulk_min_bytes
+    with stream.lock:
+        assert "bulk_min" not in stream._take(fetch=[1], report=False, largest=threshold - 1)[0]
+        assert stream._take(fetch=[1], report=False, largest=threshold)[0]["bulk_min"] == threshold
+        assert stream._take(fetch=[1], report=False)[0]["bulk_min"] == threshold  # size unknown
+    small, big = torch.randn(1000), torch.randn(BIG)
+    assert torch.equal(small.to(dev).cpu(), small) and torch.equal(big.to(dev).cpu(), big)

@@ -26,13 +26,19 @@ def _group(tensors: list[LazyTensor]) -> dict:
     return groups
 
 
+def _largest(tensors: list, idx: list[int]) -> int:
+    """Bytes of the biggest of these tensors (their shapes are known here before any data is)."""
+    return max(tensors[i].numel() * tensors[i].element_size() for i in idx)
+
+
 def to_cpu_many(tensors: list) -> list[torch.Tensor]:
     tensors = [_check(t) for t in tensors]
     out: list = [None] * len(tensors)
     groups = _group(tensors)
     # One group: block on it directly. Several: post them all first so the daemons work in parallel.
     direct = len(groups) == 1
-    futures = [(s, idx, s.fetch_async([tensors[i]._genie.id for i in idx], direct=direct))
+    futures = [(s, idx, s.fetch_async([tensors[i]._genie.id for i in idx], direct=direct,
+                                      largest=_largest(tensors, idx)))
                for s, idx in groups.items()]
     for stream, idx, future in futures:
         reply = stream.link.wait(future)
@@ -51,7 +57,8 @@ async def materialize_many(tensors: list) -> list[torch.Tensor]:
     tensors = [_check(t) for t in tensors]
     out: list = [None] * len(tensors)
     groups = _group(tensors)
-    pending = [(s, idx, asyncio.wrap_future(s.fetch_async([tensors[i]._genie.id for i in idx])))
+    pending = [(s, idx, asyncio.wrap_future(s.fetch_async([tensors[i]._genie.id for i in idx],
+                                                          largest=_largest(tensors, idx))))
                for s, idx in groups.items()]
     replies = await asyncio.gather(*(f for _, _, f in pending))
     for (stream, idx, _), reply in zip(pending, replies):

@@ -179,14 +179,14 @@ class DeviceStream:
         elif len(self.ops) >= self.batch_ops or self.inline_bytes >= self.batch_bytes:
             self._post(self._take(fetch=[], report=False), wait=False)
 
-    def _take(self, fetch: list[int], report: bool) -> tuple[dict, list]:
+    def _take(self, fetch: list[int], report: bool, largest: int | None = None) -> tuple[dict, list]:
         frees = []
         while self.frees:
             frees.append(self.frees.popleft())
         body = {"dev": self.local_index, "stream": self.batch_stream, "ops": self.ops, "frees": frees,
                 "fetch": fetch, "report": report}
         lane = self.link.bulk_lane
-        if fetch and lane is not None and not lane.closed:
+        if fetch and lane is not None and not lane.closed and (largest is None or largest >= self.link.bulk_min_bytes):
             body["bulk_min"] = self.link.bulk_min_bytes
         frames = self.frames
         if self.recording is not None and (self.ops or frees):
@@ -257,14 +257,17 @@ class DeviceStream:
         self._wait_settled()
         self._raise_async_error()
 
-    def fetch_async(self, handles: list[int], direct: bool = False) -> concurrent.futures.Future:
-        """`direct=True` only for callers that block on the result right away."""
+    def fetch_async(self, handles: list[int], direct: bool = False, largest: int | None = None
+                    ) -> concurrent.futures.Future:
+        """`direct=True` only for callers that block on the result right away. `largest`: the
+        biggest fetched tensor's bytes, when known: below the bulk threshold the request does not
+        ask for the bulk lane, and the daemon may answer it on its event loop (one thread hop less)."""
         self._not_while_recording("reading a tensor's value")
         with self.lock:
-            return self._post(self._take(fetch=handles, report=False), wait=True, direct=direct)
+            return self._post(self._take(fetch=handles, report=False, largest=largest), wait=True, direct=direct)
 
-    def fetch(self, handles: list[int]) -> list[torch.Tensor]:
-        reply = self.link.wait(self.fetch_async(handles, direct=True))
+    def fetch(self, handles: list[int], largest: int | None = None) -> list[torch.Tensor]:
+        reply = self.link.wait(self.fetch_async(handles, direct=True, largest=largest))
         self._raise_async_error()
         return self.decode_fetched(reply)
 
