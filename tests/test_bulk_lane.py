@@ -229,7 +229,9 @@ def test_only_fetches_of_big_tensors_ask_for_the_bulk_lane(dev):
     # A request without bulk_min may be answered on the daemon's event loop (no worker hop).
     stream = genie.get_runtime().stream(0)
     threshold = genie.get_runtime().links[0].bulk_min_bytes
+    torch.remote_accelerator.synchronize()  # nothing queued: the _take calls below drop no ops
     with stream.lock:
+        assert not stream.ops and not stream.frees
         assert "bulk_min" not in stream._take(fetch=[1], report=False, largest=threshold - 1)[0]
         assert stream._take(fetch=[1], report=False, largest=threshold)[0]["bulk_min"] == threshold
         assert stream._take(fetch=[1], report=False)[0]["bulk_min"] == threshold  # size unknown
