@@ -6,6 +6,7 @@ import dataclasses
 import os
 import shutil
 import socket
+import time
 
 import pytest
 import torch
@@ -237,3 +238,35 @@ def test_only_fetches_of_big_tensors_ask_for_the_bulk_lane(dev):
         assert stream._take(fetch=[1], report=False)[0]["bulk_min"] == threshold  # size unknown
     small, big = torch.randn(1000), torch.randn(BIG)
     assert torch.equal(small.to(dev).cpu(), small) and torch.equal(big.to(dev).cpu(), big)
+
+
+def test_threads_sharing_a_shared_memory_lane_get_their_own_bytes_back():
+    import threading
+
+    with _ipc_daemon():
+        lane = _lane()
+        errors = []
+
+        def work(seed):
+            try:
+                g = torch.Generator().manual_seed(seed)
+                for i in range(12):
+                    n = (1 + (seed + i) % 3) * (1 << 20) // 4 * 2  # 2, 4 or 6 MiB
+                    src = torch.randn(n, generator=g)
+                    y = (src.to("remote_accelerator:0") + seed).cpu()
+                    if not torch.equal(y, src + seed):
+                        errors.append(f"thread {seed} round {i}: wrong bytes")
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(f"thread {seed}: {e!r}")
+
+        threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads) and errors == []
+        assert not lane.closed
+        deadline = time.monotonic() + 10
+        while lane._incoming.in_use() or any(s.busy for s in lane._outgoing._segments.values()):
+            assert time.monotonic() < deadline, "segments were not all handed back"
+            time.sleep(0.01)
