@@ -38,14 +38,14 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .errors import ProtocolError
 from . import shared_segments
+from .errors import ProtocolError
 from .hostmem import HostBufferPool
 
 log = logging.getLogger("genie.transport")
 
 MAGIC = b"GNB2"          # a bulk lane: payloads through the socket
-MAGIC_SHARED = b"GNS2"   # a bulk lane on which payloads may go through shared-memory rings
+MAGIC_SHARED = b"GNS2"   # a bulk lane on which payloads may go in shared-memory segments
 TOKEN_BYTES = 16
 # Every record: kind, transfer id, payload bytes, segment (shared-memory lanes; 0 otherwise).
 _HEADER = struct.Struct("<IQQQ")
@@ -186,12 +186,13 @@ class Lane:
         stream must stay in step).
         """
         payload = payload.cast("B") if payload.format != "B" or payload.ndim != 1 else payload
-        segment, forgotten = None, []
-        if self._outgoing is not None and payload.nbytes:
-            segment, forgotten = self._outgoing.acquire(payload.nbytes)
         with self._send_lock:
             if self.closed:
                 raise ConnectionError("bulk lane is closed")
+            segment, forgotten = None, []
+            if self._outgoing is not None and payload.nbytes:
+                # Under the lock: the receiver hears of dropped segments before of any new one.
+                segment, forgotten = self._outgoing.acquire(payload.nbytes)
             try:
                 self._controls.extend(_HEADER.pack(FORGET, 0, 0, ident) for ident in forgotten)
                 self._write_controls(blocking=True)

@@ -53,10 +53,10 @@ def same_user(sock) -> bool:
     import struct
 
     try:
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("iII"))
     except OSError:
         return False
-    _pid, uid, _gid = struct.unpack("3i", creds)
+    _pid, uid, _gid = struct.unpack("iII", creds)  # struct ucred
     return uid == os.getuid()
 
 

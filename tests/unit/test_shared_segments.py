@@ -236,3 +236,12 @@ def test_a_plain_lane_refuses_segment_records():
     finally:
         a_sock.close()
         b.close()
+
+
+def test_peers_of_one_user_are_recognised():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with a, b:
+        assert shared_segments.same_user(a) and shared_segments.same_user(b)
+    tcp = socket.socket()
+    with tcp:
+        assert not shared_segments.same_user(tcp)  # no peer credentials: not agreed
