@@ -252,16 +252,18 @@ class Lane:
         be the receiving one, and if both sides' receiving threads waited to send, neither would read.
         Otherwise the sender writes them at its next turn."""
         while (self._controls or self._unsent) and self._send_lock.acquire(blocking=False):
+            failure = None
             try:
                 if self.closed:
                     return
                 self._write_controls(blocking=False)
             except OSError as e:
+                failure = e
+            finally:
                 self._send_lock.release()
-                self.close(e)
+            if failure is not None:
+                self.close(failure)
                 return
-            else:
-                self._send_lock.release()
             if self._unsent:  # the socket is full: the receiving loop tries again shortly
                 return
 

@@ -115,7 +115,7 @@ class OutgoingSegments:
                     return segment, dropped
             total = sum(s.nbytes for s in self._segments.values())
             idle = sum(s.nbytes for s in self._segments.values() if not s.busy)
-            for segment in [s for s in self._segments.values() if not s.busy]:  # oldest first
+            for segment in [s for s in self._segments.values() if not s.busy]:  # first made, first dropped
                 if total + size <= self.max_bytes and idle <= self.idle_bytes:
                     break
                 del self._segments[segment.ident]

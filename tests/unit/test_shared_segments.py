@@ -181,6 +181,25 @@ def test_only_payloads_through_the_socket_count_as_streamed(lane_pair):
         plain_b.close()
 
 
+def test_a_dropped_segment_is_forgotten_by_the_receiver_before_a_new_one_comes():
+    a_sock, b_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    a = bulk.Lane(a_sock, HostBufferPool(0), 1 << 30, "a", shared=True,
+                  segments=shared_segments.OutgoingSegments(max_bytes=64 * MiB, idle_bytes=0))
+    b = bulk.Lane(b_sock, HostBufferPool(0), 1 << 30, "b", shared=True)
+    try:
+        a.send(1, bulk.tensor_bytes(torch.ones(4 * MiB, dtype=torch.uint8)))
+        b.arrivals.take(1, timeout=10)  # dropped at once: handed back
+        _wait_for(lambda: not any(s.busy for s in a._outgoing._segments.values()))
+        assert b._incoming._mapped == 4 * MiB
+        a.send(2, bulk.tensor_bytes(torch.full((6 * MiB,), 2, dtype=torch.uint8)))
+        assert int(b.arrivals.take(2, timeout=10)[-1]) == 2
+        assert b._incoming._mapped == 6 * MiB and a._outgoing.held_bytes() == 6 * MiB  # the 4 MiB one is gone
+        assert not a.closed and not b.closed
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_payload_taken_at_send_time_is_not_changed_by_later_writes(lane_pair):
     a, b = lane_pair
     data = torch.zeros(4 * MiB, dtype=torch.uint8)
