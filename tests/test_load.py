@@ -7,12 +7,14 @@ Prints requests/s (a figure to read, not a timed assertion).
 from __future__ import annotations
 
 import multiprocessing as mp
+import shutil
 import time
 
 import msgpack
+import pytest
 import zmq
 
-from daemons import DaemonProcess
+from daemons import DaemonProcess, ipc_endpoint
 from genie.transport import protocol
 from load_worker import client
 
@@ -39,13 +41,18 @@ def _stats(endpoint: str) -> dict:
         ctx.term()
 
 
-def test_16_clients_x_200_mixed_requests_all_correct_memory_back_to_baseline():
-    with DaemonProcess() as daemon:
+@pytest.mark.parametrize("transport, clients, requests", [
+    ("tcp", CLIENTS, REQUESTS),
+    ("ipc", 6, 80),  # the 1 MiB payloads go in shared memory: hand-backs from many threads and processes
+])
+def test_many_clients_x_mixed_requests_all_correct_memory_back_to_baseline(transport, clients, requests):
+    ipc, tmpdir = ipc_endpoint()
+    with DaemonProcess(ipc if transport == "ipc" else "tcp://127.0.0.1:0") as daemon:
         baseline = _stats(daemon.endpoint)
         ctx = mp.get_context("spawn")
         start, out = ctx.Event(), ctx.Queue()
-        procs = [ctx.Process(target=client, args=(daemon.endpoint, seed, REQUESTS, THREADS, start, out), daemon=True)
-                 for seed in range(1, CLIENTS + 1)]
+        procs = [ctx.Process(target=client, args=(daemon.endpoint, seed, requests, THREADS, start, out), daemon=True)
+                 for seed in range(1, clients + 1)]
         for p in procs:
             p.start()
         try:
@@ -60,12 +67,13 @@ def test_16_clients_x_200_mixed_requests_all_correct_memory_back_to_baseline():
         errors = [e for r in results for e in r[3]]
         assert not errors, "\n".join(errors[:5])
         done = sum(r[2] for r in results)
-        assert done == CLIENTS * REQUESTS
+        assert done == clients * requests
         wall = max(r[1] for r in results)
-        print(f"load: {CLIENTS} clients x {REQUESTS} mixed requests ({THREADS} threads each): "
+        print(f"load over {transport}: {clients} clients x {requests} mixed requests ({THREADS} threads each): "
               f"{done} verified in {wall:.2f} s = {done / wall:.0f} requests/s")
         deadline = time.monotonic() + 10
         while (after := _stats(daemon.endpoint)) != baseline and time.monotonic() < deadline:
             time.sleep(0.1)
         assert after == baseline, (baseline, after)
         assert daemon.proc.poll() is None
+    shutil.rmtree(tmpdir, ignore_errors=True)
