@@ -35,6 +35,7 @@ from .errors import ProtocolError
 
 SEGMENT_CLASS_BYTES = 2 << 20  # segment sizes are multiples of this
 MAX_PEER_BYTES = 64 << 30      # the most a receiver maps of one peer's segments at once
+MAX_PEER_SEGMENTS = 4096       # and in how many mappings (a process has ~65,000: vm.max_map_count)
 IDLE_BYTES = 1 << 30           # the most a sender keeps of segments nobody uses, for reuse
 REQUIRED_SEALS = getattr(fcntl, "F_SEAL_SHRINK", 0) | getattr(fcntl, "F_SEAL_GROW", 0)
 
@@ -96,9 +97,11 @@ class OutgoingSegments:
     are a cache of already-faulted memory (a fresh segment is written at ~1.2 GB/s here, a
     reused one at memcpy speed), bounded like the host buffer pool."""
 
-    def __init__(self, max_bytes: int = MAX_PEER_BYTES, idle_bytes: int = IDLE_BYTES) -> None:
+    def __init__(self, max_bytes: int = MAX_PEER_BYTES, idle_bytes: int = IDLE_BYTES,
+                 max_segments: int = MAX_PEER_SEGMENTS) -> None:
         self.max_bytes = max_bytes
         self.idle_bytes = idle_bytes
+        self.max_segments = max_segments
         self._segments: dict[int, Segment] = {}
         self._next_ident = 1
         self._lock = threading.Lock()
@@ -116,7 +119,8 @@ class OutgoingSegments:
             total = sum(s.nbytes for s in self._segments.values())
             idle = sum(s.nbytes for s in self._segments.values() if not s.busy)
             for segment in [s for s in self._segments.values() if not s.busy]:  # first made, first dropped
-                if total + size <= self.max_bytes and idle <= self.idle_bytes:
+                if (total + size <= self.max_bytes and idle <= self.idle_bytes
+                        and len(self._segments) < self.max_segments):
                     break
                 del self._segments[segment.ident]
                 segment.close()
@@ -124,7 +128,7 @@ class OutgoingSegments:
                 idle -= segment.nbytes
                 if segment.peer_has_fd:
                     dropped.append(segment.ident)
-            if total + size > self.max_bytes:
+            if total + size > self.max_bytes or len(self._segments) >= self.max_segments:
                 return None, dropped
             try:
                 segment = Segment(self._next_ident, size)
@@ -166,8 +170,10 @@ class IncomingSegments:
     payload's storage is freed: the segment goes back to the sender.
     """
 
-    def __init__(self, on_free: Callable[[int], None], max_bytes: int = MAX_PEER_BYTES) -> None:
+    def __init__(self, on_free: Callable[[int], None], max_bytes: int = MAX_PEER_BYTES,
+                 max_segments: int = MAX_PEER_SEGMENTS) -> None:
         self.max_bytes = max_bytes
+        self.max_segments = max_segments
         self._maps: dict[int, mmap.mmap] = {}
         self._busy: set[int] = set()
         self._mapped = 0
@@ -191,9 +197,10 @@ class IncomingSegments:
                 raise ProtocolError("a shared segment must be sealed against shrinking and growing")
             size = info.st_size
             with self._lock:
-                if size <= 0 or size % SEGMENT_CLASS_BYTES or self._mapped + size > self.max_bytes:
-                    raise ProtocolError(f"a shared segment of {size} bytes is refused "
-                                        f"({self._mapped} of at most {self.max_bytes} bytes mapped)")
+                if (size <= 0 or size % SEGMENT_CLASS_BYTES or self._mapped + size > self.max_bytes
+                        or len(self._maps) >= self.max_segments):
+                    raise ProtocolError(f"a shared segment of {size} bytes is refused ({self._mapped} of at most "
+                                        f"{self.max_bytes} bytes mapped, in {len(self._maps)} segments)")
                 self._maps[ident] = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
                 self._mapped += size
         finally:

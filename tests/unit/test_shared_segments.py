@@ -122,6 +122,18 @@ def test_receiver_refuses_what_is_not_a_sealed_segment(make, why):
         os.fstat(fd)  # attach closed it either way
 
 
+def test_segments_are_bounded_in_number_too():
+    out = shared_segments.OutgoingSegments(max_segments=2)
+    a, _ = out.acquire(MiB)
+    b, _ = out.acquire(MiB)
+    assert out.acquire(MiB)[0] is None  # a third would exceed what the receiver maps
+    out.close()
+    incoming = shared_segments.IncomingSegments(lambda ident: None, max_segments=1)
+    incoming.attach(1, _sealed_memfd(2 * MiB))
+    with pytest.raises(ProtocolError, match="1 segments"):
+        incoming.attach(2, _sealed_memfd(2 * MiB))
+
+
 def test_receiver_bounds_what_a_peer_may_make_it_map():
     incoming = shared_segments.IncomingSegments(lambda ident: None, max_bytes=4 * MiB)
     incoming.attach(1, _sealed_memfd(4 * MiB))
