@@ -55,7 +55,7 @@ class BulkListener:
         self.max_transfer = max_transfer
         self.pool = HostBufferPool(pool_bytes)
         self.send_timeout_s = send_timeout_s
-        self.shared_memory = shared_memory  # agree to shared-memory rings with clients that ask (Unix lanes)
+        self.shared_memory = shared_memory  # agree to shared-memory segments with clients that ask (Unix lanes)
         self._lanes: dict[bytes, bulk.Lane] = {}
         self._lock = threading.Lock()
         self._closed = False

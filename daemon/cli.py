@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "handles are only ever accepted on an ipc:// or loopback endpoint")
     p.add_argument("--no-shared-memory", action="store_true",
                    default=os.environ.get("GENIE_SHARED_MEMORY", "1") == "0",
-                   help="refuse shared-memory rings for large payloads on ipc:// bulk lanes (they then go "
+                   help="refuse shared-memory segments for large payloads on ipc:// bulk lanes (they then go "
                         "through the Unix socket); env GENIE_SHARED_MEMORY=0")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--log-level", default=os.environ.get("GENIE_LOG_LEVEL", "INFO"))

@@ -75,7 +75,7 @@ class DaemonServer:
                  shared_memory: bool = True) -> None:
         self.endpoint = endpoint
         self.cuda_ipc_allowed = cuda_ipc_allowed
-        self.shared_memory = shared_memory  # shared-memory rings on ipc:// bulk lanes
+        self.shared_memory = shared_memory  # shared-memory segments on ipc:// bulk lanes
         self.ipc_offer: dict | None = None  # hello's cuda_ipc: set once bound, where handles are accepted
         self._busy_poll = BusyPoll(spin_s)  # an idle daemon polls for the next request before sleeping
         self.curve = curve  # ServerKeys: CURVE on, only allow-listed clients; None: plaintext, open
