@@ -299,6 +299,9 @@ class Lane:
                     continue
                 header, fds = self._read_header()
                 kind, xfer, nbytes, segment = _HEADER.unpack(header)
+                if nbytes > self.max_transfer:  # control records carry 0
+                    _close_all(fds)
+                    raise ProtocolError(f"bulk transfer of {nbytes} bytes exceeds the limit of {self.max_transfer}")
                 if kind == STREAM and not fds:
                     self._receive_stream(xfer, nbytes)
                 elif kind in (SEGMENT, HAND_BACK, FORGET) and self.shared:
@@ -333,8 +336,6 @@ class Lane:
         return data, fds
 
     def _receive_stream(self, xfer: int, nbytes: int) -> None:
-        if nbytes > self.max_transfer:
-            raise ProtocolError(f"bulk transfer of {nbytes} bytes exceeds the limit of {self.max_transfer}")
         data = self.pool.take(nbytes)
         if nbytes:
             recv_into_exactly(self.sock, memoryview(data.numpy()))
@@ -355,8 +356,6 @@ class Lane:
         else:
             if fds:
                 self._incoming.attach(segment, fds[0])
-            if nbytes > self.max_transfer:
-                raise ProtocolError(f"bulk transfer of {nbytes} bytes exceeds the limit of {self.max_transfer}")
             data = self._incoming.payload(segment, nbytes)
             self.bytes_received += nbytes + _HEADER.size
             self.arrivals.put(xfer, data)

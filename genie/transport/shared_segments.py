@@ -23,7 +23,9 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import socket
 import stat
+import struct
 import threading
 import weakref
 from typing import Callable
@@ -42,17 +44,12 @@ REQUIRED_SEALS = getattr(fcntl, "F_SEAL_SHRINK", 0) | getattr(fcntl, "F_SEAL_GRO
 
 def supported() -> bool:
     """Whether this platform has what segments need: memfd with seals, and fd passing on sockets."""
-    import socket
-
     return (hasattr(os, "memfd_create") and hasattr(os, "MFD_ALLOW_SEALING") and hasattr(fcntl, "F_ADD_SEALS")
             and hasattr(fcntl, "F_GET_SEALS") and hasattr(socket, "send_fds") and hasattr(socket, "SO_PEERCRED"))
 
 
 def same_user(sock) -> bool:
     """Whether the process at the other end of Unix socket `sock` runs as this process's user."""
-    import socket
-    import struct
-
     try:
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("iII"))
     except OSError:

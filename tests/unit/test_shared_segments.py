@@ -276,3 +276,21 @@ def test_peers_of_one_user_are_recognised():
     tcp = socket.socket()
     with tcp:
         assert not shared_segments.same_user(tcp)  # no peer credentials: not agreed
+
+
+@pytest.mark.parametrize("kind", [bulk.STREAM, bulk.SEGMENT])
+def test_a_transfer_over_the_receivers_limit_closes_the_lane(kind):
+    a_sock, b_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    b = bulk.Lane(b_sock, HostBufferPool(0), 4096, "b", shared=True)
+    try:
+        fd = _sealed_memfd(2 * MiB)
+        try:
+            socket.send_fds(a_sock, [bulk._HEADER.pack(kind, 1, 4097, 1)], [fd])
+        finally:
+            os.close(fd)
+        _wait_for(lambda: b.closed)
+        with pytest.raises(ConnectionError, match="exceeds the limit"):
+            b.arrivals.take(1, timeout=1)
+    finally:
+        a_sock.close()
+        b.close()
