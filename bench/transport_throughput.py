@@ -10,10 +10,12 @@ In one run, for each size and transport:
 Over ipc Genie is measured twice: as it runs by default (payloads of 4 MiB and more in shared
 memory, client and daemon being one user on one host) and with the daemon's --no-shared-memory
 (the same payloads through the Unix socket).
-Throughput is payload bytes / median time of several repetitions (25 for payloads up to 16 MB,
-fewer for larger ones, at least --repeats).
+The four take turns in rounds of a few transfers each, so that each ratio compares times taken
+under the same conditions (this shared machine's speed drifts by tens of percent from one second
+to the next). Throughput is payload bytes / median time of several repetitions (25 for payloads
+up to 16 MB, fewer for larger ones, at least --repeats).
 
-    python -m bench.transport_throughput [--max-mb 1024] [--repeats 3]
+    python -m bench.transport_throughput [--max-mb 1024] [--min-mb 0] [--repeats 3] [--only tcp,ipc]
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import zmq
 from bench.common import machine, median, print_table, write_json
 from genie.transport.bulk import widen_buffers
 
+ROUNDS = 5  # the methods take turns this many times per size (fewer for the largest payloads)
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30]
 
 
@@ -64,33 +67,34 @@ def _raw_server(family, address, ready, max_size):
         conn.sendall(b"k")
 
 
-def raw_socket_times(kind: str, sizes: list[int], repeats: int) -> dict[int, float]:
-    if kind == "tcp":
-        family, address = socket.AF_INET, ("127.0.0.1", 0)
-    else:
-        family, address = socket.AF_UNIX, os.path.join(tempfile.mkdtemp(), "raw.sock")
-    ready = mp.Queue()
-    p = mp.Process(target=_raw_server, args=(family, address, ready, max(sizes)), daemon=True)
-    p.start()
-    cli = socket.socket(family, socket.SOCK_STREAM)
-    widen_buffers(cli)
-    cli.connect(ready.get(timeout=30))
-    if family == socket.AF_INET:
-        cli.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no Nagle delay on small sends
-    out = {}
-    for n in sizes:
-        payload = memoryview(bytearray(n))
-        times = []
-        for _ in range(repetitions(n, repeats) + 1):
-            t0 = time.perf_counter()
-            cli.sendall(n.to_bytes(8, "little"))
-            cli.sendall(payload)
-            cli.recv(1)
-            times.append(time.perf_counter() - t0)
-        out[n] = median(times[1:])
-    cli.close()
-    p.terminate()
-    return out
+class RawSocket:
+    """A client of `_raw_server` in another process; `transfer(n)` times one payload and its ack."""
+
+    def __init__(self, kind: str, max_size: int) -> None:
+        if kind == "tcp":
+            family, address = socket.AF_INET, ("127.0.0.1", 0)
+        else:
+            family, address = socket.AF_UNIX, os.path.join(tempfile.mkdtemp(), "raw.sock")
+        ready = mp.Queue()
+        self.process = mp.Process(target=_raw_server, args=(family, address, ready, max_size), daemon=True)
+        self.process.start()
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        widen_buffers(self.sock)
+        self.sock.connect(ready.get(timeout=30))
+        if family == socket.AF_INET:
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no Nagle delay on small sends
+        self.payload = memoryview(bytearray(max_size))
+
+    def transfer(self, n: int) -> float:
+        t0 = time.perf_counter()
+        self.sock.sendall(n.to_bytes(8, "little"))
+        self.sock.sendall(self.payload[:n])
+        self.sock.recv(1)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.sock.close()
+        self.process.terminate()
 
 
 # ---------------------------------------------------------------- plain pyzmq
@@ -110,62 +114,106 @@ def _zmq_server(endpoint, ready):
         s.send_multipart([identity, b"k"])
 
 
-def zmq_times(kind: str, sizes: list[int], repeats: int) -> dict[int, float]:
-    endpoint = "tcp://127.0.0.1:0" if kind == "tcp" else f"ipc://{tempfile.mkdtemp()}/zmq.sock"
-    ready = mp.Queue()
-    p = mp.Process(target=_zmq_server, args=(endpoint, ready), daemon=True)
-    p.start()
-    ctx = zmq.Context()
-    c = ctx.socket(zmq.DEALER)
-    c.connect(ready.get(timeout=30))
-    out = {}
-    for n in sizes:
-        payload = bytearray(n)
-        times = []
-        for _ in range(repetitions(n, repeats) + 1):
-            t0 = time.perf_counter()
-            c.send(payload, copy=n < 65536)
-            c.recv()
-            times.append(time.perf_counter() - t0)
-        out[n] = median(times[1:])
-    c.close(0)
-    ctx.term()
-    p.terminate()
-    return out
+class PlainZmq:
+    """A DEALER talking to `_zmq_server` in another process; `transfer(n)` times one payload and its ack."""
+
+    def __init__(self, kind: str, max_size: int) -> None:
+        endpoint = "tcp://127.0.0.1:0" if kind == "tcp" else f"ipc://{tempfile.mkdtemp()}/zmq.sock"
+        ready = mp.Queue()
+        self.process = mp.Process(target=_zmq_server, args=(endpoint, ready), daemon=True)
+        self.process.start()
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.connect(ready.get(timeout=30))
+        self.payload = memoryview(bytearray(max_size))
+
+    def transfer(self, n: int) -> float:
+        t0 = time.perf_counter()
+        self.sock.send(self.payload[:n], copy=n < 65536)
+        self.sock.recv()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+        self.process.terminate()
 
 
 # ---------------------------------------------------------------- genie
 
 
-def genie_times(endpoint: str, sizes: list[int], repeats: int) -> tuple[dict[int, float], dict[int, float]]:
-    import genie
+class GenieTransfers:
+    """`upload(n)`: `t.to("remote_accelerator:0")` then synchronize; `download()`: `.cpu()` of it."""
 
-    genie.init(endpoint)
-    ra = torch.remote_accelerator
-    up, down = {}, {}
-    for n in sizes:
-        host = torch.empty(n // 4, dtype=torch.float32).fill_(1.0)
-        t_up, t_down = [], []
-        for _ in range(repetitions(n, repeats) + 1):
-            t0 = time.perf_counter()
-            remote = host.to("remote_accelerator:0")
-            ra.synchronize()
-            t_up.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            back = remote.cpu()
-            t_down.append(time.perf_counter() - t0)
-            del remote, back
-        up[n], down[n] = median(t_up[1:]), median(t_down[1:])
-    genie.shutdown()
-    return up, down
+    def __init__(self, endpoint: str) -> None:
+        import genie
+
+        genie.init(endpoint)
+        self.genie = genie
+        self.remote = None
+
+    def upload(self, host: torch.Tensor) -> float:
+        t0 = time.perf_counter()
+        self.remote = host.to("remote_accelerator:0")
+        torch.remote_accelerator.synchronize()
+        return time.perf_counter() - t0
+
+    def download(self) -> float:
+        t0 = time.perf_counter()
+        back = self.remote.cpu()
+        elapsed = time.perf_counter() - t0
+        del back
+        self.remote = None
+        return elapsed
+
+    def close(self) -> None:
+        self.genie.shutdown()
+
+
+def interleaved_times(kind: str, endpoint: str, sizes: list[int], repeats: int) -> dict[str, dict[int, float]]:
+    """Median seconds per transfer of the raw socket, plain pyzmq, and Genie up and down.
+
+    This machine's speed drifts by tens of percent from one second to the next, so the methods
+    take turns, in rounds: each round runs a short block of each (a warm-up transfer, not
+    counted, then the block), and medians are over all rounds. A ratio then compares times taken
+    under the same conditions, and each method still runs warm, back to back, as it would alone
+    (taking turns transfer by transfer made the raw socket, whose buffers the others had just
+    pushed out of the cache, the slowest of the three)."""
+    raw, plain, gen = RawSocket(kind, max(sizes)), PlainZmq(kind, max(sizes)), GenieTransfers(endpoint)
+    out: dict[str, dict[int, float]] = {"raw": {}, "zmq": {}, "up": {}, "down": {}}
+    try:
+        for n in sizes:
+            host = torch.empty(n // 4, dtype=torch.float32).fill_(1.0)
+            times: dict[str, list[float]] = {k: [] for k in out}
+            reps = repetitions(n, repeats)
+            rounds = max(1, min(ROUNDS, reps // 3))
+            for _ in range(rounds):
+                block = -(-reps // rounds)
+                for name, transfer in (("raw", raw.transfer), ("zmq", plain.transfer)):
+                    times[name].extend([transfer(n) for _ in range(block + 1)][1:])
+                for i in range(block + 1):
+                    up, down = gen.upload(host), gen.download()
+                    if i:
+                        times["up"].append(up)
+                        times["down"].append(down)
+            for k in out:
+                out[k][n] = median(times[k])
+    finally:
+        gen.close()
+        plain.close()
+        raw.close()
+    return out
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--max-mb", type=float, default=1024)
+    p.add_argument("--min-mb", type=float, default=0)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--only", default="tcp,ipc", help="transports to measure: tcp, ipc or both")
     args = p.parse_args(argv)
-    sizes = [s for s in SIZES if s <= args.max_mb * 2**20]
+    sizes = [s for s in SIZES if args.min_mb * 2**20 <= s <= args.max_mb * 2**20]
+    kinds = set(args.only.split(","))
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
@@ -174,15 +222,15 @@ def main(argv=None) -> int:
     results = {}
     for kind, variants in (("tcp", [("tcp", [])]),
                            ("ipc", [("ipc", []), ("ipc, no shared memory", ["--no-shared-memory"])])):
-        raw = raw_socket_times(kind, sizes, args.repeats)
-        plain = zmq_times(kind, sizes, args.repeats)
+        if kind not in kinds:
+            continue
         for label, extra in variants:
             listen = "tcp://127.0.0.1:0" if kind == "tcp" else f"ipc://{tempfile.mkdtemp()}/genie.sock"
             with DaemonProcess(listen, extra=extra) as d:
-                up, down = genie_times(d.endpoint, sizes, args.repeats)
+                t = interleaved_times(kind, d.endpoint, sizes, args.repeats)
             results[label] = {
-                str(n): {"raw_MBps": n / raw[n] / 1e6, "zmq_MBps": n / plain[n] / 1e6,
-                         "genie_up_MBps": n / up[n] / 1e6, "genie_down_MBps": n / down[n] / 1e6}
+                str(n): {"raw_MBps": n / t["raw"][n] / 1e6, "zmq_MBps": n / t["zmq"][n] / 1e6,
+                         "genie_up_MBps": n / t["up"][n] / 1e6, "genie_down_MBps": n / t["down"][n] / 1e6}
                 for n in sizes
             }
     m = machine()
