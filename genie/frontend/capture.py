@@ -14,7 +14,7 @@ import logging
 import torch
 
 from genie import config as config_module
-from genie.errors import UnsupportedOperationError
+from genie.errors import GenieConnectionError, UnsupportedOperationError
 from genie.runtime import get_runtime
 from genie.runtime.stream import thread_streams
 from genie.transport import cuda_ipc, protocol
@@ -65,6 +65,9 @@ def _check_stream(w: _Walk, ref) -> None:
     if w.stream is None:
         w.stream = ref.stream
     elif ref.stream is not w.stream:
+        for stream in (w.stream, ref.stream):
+            if stream.link.lost is not None:  # one is from a lost connection (or from before a fork): say so
+                raise GenieConnectionError(stream.link.lost)
         raise RuntimeError(
             "Expected all tensors to be on the same device, but found at least two devices, "
             f"{w.stream.device} and {ref.stream.device}!"

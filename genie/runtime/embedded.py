@@ -35,6 +35,7 @@ class LocalDaemon:
         self.process: subprocess.Popen | None = None
         self.endpoint: str | None = None
         self._stderr_tail: list[str] = []
+        self._owner_pid = os.getpid()  # a forked child sees this object too, and must not stop the daemon
 
     def start(self, timeout: float = 60.0) -> str:
         cmd = [sys.executable, "-m", "genie_daemon", "--listen", self.listen,
@@ -84,7 +85,7 @@ class LocalDaemon:
 
     def stop(self, timeout: float = 5.0) -> None:
         proc = self.process
-        if proc is None or proc.poll() is not None:
+        if proc is None or os.getpid() != self._owner_pid or proc.poll() is not None:
             return
         proc.terminate()
         try:

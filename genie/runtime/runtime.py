@@ -11,6 +11,7 @@ import atexit
 import concurrent.futures
 import itertools
 import logging
+import os
 import threading
 import time
 
@@ -184,6 +185,24 @@ class DaemonLink:
             self.bulk_lane.close(error)
         with self._inflight:
             self._inflight.notify_all()
+
+    def abandon(self, reason: str) -> None:
+        """In a forked child: this link is the parent's. Mark it lost with `reason`, without I/O,
+        and give it fresh locks (a parent thread may have held them at the fork), so that using a
+        tensor from before the fork raises that reason instead of hanging or talking on the
+        parent's sockets."""
+        self.lost = reason
+        self._inflight = threading.Condition()
+        self._collect_lock = threading.Lock()
+        self._direct_unread = None
+        self._direct_busy = False
+        self._outstanding = 0
+        self.inflight_bytes = 0
+        self._heartbeat = None  # a task of the parent's loop
+        if self.channel is not None:
+            self.channel.abandon()
+        if self.bulk_lane is not None:
+            self.bulk_lane.abandon()
 
     def submit_exec(self, body: dict, frames: list, stream: DeviceStream, waited: bool,
                     on_settled=None) -> concurrent.futures.Future:
@@ -366,6 +385,8 @@ class Runtime:
         self.on_start: list = []  # callbacks run after each (re)connection, e.g. to replay a seed
         self.host_pool = HostBufferPool(self.config.host_pool_bytes)  # receive buffers of bulk downloads
         self.curve = None  # security.ClientKeys when connections use CURVE
+        self.inherited_endpoints: list[str] | None = None  # in a forked child: the daemons the parent used
+        self._forked_away = False  # in a forked child, this is the parent's runtime: inert
 
     @property
     def loop(self) -> LoopThread:
@@ -384,7 +405,7 @@ class Runtime:
                 self.shutdown()
             self.curve = self._curve_keys(client_key, server_key)
             if urls is None:
-                urls = self.config.server_url
+                urls = self.inherited_endpoints or self.config.server_url
             endpoints = _split(urls) if urls else []
             if not endpoints:
                 self.local_daemon = LocalDaemon(threads=self.config.daemon_threads)
@@ -512,6 +533,8 @@ class Runtime:
         return {"links": links, "local": local_capabilities()}
 
     def shutdown(self) -> None:
+        if self._forked_away:  # the parent's runtime, seen from a forked child (e.g. at its exit): not ours to close
+            return
         with self._lock:
             if self._started and self._loop is not None:
                 for stream in self.streams:
@@ -530,6 +553,30 @@ class Runtime:
             if self.local_daemon is not None:
                 self.local_daemon.stop()
                 self.local_daemon = None
+
+    def hand_over_after_fork(self) -> "Runtime":
+        """In a forked child: a fresh runtime for this process, which connects on first use to the
+        daemons this one used (the parent's embedded daemon included: it serves the child as
+        another client), while this one, the parent's, goes inert: its links are marked lost with
+        the reason, its loop thread and lane threads did not survive the fork, its sockets are the
+        parent's, and its shutdown (at the child's exit) does nothing, so it neither talks on them
+        nor stops the parent's embedded daemon."""
+        fresh = Runtime()
+        if self._started:
+            fresh.inherited_endpoints = [link.endpoint for link in self.links]
+            fresh.curve = self.curve
+        fresh.on_start = list(self.on_start)
+        reason = (f"this process (pid {os.getpid()}) was forked from pid {os.getppid()} after Genie connected: "
+                  "remote tensors made before the fork belong to the parent's connection and cannot be used "
+                  "here; make them again in this process (its remote devices use a connection of its own)")
+        self._forked_away = True
+        self._lock = threading.RLock()
+        self.local_daemon = None
+        for link in self.links:
+            link.abandon(reason)
+        for stream in self.streams:
+            stream.abandon()
+        return fresh
 
 
 def to_genie_error(exc: BaseException, endpoint: str) -> BaseException:
@@ -558,3 +605,18 @@ def get_runtime() -> Runtime:
             if _runtime is None:
                 _runtime = Runtime()
     return _runtime
+
+
+def _after_fork_in_child() -> None:
+    # Only the forking thread survives a fork: the runtime's loop and lane threads are gone and its
+    # sockets are shared with the parent. Without this, a child's requests went out on the parent's
+    # sockets, and both processes read each other's answers (seen: a direct-lane message of
+    # 16,830,099 frames, and a child that never got its answer).
+    global _runtime, _runtime_lock
+    _runtime_lock = threading.Lock()
+    if _runtime is not None:
+        _runtime = _runtime.hand_over_after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -99,6 +99,14 @@ class DeviceStream:
         self._unsettled = 0  # batches posted through the loop whose answer has not been handled yet
         self._settled = threading.Condition()
 
+    def abandon(self) -> None:
+        """In a forked child: fresh locks (a parent thread may have held these at the fork), so ops
+        on this stream's tensors reach its link and fail there with the reason, instead of hanging."""
+        self.lock = threading.RLock()
+        self._settled = threading.Condition()
+        self._unsettled = 0
+        self.pending_bulk = []
+
     # ------------------------------------------------------------ building batches (lock held by caller)
 
     def new_handle(self) -> int:

@@ -360,6 +360,14 @@ class Lane:
             self.bytes_received += nbytes + _HEADER.size
             self.arrivals.put(xfer, data)
 
+    def abandon(self) -> None:
+        """In a forked child: stop using the parent's lane. The socket's descriptor is closed in this
+        process only (a close, not a shutdown: the parent's connection stays as it was); segments'
+        hand-backs already stay in the process that received them (see `_hand_back`)."""
+        self.closed = True
+        self._send_lock = threading.Lock()  # a parent thread may have held it at the fork
+        self.sock.close()
+
     def close(self, reason: BaseException | None = None) -> None:
         if self.closed:
             return

@@ -347,6 +347,19 @@ class Channel:
                 future.set_exception(exc)
         self._pending.clear()
 
+    def abandon(self) -> None:
+        """In a forked child: stop using the parent's connection without a word on it. ZeroMQ
+        objects are left alone (pyzmq never closes them outside the process that made them); the
+        direct lane's descriptor is closed in this process only (a close, not a shutdown: the
+        parent's connection stays as it was)."""
+        self.closed = True
+        self._pending = {}  # futures of the parent's threads
+        self._direct_lock = threading.Lock()  # a parent thread may have held it at the fork
+        if self.direct_stream is not None:
+            self.direct_stream.close()
+            self.direct_stream = None
+        self._direct_sent_on = None
+
     async def close(self) -> None:
         if self.closed:
             return

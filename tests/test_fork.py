@@ -1,0 +1,112 @@
+"""A process forked after Genie connected: the child gets a connection of its own.
+
+Only the forking thread survives a fork, and the child shares its parent's sockets. Before the
+at-fork hook, a child's requests went out on the parent's sockets and both read each other's
+answers. Each case runs in its own interpreter (an embedded daemon over ipc, so the shared-memory
+lane is in play), bounded by a timeout.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+COMMON = textwrap.dedent("""
+    import os, sys, torch, genie
+    from genie.runtime import get_runtime
+
+    DEV = "remote_accelerator:0"
+    x = torch.arange(6.0, device=DEV)
+    assert (x + 1).sum().item() == 21
+    rt = get_runtime()
+    parent_token, endpoint = rt.links[0].token, rt.links[0].endpoint
+    daemon = rt.local_daemon.process
+
+    def work(n):
+        ones = torch.ones(3, device=DEV)
+        for i in range(n):
+            y = torch.full((3,), float(i), device=DEV)
+            assert (y + ones).sum().item() == 3 * (i + 1), i
+        big = torch.arange(1 << 19, dtype=torch.float32)  # 2 MiB: goes by the bulk lane
+        assert torch.equal(big.to(DEV).mul(2).cpu(), big * 2)
+
+    def old_tensor_error(mixed=False):
+        try:
+            (x + torch.ones(6, device=DEV) if mixed else x + 1).sum().item()
+        except genie.GenieConnectionError as e:
+            return str(e)
+        return "no error"
+""")
+
+CONCURRENT = COMMON + textwrap.dedent("""
+    import multiprocessing as mp
+
+    def child(q):
+        try:
+            work(150)
+            link = get_runtime().links[0]
+            q.put(("ok", link.endpoint == endpoint, link.token != parent_token, old_tensor_error(),
+                   old_tensor_error(mixed=True)))
+        except BaseException as e:
+            q.put(("failed", repr(e)))
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=child, args=(q,))
+    p.start()
+    work(150)  # at the same time as the child
+    print("CHILD", q.get(timeout=90))
+    p.join(30)
+    print("EXIT", p.exitcode)
+    assert (x + 1).sum().item() == 21
+    print("PARENT ok", daemon.poll() is None, get_runtime().links[0].endpoint == endpoint)
+""")
+
+PLAIN_FORK_EXIT = COMMON + textwrap.dedent("""
+    pid = os.fork()
+    if pid == 0:
+        work(20)
+        sys.exit(0)  # runs atexit handlers, the parent's runtime's among them
+    _, status = os.waitpid(pid, 0)
+    print("CHILD status", status)
+    work(20)
+    assert (x + 1).sum().item() == 21
+    print("PARENT ok", daemon.poll() is None, get_runtime().links[0].endpoint == endpoint)
+""")
+
+
+def _run(script: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "GENIE_SERVER_URL"}  # the embedded daemon
+    # A session of its own: on a timeout the whole group goes (the forked child and the daemon too).
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"timed out:\n{stdout}{stderr}") from None
+    assert proc.returncode == 0, stdout + stderr
+    return dict(line.split(" ", 1) for line in stdout.strip().splitlines())
+
+
+def test_forked_child_works_beside_its_parent():
+    lines = _run(CONCURRENT)
+    status, *checks = ast.literal_eval(lines["CHILD"])
+    assert status == "ok", lines["CHILD"]
+    same_daemon, own_connection, old_error, mixed_error = checks
+    assert same_daemon and own_connection  # the parent's embedded daemon, as another client
+    # A tensor from before the fork, alone or with one of the child's: the reason, not a hang.
+    for error in (old_error, mixed_error):
+        assert "forked from pid" in error and "make them again in this process" in error
+    assert lines["EXIT"] == "0"
+    assert lines["PARENT"] == "ok True True"
+
+
+def test_forked_child_exit_leaves_the_parents_daemon_alone():
+    lines = _run(PLAIN_FORK_EXIT)
+    assert lines["CHILD"] == "status 0"
+    assert lines["PARENT"] == "ok True True"  # same daemon, still running, same connection
