@@ -5,7 +5,7 @@ token on, the first step, with the prefill, timed apart) with the model's torch.
 a daemon-side genie.KVSession, and a static cache whose step is recorded once and replayed
 (genie.graph); bytes on the wire per generated token.
 CNN: images/s for batched inference. Medians of several runs; the local eager run
-in the same process is the baseline.
+in the same process is the baseline (for decode, local and remote runs take turns).
 
     python -m bench.end_to_end [--tokens 64] [--repeats 3]
 """
@@ -23,6 +23,7 @@ from genie.examples.gpt import GPTConfig, TinyGPT, generate, generate_static
 from genie.examples.zoo import SmallCNN
 
 DEV = "remote_accelerator:0"
+DECODE_ROUNDS = 7  # at least this many turns of each decode run (one generation each, ~0.1 s)
 
 
 def wire_bytes() -> int:
@@ -39,20 +40,26 @@ def time_it(fn, repeats: int) -> float:
     return median(runs)
 
 
-def decode_rate(run, repeats: int) -> tuple[float, float]:
-    """(tokens/s from the second token on, seconds to the second token) of run(on_token), medians.
+def decode_rates(runs: dict, rounds: int) -> dict[str, tuple[float, float]]:
+    """For each run(on_token): (tokens/s from the second token on, seconds to the second token), medians.
 
-    The first decode step is timed apart: with genie.graph it records the step (and traces it
-    on the daemon), a one-time cost like CUDA graph capture; later steps are the steady state."""
-    run(lambda token: None)  # warm
-    rates, firsts = [], []
-    for _ in range(repeats):
-        stamps = [time.perf_counter()]
-        run(lambda token: stamps.append(time.perf_counter()))
-        # stamps: start, then one per token as it is read; token k's step ends at stamp k+1.
-        rates.append((len(stamps) - 3) / (stamps[-1] - stamps[2]))
-        firsts.append(stamps[2] - stamps[0])
-    return median(rates), median(firsts)
+    The runs take turns, one generation each per round, so that the local and remote rates,
+    whose ratio is the result, are measured under the same conditions (this shared machine's
+    speed drifts by tens of percent between seconds). The first decode step is timed apart:
+    with genie.graph it records the step (and traces it on the daemon), a one-time cost like
+    CUDA graph capture; later steps are the steady state."""
+    for run in runs.values():
+        run(lambda token: None)  # warm
+    rates: dict[str, list[float]] = {name: [] for name in runs}
+    firsts: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            stamps = [time.perf_counter()]
+            run(lambda token: stamps.append(time.perf_counter()))
+            # stamps: start, then one per token as it is read; token k's step ends at stamp k+1.
+            rates[name].append((len(stamps) - 3) / (stamps[-1] - stamps[2]))
+            firsts[name].append(stamps[2] - stamps[0])
+    return {name: (median(rates[name]), median(firsts[name])) for name in runs}
 
 
 def gpt(tokens: int, prompt_len: int, repeats: int) -> dict:
@@ -69,19 +76,23 @@ def gpt(tokens: int, prompt_len: int, repeats: int) -> dict:
 
     local_prefill = time_it(lambda: prefill(model, prompt), repeats)
     remote_prefill = time_it(lambda: prefill(remote, rprompt), repeats)
-    local_gen, local_first = decode_rate(lambda cb: generate(model, prompt, tokens, on_token=cb), repeats)
-    remote_gen, remote_first = decode_rate(lambda cb: generate(remote, rprompt, tokens, on_token=cb), repeats)
 
     def with_session(cb):
         session = genie.KVSession(DEV)
         generate(remote, rprompt, tokens, on_token=cb, kv_session=session)
         session.close()
 
-    remote_kv, _ = decode_rate(with_session, repeats)
     # Static cache: locally the same Python step each token; remotely recorded once and replayed (genie.graph).
-    local_static, local_static_first = decode_rate(
-        lambda cb: generate_static(model, prompt, tokens, replay=False, on_token=cb), repeats)
-    remote_replay, replay_first = decode_rate(lambda cb: generate_static(remote, rprompt, tokens, on_token=cb), repeats)
+    decode = decode_rates({
+        "local": lambda cb: generate(model, prompt, tokens, on_token=cb),
+        "remote": lambda cb: generate(remote, rprompt, tokens, on_token=cb),
+        "remote_kv_session": with_session,
+        "local_static": lambda cb: generate_static(model, prompt, tokens, replay=False, on_token=cb),
+        "remote_replay": lambda cb: generate_static(remote, rprompt, tokens, on_token=cb),
+    }, max(repeats, DECODE_ROUNDS))
+    (local_gen, local_first), (remote_gen, remote_first) = decode["local"], decode["remote"]
+    remote_kv = decode["remote_kv_session"][0]
+    (local_static, local_static_first), (remote_replay, replay_first) = decode["local_static"], decode["remote_replay"]
     best_local = max(local_gen, local_static)
     b0 = wire_bytes()
     generate(remote, rprompt, tokens)
