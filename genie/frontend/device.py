@@ -187,6 +187,26 @@ def mark_persistent(tensor) -> None:
         ref.stream.append([PERSIST_OP, capture.encode_call([tensor], {}, ref.stream)[0], {}, None])
 
 
+# ------------------------------------------------------------------ autocast
+
+
+def get_amp_supported_dtype() -> list[torch.dtype]:
+    """What `torch.autocast("remote_accelerator", dtype=...)` may cast to. torch.autocast asks this
+    on entry, which is when Genie's autocast kernels are registered (compiled the first time,
+    then cached): PyTorch has none for a PrivateUse1 device, so without them every op in the
+    region failed. Daemons run both dtypes, on GPUs and (slower, for float16) on CPUs."""
+    from genie.errors import GenieError
+
+    from . import native_guard
+
+    try:
+        native_guard.load_autocast()
+    except Exception as e:  # noqa: BLE001 - no compiler, or the build failed: say why autocast cannot run
+        raise GenieError(f"torch.autocast on remote_accelerator needs Genie's C++ autocast kernels, which "
+                         f"could not be built here: {e}") from None
+    return [torch.bfloat16, torch.float16]
+
+
 # ------------------------------------------------------------------ registration
 
 _registered = False
@@ -233,5 +253,5 @@ __all__ = [
     "get_device_name", "get_device_properties", "synchronize", "memory_stats", "memory_allocated",
     "max_memory_allocated", "memory_reserved", "manual_seed", "manual_seed_all", "seed", "seed_all",
     "initial_seed", "register", "capture", "Stream", "Event", "current_stream", "default_stream",
-    "set_stream", "stream",
+    "set_stream", "stream", "get_amp_supported_dtype",
 ]

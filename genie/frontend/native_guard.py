@@ -1,11 +1,13 @@
-"""Builds and loads the C++ device guard (genie/csrc/device_guard.cpp) for remote_accelerator.
+"""Builds and loads Genie's C++ parts for remote_accelerator: the device guard and backend hooks
+(genie/csrc/device_guard.cpp, at import) and the autocast kernels (genie/csrc/autocast.cpp, on
+the first `torch.autocast("remote_accelerator")`).
 
-Compiled with the system C++ compiler against the torch that is actually
+Each is compiled with the system C++ compiler against the torch that is actually
 imported (its headers, its libc10, its C++ ABI flag), once, into a cache
 directory keyed by the source and the torch build; loaded with ctypes. Where no
 compiler is available, Genie keeps PyTorch's Python guard, which knows a single
 device: multi-device autograd and `set_device` inside guards then do not work,
-and a warning says so.
+and a warning says so; autocast then raises, saying why.
 """
 from __future__ import annotations
 
@@ -23,8 +25,11 @@ import torch
 
 log = logging.getLogger("genie.frontend")
 
-SOURCE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc", "device_guard.cpp")
+CSRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
+SOURCE = os.path.join(CSRC, "device_guard.cpp")
+AUTOCAST_SOURCE = os.path.join(CSRC, "autocast.cpp")
 _lib: ctypes.CDLL | None = None
+_autocast_lib: ctypes.CDLL | None = None
 
 
 def _cache_dir() -> str:
@@ -32,7 +37,7 @@ def _cache_dir() -> str:
     return os.path.join(base, "genie")
 
 
-def _build(target: str) -> None:
+def _build(source: str, target: str) -> None:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if compiler is None:
         raise RuntimeError("no C++ compiler found (set CXX or install g++)")
@@ -42,12 +47,23 @@ def _build(target: str) -> None:
     with tempfile.TemporaryDirectory(dir=os.path.dirname(target)) as tmp:
         out = os.path.join(tmp, "guard.so")
         cmd = [compiler, "-shared", "-fPIC", "-O2", "-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-               "-I", os.path.join(torch_dir, "include"), SOURCE, "-L", os.path.join(torch_dir, "lib"),
+               "-I", os.path.join(torch_dir, "include"), source, "-L", os.path.join(torch_dir, "lib"),
                "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{os.path.join(torch_dir, 'lib')}", "-o", out]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
-            raise RuntimeError(f"compiling the device guard failed:\n{result.stderr[-2000:]}")
+            raise RuntimeError(f"compiling {os.path.basename(source)} failed:\n{result.stderr[-2000:]}")
         os.replace(out, target)  # atomic: concurrent builders never load half a file
+
+
+def _built(source: str) -> ctypes.CDLL:
+    """The library built from `source` for this torch (compiled on first use), loaded."""
+    with open(source, "rb") as f:
+        key = hashlib.sha256(f.read() + torch.__version__.encode() + sysconfig.get_platform().encode()).hexdigest()[:16]
+    stem = os.path.splitext(os.path.basename(source))[0]
+    target = os.path.join(_cache_dir(), f"{stem}-{key}.so")
+    if not os.path.exists(target):
+        _build(source, target)
+    return ctypes.CDLL(target, mode=ctypes.RTLD_GLOBAL)
 
 
 def load() -> bool:
@@ -55,13 +71,8 @@ def load() -> bool:
     global _lib
     if _lib is not None:
         return True
-    with open(SOURCE, "rb") as f:
-        key = hashlib.sha256(f.read() + torch.__version__.encode() + sysconfig.get_platform().encode()).hexdigest()[:16]
-    target = os.path.join(_cache_dir(), f"device_guard-{key}.so")
     try:
-        if not os.path.exists(target):
-            _build(target)
-        lib = ctypes.CDLL(target, mode=ctypes.RTLD_GLOBAL)
+        lib = _built(SOURCE)
         lib.genie_install_guard()
         lib.genie_set_device_count.argtypes = [ctypes.c_int]
         lib.genie_install_hooks.restype = ctypes.c_int
@@ -71,6 +82,13 @@ def load() -> bool:
         return False
     _lib = lib
     return True
+
+
+def load_autocast() -> None:
+    """Register the autocast kernels (building them if needed, ~20 s once); raises where that is impossible."""
+    global _autocast_lib
+    if _autocast_lib is None:
+        _autocast_lib = _built(AUTOCAST_SOURCE)
 
 
 def loaded() -> bool:
