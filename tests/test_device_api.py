@@ -86,3 +86,27 @@ def test_pin_memory_and_a_pinning_data_loader_work_after_import(dev):
     batches = [b for (b,) in loader]
     assert [b.tolist() for b in batches] == [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0]]
     assert torch.equal(batches[1].to(dev).cpu(), batches[1])
+
+
+def test_storage_on_the_device_is_refused_with_a_way_out(dev):
+    """The process has no storage for remote tensors: asking for some (directly, or through
+    torch.load's map_location) raises and says what to do; it used to crash the process (a null
+    allocator). Checkpoints load through the CPU."""
+    import io
+
+    from genie.frontend import native_guard
+
+    if not native_guard.loaded():
+        pytest.skip("needs Genie's C++ device guard, which needs a C++ compiler")
+    with pytest.raises(RuntimeError, match="cannot allocate or copy storage"):
+        torch.UntypedStorage(16, device=dev)
+    model = torch.nn.Linear(4, 3)
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    buf.seek(0)
+    with pytest.raises(RuntimeError, match=r'map_location="cpu"\), then \.to\("remote_accelerator"\)'):
+        torch.load(buf, map_location=dev, weights_only=True)
+    buf.seek(0)
+    remote = torch.nn.Linear(4, 3).to(dev)
+    remote.load_state_dict(torch.load(buf, map_location="cpu", weights_only=True))
+    assert torch.equal(remote.weight.cpu(), model.weight)

@@ -9,6 +9,7 @@
 // when recorded, because everything before them was already submitted in order.
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
+#include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
@@ -119,6 +120,23 @@ struct RemoteHooks final : public at::PrivateUse1HooksInterface {
   }
 };
 
+// Storage for remote_accelerator tensors lives on a daemon: this process has none to hand out.
+// Without an allocator registered for the device, PyTorch used a null one and the process
+// crashed (torch.UntypedStorage(n, device=...), torch.load(f, map_location="remote_accelerator")).
+// Remote tensors never reach it: they are wrappers whose metadata-only storage PyTorch makes itself.
+constexpr const char* kNoStorage =
+    "remote_accelerator tensors live on a genie-daemon; this process cannot allocate or copy "
+    "storage for them (torch.UntypedStorage on the device, torch.load(..., map_location=...)). "
+    "Load to the CPU and move the tensors instead: torch.load(f, map_location=\"cpu\"), then "
+    ".to(\"remote_accelerator\") or model.load_state_dict(...)";
+
+struct NoStorageAllocator final : public c10::Allocator {
+  c10::DataPtr allocate(size_t /*n*/) override { TORCH_CHECK(false, kNoStorage); }
+  void copy_data(void* /*dest*/, const void* /*src*/, std::size_t /*count*/) const override {
+    TORCH_CHECK(false, kNoStorage);
+  }
+};
+
 }  // namespace
 
 extern "C" {
@@ -138,5 +156,7 @@ void genie_set_device_count(int n) { g_device_count.store(n > 0 ? n : 1); }
 void genie_install_guard() {
   // Registry entries are leaked on purpose (see DeviceGuardImplInterface.h).
   static c10::impl::DeviceGuardImplRegistrar registrar(c10::DeviceType::PrivateUse1, new RemoteGuardImpl());
+  static NoStorageAllocator no_storage;
+  c10::SetAllocator(c10::DeviceType::PrivateUse1, &no_storage);
 }
 }
