@@ -110,3 +110,12 @@ def test_storage_on_the_device_is_refused_with_a_way_out(dev):
     remote = torch.nn.Linear(4, 3).to(dev)
     remote.load_state_dict(torch.load(buf, map_location="cpu", weights_only=True))
     assert torch.equal(remote.weight.cpu(), model.weight)
+
+
+def test_torch_compile_says_it_does_not_apply(dev):
+    """torch.compile traces subclass tensors by rebuilding them as fakes, which a handle on a
+    daemon cannot be: the error says so and what to do instead (it said 'LazyTensor cannot be
+    rebuilt from a flattened form')."""
+    model = torch.nn.Linear(4, 2).to(dev)
+    with pytest.raises(Exception, match="torch.compile does not work on remote_accelerator tensors"):
+        torch.compile(model)(torch.randn(3, 4, device=dev))

@@ -57,7 +57,10 @@ class LazyTensor(torch.Tensor):
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
-        raise NotImplementedError("LazyTensor cannot be rebuilt from a flattened form")
+        # Reached by torch.compile, which rebuilds subclass tensors as fakes to trace them.
+        raise NotImplementedError(
+            "torch.compile does not work on remote_accelerator tensors: run the model eagerly (Genie "
+            "captures and batches its ops anyway), or record a step once with genie.graph and replay it")
 
     def __deepcopy__(self, memo):
         # A copy is a new remote tensor made by the daemon, never a copy of the handle.
