@@ -12,8 +12,8 @@ memory, client and daemon being one user on one host) and with the daemon's --no
 (the same payloads through the Unix socket).
 The four take turns in rounds of a few transfers each, so that each ratio compares times taken
 under the same conditions (this shared machine's speed drifts by tens of percent from one second
-to the next). Throughput is payload bytes / median time of several repetitions (25 for payloads
-up to 16 MB, fewer for larger ones, at least --repeats).
+to the next). Throughput is payload bytes / median time of several repetitions (up to 60 for
+payloads up to 16 MB, fewer for larger ones, at least --repeats).
 
     python -m bench.transport_throughput [--max-mb 1024] [--min-mb 0] [--repeats 3] [--only tcp,ipc]
 """
@@ -32,14 +32,14 @@ import zmq
 from bench.common import machine, median, print_table, write_json
 from genie.transport.bulk import widen_buffers
 
-ROUNDS = 5  # the methods take turns this many times per size (fewer for the largest payloads)
+ROUNDS = 10  # the methods take turns this many times per size (fewer for the largest payloads)
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30]
 
 
 def repetitions(n: int, repeats: int) -> int:
-    """At least `repeats`; more for small payloads (up to 25, about 0.25 s at 2 GB/s), whose
-    times are short enough for this shared machine's noise to move a median of three."""
-    return max(repeats, min(25, int(0.25 / (n / 2e9))))
+    """At least `repeats`; more for small payloads (up to 60, about 0.5 s at 2 GB/s), whose
+    times are short enough for this shared machine's noise to move a median of a few."""
+    return max(repeats, min(60, int(0.5 / (n / 2e9))))
 
 
 # ---------------------------------------------------------------- raw sockets
@@ -234,7 +234,7 @@ def main(argv=None) -> int:
                 for n in sizes
             }
     m = machine()
-    print(f"# tensor transfer throughput (MB/s), medians of {args.repeats} to 25 runs -- {m['cpus']} cpus, "
+    print(f"# tensor transfer throughput (MB/s), medians of {args.repeats} to 60 runs in turns -- {m['cpus']} cpus, "
           f"pyzmq {m['pyzmq']}, libzmq {m['libzmq']}")
     rows = []
     for kind, per_size in results.items():
