@@ -1,4 +1,5 @@
-"""`python -m bench`: run the whole suite, write JSON and PNG plots under bench/results/, print a summary.
+"""`python -m bench`: run the whole suite, write JSON and PNG plots under bench/results/ (or
+GENIE_BENCH_RESULTS), print a summary.
 
     python -m bench [--quick] [--only transport_throughput,capture_overhead,...]
 
@@ -14,8 +15,10 @@ import subprocess
 import sys
 import time
 
+from bench.common import results_dir
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results")
+RESULTS = results_dir()
 
 SUITE = {
     "capture_overhead": (["--repeats", "5"], ["--repeats", "3", "--ops", "8000", "--roundtrips", "200"]),

@@ -24,8 +24,13 @@ def median(xs) -> float:
     return statistics.median(xs)
 
 
+def results_dir() -> str:
+    """bench/results, or GENIE_BENCH_RESULTS (the tests' smoke runs write elsewhere)."""
+    return os.environ.get("GENIE_BENCH_RESULTS") or os.path.join(os.path.dirname(__file__), "results")
+
+
 def write_json(name: str, data: dict) -> str:
-    out_dir = os.path.join(os.path.dirname(__file__), "results")
+    out_dir = results_dir()
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"{name}.json")
     with open(path, "w") as f:

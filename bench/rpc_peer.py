@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import torch.distributed.rpc as rpc
 
-    from bench.end_to_end import decode_rate
+    from bench.end_to_end import DECODE_ROUNDS, decode_rates
     from genie.examples.gpt import GPTConfig, TinyGPT, generate
 
     port = _free_port()
@@ -91,9 +91,10 @@ def main(argv=None) -> int:
         return out
 
     assert via_rpc() == expected
-    # Steady-state decode, timed as in bench.end_to_end (from the second generated token on).
-    rpc_rate, _ = decode_rate(via_rpc, args.repeats)
-    local_rate, _ = decode_rate(lambda cb: generate(model, prompt, args.tokens, on_token=cb), args.repeats)
+    # Steady-state decode, timed as in bench.end_to_end (from the second generated token on, taking turns).
+    rates = decode_rates({"rpc": via_rpc, "local": lambda cb: generate(model, prompt, args.tokens, on_token=cb)},
+                         max(args.repeats, DECODE_ROUNDS))
+    rpc_rate, local_rate = rates["rpc"][0], rates["local"][0]
     rpc.shutdown()
     server.join(30)
     result = {"decode_tokens_per_s": {"rpc": rpc_rate, "local": local_rate}}
