@@ -34,6 +34,8 @@ EVENT_RECORD_OP = "genie::event_record"
 EVENT_WAIT_OP = "genie::event_wait"
 ADOPT_OP = "genie::adopt"
 SHARE_CUDA_OP = "genie::share_cuda"  # a resident GPU tensor for a client on this host, by CUDA IPC
+ALIAS_STORAGE_OP = "genie::alias_storage"  # a tensor over one of the client's tensors' storage (torch.load)
+MAX_DIMS = 64
 KV_APPEND_OP, KV_GET_OP, KV_CLOSE_OP = "genie::kv_append", "genie::kv_get", "genie::kv_close"
 DEFINE_PROGRAM_OP, REPLAY_OP, DROP_PROGRAM_OP = "genie::define_program", "genie::replay", "genie::drop_program"
 
@@ -117,6 +119,8 @@ class Executor:
                 return self._adopt(client, call, frames, device)
             if call.name == SHARE_CUDA_OP:
                 return self._share_cuda(client, call)
+            if call.name == ALIAS_STORAGE_OP:
+                return self._alias_storage(client, call)
             if call.name in (KV_APPEND_OP, KV_GET_OP, KV_CLOSE_OP):
                 return self._kv(client, call, frames, device)
             if call.name == REPLAY_OP:
@@ -308,6 +312,31 @@ class Executor:
         self._enforce_limit(client, call)
         return tensor
 
+    def _alias_storage(self, client: ClientState, call: OpCall):
+        """A tensor of `dtype`, `sizes`, `strides` at `offset` (elements) in the storage of one of
+        this client's tensors, stored under the output handle: how torch.load's rebuild of a tensor
+        from a storage it placed on the device (`t.set_(storage, offset, size, stride)`) runs here.
+        aten::set_ itself stays refused (it can point at any storage); this names the client's own
+        tensor and checks that the view lies inside its storage."""
+        args = call.args
+        if (len(args) != 5 or not isinstance(args[0], HandleRef) or not isinstance(args[1], torch.dtype)
+                or type(args[2]) is not int or not _dims(args[3]) or not _dims(args[4])
+                or len(args[3]) != len(args[4]) or type(call.outs) is not int):
+            raise ProtocolError(f"{ALIAS_STORAGE_OP} takes [handle, dtype, offset, sizes, strides] and one output handle")
+        source = client.get(args[0].id)
+        if isinstance(source, Poison):
+            raise _Poisoned(source)
+        dtype, offset, sizes, strides = args[1:]
+        storage = source.untyped_storage()
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        extent = 0 if 0 in sizes else offset + 1 + sum((n - 1) * st for n, st in zip(sizes, strides))
+        if offset < 0 or extent * itemsize > storage.nbytes():
+            raise ProtocolError(f"{ALIAS_STORAGE_OP}: a view reaching element {extent} of {dtype} lies outside the "
+                                f"{storage.nbytes()}-byte storage")
+        tensor = torch.empty(0, dtype=dtype, device=source.device).set_(storage, offset, sizes, strides)
+        client.put(call.outs, tensor)
+        return tensor
+
     def _share_cuda(self, client: ClientState, call: OpCall):
         """A snapshot of a resident GPU tensor as a CUDA IPC descriptor (reported), or None when
         it cannot go that way (the client then fetches its bytes)."""
@@ -486,6 +515,12 @@ class _RemoteOpError(Exception):
 
 
 RemoteOpError = _RemoteOpError
+
+
+def _dims(value) -> bool:
+    """A list of sizes or strides: non-negative ints, at most MAX_DIMS of them."""
+    return (isinstance(value, list) and len(value) <= MAX_DIMS
+            and all(type(v) is int and 0 <= v < (1 << 62) for v in value))
 
 
 def _int_arg(call: OpCall, i: int) -> int:

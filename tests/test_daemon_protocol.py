@@ -1,6 +1,7 @@
 """A daemon answers bad requests with errors and keeps serving (raw ZeroMQ client, no genie runtime)."""
 import msgpack
 import pytest
+import torch
 import zmq
 
 from genie.transport import protocol
@@ -106,3 +107,29 @@ def test_a_daemon_without_a_gpu_refuses_cuda_ipc_handles_and_carries_on(sock):
     assert rid == 41 and not ok and "CUDA IPC" in body["message"]
     (rid, ok, _), _ = call(sock, [protocol.pack(["ping", 42, {}])])
     assert rid == 42 and ok
+
+
+@pytest.mark.parametrize("offset, sizes, strides, expected", [
+    (0, [2, 2], [2, 1], None),                 # 16 of the 16 bytes
+    (1, [2, 2], [2, 1], "outside the 16-byte storage"),
+    (0, [5], [1], "outside the 16-byte storage"),
+    (0, [2, 2], [4, 1], "outside the 16-byte storage"),
+    (-1, [1], [1], "outside|takes"),
+    (0, [2], [-1], "takes \\[handle, dtype"),
+])
+def test_alias_storage_stays_inside_the_clients_own_storage(sock, offset, sizes, strides, expected):
+    """genie::alias_storage (torch.load onto the device) views one of the client's tensors'
+    storage; any view reaching past it is refused (aten::set_ itself is refused outright)."""
+    import re
+
+    ops = [op("aten::zeros", [[16]], 1, {"dtype": protocol.encode_dtype(torch.uint8)}),
+           op("genie::alias_storage", [protocol.encode_handle(1), protocol.encode_dtype(torch.float32),
+                                       offset, sizes, strides], 2)]
+    (rid, ok, body), payload = call(sock, [protocol.pack(["exec", 10, {"ops": ops, "fetch": [2]}])])
+    if expected is None:
+        assert ok and "error" not in str(body["fetched"][0])
+        assert body["fetched"][0][2] == sizes
+    else:
+        assert re.search(expected, error_text(ok, body)), body
+    (rid, ok, body), _ = call(sock, [protocol.pack(["ping", 78, {}])])
+    assert rid == 78 and ok

@@ -533,9 +533,41 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+ALIAS_STORAGE_OP = "genie::alias_storage"
+
+
+def _set_storage(func, args, kwargs):
+    """`t.set_(storage, offset, size, stride)`: only for a storage torch.load placed on the device
+    (see serialization), as a view of the tensor holding its bytes on the daemon. The wrapper
+    takes the new metadata like after any in-place view op."""
+    from .serialization import uploaded
+
+    names = ("self", "source", "storage_offset", "size", "stride")
+    bound = dict(zip(names, args), **kwargs)
+    dst, storage = bound["self"], bound["source"]
+    source = uploaded(storage, dst.device) if isinstance(storage, torch.UntypedStorage) else None
+    if type(dst) is not LazyTensor or type(source) is not LazyTensor or source.device != dst.device:
+        raise UnsupportedOperationError(op_name(func), "a remote tensor can be pointed only at a storage that "
+                                        "torch.load placed on its device")
+    itemsize = dst.element_size()
+    if func is torch.ops.aten.set_.source_Storage:
+        offset, size, stride = 0, (storage.nbytes() // itemsize,), (1,)
+    else:
+        offset, size = bound["storage_offset"], tuple(bound["size"])
+        stride = tuple(bound.get("stride") or _contiguous_strides(size))
+    stream = dst._genie.stream
+    with stream.lock:
+        stream.append([ALIAS_STORAGE_OP, [source._genie.wire, protocol.encode_dtype(dst.dtype), offset, list(size),
+                                          list(stride)], {}, dst._genie.id])
+        _apply_mutations([(0, size, stride, offset, source._genie.storage_nbytes)], [dst])
+    return dst
+
+
 _SPECIAL = {
     id(torch.ops.aten._to_copy.default): _to_copy,
     id(torch.ops.aten.copy_.default): _copy_,
+    id(torch.ops.aten.set_.source_Storage_storage_offset): _set_storage,
+    id(torch.ops.aten.set_.source_Storage): _set_storage,
 }
 
 # LazyTensor.__torch_dispatch__ calls this module's dispatch directly from now on.

@@ -218,11 +218,12 @@ def register() -> types.ModuleType:
     module = sys.modules[__name__]
     if _registered:
         return module
-    from . import factories, native_guard
+    from . import factories, native_guard, serialization
 
     if torch._C._get_privateuse1_backend_name() != NAME:
         _setup_backend(module)
     factories.register()
+    serialization.register()
     if native_guard.load():
         get_runtime().on_start.append(lambda: native_guard.set_device_count(len(get_runtime().streams)))
     get_runtime().on_start.append(_apply_pending_seed)
