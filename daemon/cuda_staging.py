@@ -63,6 +63,17 @@ class PinnedPool:
         self.pinned_bytes += size
         return torch.empty(size, dtype=torch.uint8, pin_memory=True)
 
+    def release_idle(self) -> int:
+        """Unpin and drop the free buffers (empty_cache); the bytes let go."""
+        self._reclaim()
+        released = 0
+        for size, buffers in self._free.items():
+            released += size * len(buffers)
+            buffers.clear()
+        self.cached_bytes -= released
+        self.pinned_bytes -= released
+        return released
+
     def give_back_after(self, buf: torch.Tensor, event: torch.cuda.Event) -> None:
         self._in_use.append((event, buf.numel(), buf))
 

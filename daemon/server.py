@@ -405,6 +405,8 @@ class DaemonServer:
             self._run_exec(identity, rid, client, parsed, payload)
         elif request.kind == "stats":
             self._submit_in_order(key, identity, rid, self._stats, request.body)
+        elif request.kind == "empty_cache":
+            self._submit_in_order(key, identity, rid, self._empty_cache)
         elif request.kind == "bye":
             self._submit_in_order(key, identity, rid, self._drop_client, key)
 
@@ -585,6 +587,14 @@ class DaemonServer:
             stats.update(allocated=self.account.allocated, reserved=self.account.allocated, peak=self.account.peak,
                          fragmentation=0.0)
         return stats
+
+    def _empty_cache(self) -> dict:
+        """Memory kept for reuse goes back to the system (the executor's caches, and idle receive
+        buffers of the bulk lanes); in order with the asking client's requests, like a CUDA call."""
+        released = self.executor.release_cached()
+        if self.bulk is not None:
+            released += self.bulk.pool.release_idle()
+        return {"released": released}
 
     def _drop_client(self, identity: bytes) -> dict:
         client = self.clients.pop(identity, None)

@@ -106,3 +106,28 @@ def test_torch_compile_says_it_does_not_apply(dev):
     model = torch.nn.Linear(4, 2).to(dev)
     with pytest.raises(Exception, match="torch.compile does not work on remote_accelerator tensors"):
         torch.compile(model)(torch.randn(3, 4, device=dev))
+
+
+def test_empty_cache_lets_go_of_idle_buffers(dev):
+    """torch.remote_accelerator.empty_cache(), as code written for torch.cuda calls it: the daemon
+    drops buffers it keeps for reuse (here: the bulk lane's receive buffer of an 8 MiB upload)."""
+    ra = torch.remote_accelerator
+    x = torch.ones(2 << 20).to(dev)  # 8 MiB: over the bulk lane, into a recycled receive buffer
+    assert x.sum().item() == 2 << 20
+    del x
+    ra.empty_cache()  # sends the free first; the buffer is idle by the time the daemon trims
+    link = genie.get_runtime().links[0]
+    y = torch.ones(2 << 20).to(dev)
+    del y
+    ra.synchronize()
+    assert link.request("empty_cache", {}).body["released"] >= 8 << 20
+    assert link.request("empty_cache", {}).body["released"] == 0
+
+
+def test_a_device_generator_is_refused_with_what_to_use(dev):
+    from genie.frontend import native_guard
+
+    if not native_guard.loaded():
+        pytest.skip("needs Genie's C++ hooks, which need a C++ compiler")
+    with pytest.raises(RuntimeError, match=r"not supported: random numbers are drawn on the daemon.*manual_seed"):
+        torch.Generator(device=dev)

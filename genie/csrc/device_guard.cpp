@@ -118,6 +118,17 @@ struct RemoteHooks final : public at::PrivateUse1HooksInterface {
     const auto& cuda = at::detail::getCUDAHooks();
     return cuda.hasCUDA() ? cuda.getPinnedMemoryAllocator() : c10::GetCPUAllocator();
   }
+  // A generator object here could not drive the daemon's random streams: say what does.
+  const at::Generator& getDefaultGenerator(c10::DeviceIndex /*device_index*/) const override {
+    TORCH_CHECK(false, kNoGenerator);
+  }
+  at::Generator getNewGenerator(c10::DeviceIndex /*device_index*/) const override {
+    TORCH_CHECK(false, kNoGenerator);
+  }
+  static constexpr const char* kNoGenerator =
+      "torch.Generator(device=\"remote_accelerator\") is not supported: random numbers are drawn on the "
+      "daemon, from this client's generator there. Seed it with torch.manual_seed(s) or "
+      "torch.remote_accelerator.manual_seed(s), and draw without a generator= argument";
 };
 
 // Storage for remote_accelerator tensors lives on a daemon: this process has none to hand out.

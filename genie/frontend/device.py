@@ -140,6 +140,19 @@ def memory_reserved(device=None) -> int:
     return memory_stats(device)["reserved_bytes.all.current"]
 
 
+def empty_cache() -> None:
+    """Like torch.cuda.empty_cache: every connected daemon lets go of memory it keeps for reuse
+    (its CUDA caching allocator's unused blocks, idle pinned and receive buffers). Tensors in use
+    are untouched. Queued frees go first, so what this program dropped is released too."""
+    rt = get_runtime()
+    rt.ensure_started()
+    for link in rt.links:
+        for s in rt.streams:
+            if s.link is link:
+                s.synchronize()
+        link.request("empty_cache", {})
+
+
 # ------------------------------------------------------------------ random numbers
 
 
@@ -252,7 +265,7 @@ def _setup_backend(module: types.ModuleType) -> None:
 __all__ = [
     "device_count", "is_available", "is_initialized", "current_device", "set_device", "device",
     "get_device_name", "get_device_properties", "synchronize", "memory_stats", "memory_allocated",
-    "max_memory_allocated", "memory_reserved", "manual_seed", "manual_seed_all", "seed", "seed_all",
+    "max_memory_allocated", "memory_reserved", "empty_cache", "manual_seed", "manual_seed_all", "seed", "seed_all",
     "initial_seed", "register", "capture", "Stream", "Event", "current_stream", "default_stream",
     "set_stream", "stream", "get_amp_supported_dtype",
 ]

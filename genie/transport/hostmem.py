@@ -73,6 +73,16 @@ class HostBufferPool:
             self._blocks[size] = [b for b in self._blocks[size] if b is not block]
             total -= size
 
+    def release_idle(self) -> int:
+        """Drop every idle block (torch.remote_accelerator.empty_cache); the bytes let go."""
+        with self._lock:
+            released = 0
+            for size, blocks in self._blocks.items():
+                kept = [b for b in blocks if _storage_users(b) != 1]
+                released += size * (len(blocks) - len(kept))
+                self._blocks[size] = kept
+            return released
+
     def idle_bytes(self) -> int:
         with self._lock:
             return sum(s for s, blocks in self._blocks.items() for b in blocks if _storage_users(b) == 1)
