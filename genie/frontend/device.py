@@ -240,6 +240,9 @@ def register() -> types.ModuleType:
     if native_guard.load():
         get_runtime().on_start.append(lambda: native_guard.set_device_count(len(get_runtime().streams)))
     get_runtime().on_start.append(_apply_pending_seed)
+    from .meta import import_lazy_dependencies
+
+    get_runtime().warm_ups.append(import_lazy_dependencies)
     _registered = True
     return module
 

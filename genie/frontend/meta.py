@@ -93,6 +93,18 @@ def meta_like(t: torch.Tensor, storage_nbytes: int) -> torch.Tensor:
     return torch.empty(0, dtype=t.dtype, device=META).set_(storage, t.storage_offset(), t.shape, t.stride())
 
 
+def import_lazy_dependencies() -> None:
+    """Import what PyTorch loads on the first ops on a subclass tensor: torch._dynamo (Python meta
+    kernels are wrapped to disable it, and import it on first call) and torch.distributed.tensor
+    (looked up on the first __torch_dispatch__ call). Together ~1.4 s on the 2-core test machine,
+    paid by the first two remote ops unless done earlier: Genie does it while an embedded daemon
+    starts, when this process would only be waiting."""
+    import torch._dynamo  # noqa: F401
+
+    if torch.distributed.is_available():
+        import torch.distributed.tensor  # noqa: F401
+
+
 def plan_op(func, args, kwargs, flat_tensors: list[torch.Tensor], storage_sizes: list[int]) -> Plan:
     """Run `func` on meta stand-ins of the arguments and describe its outputs."""
     metas = [meta_like(t, n) for t, n in zip(flat_tensors, storage_sizes)]

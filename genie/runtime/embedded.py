@@ -37,7 +37,9 @@ class LocalDaemon:
         self._stderr_tail: list[str] = []
         self._owner_pid = os.getpid()  # a forked child sees this object too, and must not stop the daemon
 
-    def start(self, timeout: float = 60.0) -> str:
+    def start(self, timeout: float = 60.0, while_waiting=None) -> str:
+        """Start the process and wait for it to say where it listens. `while_waiting`, if given, runs
+        on this thread meanwhile (the daemon takes about a second to import torch and bind)."""
         cmd = [sys.executable, "-m", "genie_daemon", "--listen", self.listen,
                "--exit-with-parent", str(os.getpid()), *self.extra_args]
         if self.threads:
@@ -57,6 +59,11 @@ class LocalDaemon:
 
         reader = threading.Thread(target=read_ready, daemon=True)
         reader.start()
+        if while_waiting is not None:
+            try:
+                while_waiting()
+            except Exception as e:  # noqa: BLE001 - optional work: the daemon still starts without it
+                log.debug("work while the daemon starts failed: %s", e)
         reader.join(max(deadline - time.monotonic(), 0))
         if not result:
             self.stop()

@@ -383,6 +383,7 @@ class Runtime:
         self.current_device = 0
         self._atexit_registered = False
         self.on_start: list = []  # callbacks run after each (re)connection, e.g. to replay a seed
+        self.warm_ups: list = []  # work for the wait while an embedded daemon starts (e.g. imports)
         self.host_pool = HostBufferPool(self.config.host_pool_bytes)  # receive buffers of bulk downloads
         self.curve = None  # security.ClientKeys when connections use CURVE
         self.inherited_endpoints: list[str] | None = None  # in a forked child: the daemons the parent used
@@ -409,7 +410,7 @@ class Runtime:
             endpoints = _split(urls) if urls else []
             if not endpoints:
                 self.local_daemon = LocalDaemon(threads=self.config.daemon_threads)
-                endpoints = [self.local_daemon.start(self.config.connect_timeout)]
+                endpoints = [self.local_daemon.start(self.config.connect_timeout, while_waiting=self._warm_up)]
             links = [DaemonLink(self, ep) for ep in endpoints]
             futures = [self.loop.submit(l.connect(self.config.connect_timeout, self.config.heartbeat)) for l in links]
             try:
@@ -438,6 +439,10 @@ class Runtime:
                 callback()
             log.info("genie connected to %s (%d devices); data paths: %s", ", ".join(endpoints), len(self.streams),
                      ", ".join(f"{link.endpoint} {link.transport_path()}" for link in links))
+
+    def _warm_up(self) -> None:
+        for fn in self.warm_ups:
+            fn()
 
     def ensure_started(self) -> None:
         if not self._started:
@@ -566,6 +571,7 @@ class Runtime:
             fresh.inherited_endpoints = [link.endpoint for link in self.links]
             fresh.curve = self.curve
         fresh.on_start = list(self.on_start)
+        fresh.warm_ups = list(self.warm_ups)
         reason = (f"this process (pid {os.getpid()}) was forked from pid {os.getppid()} after Genie connected: "
                   "remote tensors made before the fork belong to the parent's connection and cannot be used "
                   "here; make them again in this process (its remote devices use a connection of its own)")
