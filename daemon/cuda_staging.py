@@ -140,5 +140,6 @@ def memory_figures(device: torch.device) -> dict:
         "allocated": stats.get("allocated_bytes.all.current", 0),
         "reserved": reserved,
         "peak": stats.get("allocated_bytes.all.peak", 0),
+        "reserved_peak": stats.get("reserved_bytes.all.peak", 0),
         "fragmentation": inactive / reserved if reserved else 0.0,
     }

@@ -56,7 +56,10 @@ def _measured_flops(device: torch.device) -> float:
 def _describe_hardware(device: torch.device) -> dict:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        return {"name": props.name, "type": "cuda", "total_memory": props.total_memory}
+        with torch.cuda.device(device):
+            bf16 = torch.cuda.is_bf16_supported()
+        return {"name": props.name, "type": "cuda", "total_memory": props.total_memory,
+                "capability": [props.major, props.minor], "bf16": bf16}
     import platform
 
     try:
@@ -65,7 +68,8 @@ def _describe_hardware(device: torch.device) -> dict:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         total = 0
-    return {"name": f"cpu ({platform.machine() or 'unknown'})", "type": "cpu", "total_memory": total}
+    return {"name": f"cpu ({platform.machine() or 'unknown'})", "type": "cpu", "total_memory": total,
+            "capability": None, "bf16": True}
 
 
 class DaemonServer:
@@ -407,6 +411,8 @@ class DaemonServer:
             self._submit_in_order(key, identity, rid, self._stats, request.body)
         elif request.kind == "empty_cache":
             self._submit_in_order(key, identity, rid, self._empty_cache)
+        elif request.kind == "reset_peak":
+            self._submit_in_order(key, identity, rid, self._reset_peak)
         elif request.kind == "bye":
             self._submit_in_order(key, identity, rid, self._drop_client, key)
 
@@ -581,12 +587,36 @@ class DaemonServer:
             from .cuda_staging import memory_figures
 
             stats.update(memory_figures(device))
+            stats["free"], stats["total"] = torch.cuda.mem_get_info(device)
         else:
             # The CPU path has no pooled allocator (tensors come from the system allocator), so
             # reserved equals allocated and there is no pool fragmentation to report.
             stats.update(allocated=self.account.allocated, reserved=self.account.allocated, peak=self.account.peak,
-                         fragmentation=0.0)
+                         reserved_peak=self.account.peak, fragmentation=0.0, **self._host_memory())
         return stats
+
+    def _host_memory(self) -> dict:
+        """free/total for a CPU device: the memory limit when one is set, else the host's RAM."""
+        import os
+
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            total = available = 0
+        if self.memory_limit:
+            total = self.memory_limit
+            available = min(available, max(0, self.memory_limit - self.account.allocated)) if available else \
+                max(0, self.memory_limit - self.account.allocated)
+        return {"free": available, "total": total}
+
+    def _reset_peak(self) -> dict:
+        """Peaks start again from what is allocated now (all clients, like CUDA's per process)."""
+        self.account.peak = self.account.allocated
+        for device in self.devices:
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+        return {}
 
     def _empty_cache(self) -> dict:
         """Memory kept for reuse goes back to the system (the executor's caches, and idle receive

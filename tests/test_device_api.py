@@ -131,3 +131,28 @@ def test_a_device_generator_is_refused_with_what_to_use(dev):
         pytest.skip("needs Genie's C++ hooks, which need a C++ compiler")
     with pytest.raises(RuntimeError, match=r"not supported: random numbers are drawn on the daemon.*manual_seed"):
         torch.Generator(device=dev)
+
+
+def test_more_of_the_torch_cuda_memory_api(dev):
+    """Calls that training scripts make on torch.cuda, with figures from the daemon."""
+    ra = torch.remote_accelerator
+    ra.init()
+    free, total = ra.mem_get_info()
+    assert 0 < free <= total
+    ra.reset_peak_memory_stats()
+    base = ra.max_memory_allocated()
+    x = torch.ones(1 << 20, device=dev)  # 4 MiB
+    assert ra.max_memory_allocated() >= base + (4 << 20)
+    assert ra.max_memory_reserved() >= ra.memory_reserved()
+    del x
+    ra.reset_peak_memory_stats()
+    assert ra.max_memory_allocated() == ra.memory_allocated() < base + (4 << 20)
+    assert ra.reset_max_memory_allocated is ra.reset_peak_memory_stats
+    assert "allocated_bytes.all.current" in ra.memory_summary()
+
+
+def test_capability_and_bf16_come_from_the_daemons_device(dev):
+    ra = torch.remote_accelerator
+    assert ra.is_bf16_supported() is True  # a CPU daemon
+    with pytest.raises(genie.GenieError, match="no CUDA compute capability"):
+        ra.get_device_capability()

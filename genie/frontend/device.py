@@ -100,6 +100,30 @@ def get_device_properties(device=None) -> types.SimpleNamespace:
     return types.SimpleNamespace(endpoint=s.link.endpoint, **info)
 
 
+def get_device_capability(device=None) -> tuple[int, int]:
+    """The CUDA compute capability of the daemon's GPU; a CPU daemon has none, and says so."""
+    s = _stream(device)
+    info = s.link.devices[s.local_index]
+    if not info.get("capability"):
+        from genie.errors import GenieError
+
+        raise GenieError(f"remote_accelerator:{s.global_index} is a {info.get('type', 'non-CUDA')} device "
+                         f"({info.get('name')}): it has no CUDA compute capability")
+    major, minor = info["capability"]
+    return major, minor
+
+
+def is_bf16_supported(device=None) -> bool:
+    """Whether the daemon's device runs bfloat16 natively (CPUs: yes; GPUs: as torch.cuda says there)."""
+    s = _stream(device)
+    return bool(s.link.devices[s.local_index].get("bf16", True))
+
+
+def init() -> None:
+    """Connect now rather than on first use (like torch.cuda.init)."""
+    get_runtime().ensure_started()
+
+
 def synchronize(device=None) -> None:
     """Wait for all work queued on the device (all devices when None... like CUDA, the current one)."""
     _stream(device).synchronize()
@@ -108,14 +132,19 @@ def synchronize(device=None) -> None:
 # ------------------------------------------------------------------ memory
 
 
-def memory_stats(device=None) -> dict:
+def _daemon_stats(device) -> dict:
     s = _stream(device)
     s.synchronize()  # send queued frees first, so the figures reflect this program's state
-    body = s.link.request("stats", {"dev": s.local_index}).body
+    return s.link.request("stats", {"dev": s.local_index}).body
+
+
+def memory_stats(device=None) -> dict:
+    body = _daemon_stats(device)
     return {
         "allocated_bytes.all.current": body["allocated"],
         "allocated_bytes.all.peak": body["peak"],
         "reserved_bytes.all.current": body["reserved"],
+        "reserved_bytes.all.peak": body["reserved_peak"],
         "fragmentation": body["fragmentation"],
         "resident_bytes.all.current": body["resident"],
         "resident_bytes.all.peak": body["resident_peak"],
@@ -138,6 +167,39 @@ def max_memory_allocated(device=None) -> int:
 
 def memory_reserved(device=None) -> int:
     return memory_stats(device)["reserved_bytes.all.current"]
+
+
+def max_memory_reserved(device=None) -> int:
+    return memory_stats(device)["reserved_bytes.all.peak"]
+
+
+def mem_get_info(device=None) -> tuple[int, int]:
+    """(free, total) bytes of the daemon's device: a GPU's, or on a CPU daemon its memory limit
+    (--memory-limit) when set, else the host's RAM."""
+    body = _daemon_stats(device)
+    return body["free"], body["total"]
+
+
+def reset_peak_memory_stats(device=None) -> None:
+    """Peaks (max_memory_allocated / max_memory_reserved) start again from now; daemon-wide, as
+    CUDA's are process-wide."""
+    s = _stream(device)
+    s.synchronize()
+    s.link.request("reset_peak", {})
+
+
+reset_max_memory_allocated = reset_peak_memory_stats
+
+
+def memory_summary(device=None, abbreviated: bool = False) -> str:
+    """The daemon's memory figures as text (torch.cuda.memory_summary's role, not its layout)."""
+    stats = memory_stats(device)
+    s = _stream(device)
+    width = max(len(k) for k in stats)
+    lines = [f"remote_accelerator:{s.global_index} @ {s.link.endpoint}"]
+    lines += [f"  {k.ljust(width)}  {v:,}" if isinstance(v, int) else f"  {k.ljust(width)}  {v}"
+              for k, v in stats.items()]
+    return "\n".join(lines)
 
 
 def empty_cache() -> None:
@@ -268,7 +330,9 @@ def _setup_backend(module: types.ModuleType) -> None:
 __all__ = [
     "device_count", "is_available", "is_initialized", "current_device", "set_device", "device",
     "get_device_name", "get_device_properties", "synchronize", "memory_stats", "memory_allocated",
-    "max_memory_allocated", "memory_reserved", "empty_cache", "manual_seed", "manual_seed_all", "seed", "seed_all",
+    "max_memory_allocated", "memory_reserved", "empty_cache", "max_memory_reserved", "mem_get_info",
+    "reset_peak_memory_stats", "reset_max_memory_allocated", "memory_summary", "get_device_capability",
+    "is_bf16_supported", "init", "manual_seed", "manual_seed_all", "seed", "seed_all",
     "initial_seed", "register", "capture", "Stream", "Event", "current_stream", "default_stream",
     "set_stream", "stream", "get_amp_supported_dtype",
 ]

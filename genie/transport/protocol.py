@@ -86,7 +86,7 @@ MAX_NESTING = 16
 _OP_NAME = re.compile(r"^[a-z_][a-z0-9_]*::[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?$")
 _HANDLE = struct.Struct("<q")
 
-KINDS = ("hello", "exec", "stats", "empty_cache", "ping", "probe", "deposit", "event", "bye")
+KINDS = ("hello", "exec", "stats", "empty_cache", "reset_peak", "ping", "probe", "deposit", "event", "bye")
 
 
 # ---------------------------------------------------------------- value markers
