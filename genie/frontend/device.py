@@ -144,7 +144,7 @@ def memory_stats(device=None) -> dict:
         "allocated_bytes.all.current": body["allocated"],
         "allocated_bytes.all.peak": body["peak"],
         "reserved_bytes.all.current": body["reserved"],
-        "reserved_bytes.all.peak": body["reserved_peak"],
+        "reserved_bytes.all.peak": body.get("reserved_peak"),  # None from daemons before it was reported
         "fragmentation": body["fragmentation"],
         "resident_bytes.all.current": body["resident"],
         "resident_bytes.all.peak": body["resident_peak"],
@@ -177,6 +177,10 @@ def mem_get_info(device=None) -> tuple[int, int]:
     """(free, total) bytes of the daemon's device: a GPU's, or on a CPU daemon its memory limit
     (--memory-limit) when set, else the host's RAM."""
     body = _daemon_stats(device)
+    if "free" not in body:
+        from genie.errors import GenieError
+
+        raise GenieError("this genie-daemon is older than mem_get_info: it does not report free memory")
     return body["free"], body["total"]
 
 
