@@ -6,6 +6,7 @@ A failing op poisons its outputs and the tensors it writes (see `handles`).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -27,6 +28,8 @@ from .memory_guard import is_allocation_failure
 log = logging.getLogger("genie.daemon")
 
 SEED_OP = "genie::manual_seed"
+RNG_STATE_OP = "genie::rng_state"  # -> a copy of this client's generator state on the device (CPU uint8)
+SET_RNG_STATE_OP = "genie::set_rng_state"  # [state]: this client's generator on the device takes it
 PERSIST_OP = "genie::mark_persistent"
 SEND_OP = "genie::send"
 RECV_OP = "genie::recv"
@@ -109,6 +112,8 @@ class Executor:
         try:
             if call.name == SEED_OP:
                 return self._seed(client, call, device)
+            if call.name in (RNG_STATE_OP, SET_RNG_STATE_OP):
+                return self._rng_state(client, call, frames, device)
             if call.name == PERSIST_OP:
                 return self._persist(client, call)
             if call.name == EVENT_RECORD_OP:
@@ -137,7 +142,11 @@ class Executor:
             kwargs = {k: self._resolve(client, v, frames, device, 0) for k, v in call.kwargs.items()}
             if op_table.takes_generator(op) and kwargs.get("generator") is None:
                 kwargs["generator"] = client.generator(device)
-            result = op(*args, **kwargs)
+            if op_table.seeded_without_generator(op):
+                with _drawing_from(client.generator(device), device):
+                    result = op(*args, **kwargs)
+            else:
+                result = op(*args, **kwargs)
             self._store(client, call.outs, result, call.name)
             self._enforce_limit(client, call)
             return result
@@ -288,6 +297,24 @@ class Executor:
         if len(call.args) != 1 or type(call.args[0]) is not int:
             raise ProtocolError(f"{SEED_OP} takes one integer")
         client.generator(device).manual_seed(call.args[0] & ((1 << 64) - 1))
+        return None
+
+    def _rng_state(self, client: ClientState, call: OpCall, frames: list, device: torch.device):
+        """get_rng_state / set_rng_state of this client's generator on `device`, in program order
+        (activation checkpointing replays dropout with the state saved in the forward)."""
+        generator = client.generator(device)
+        if call.name == RNG_STATE_OP:
+            if call.args or type(call.outs) is not int:
+                raise ProtocolError(f"{RNG_STATE_OP} takes no arguments and one output handle")
+            state = generator.get_state()
+            client.put(call.outs, state)
+            return state
+        if len(call.args) != 1 or call.outs is not None:
+            raise ProtocolError(f"{SET_RNG_STATE_OP} takes one state tensor and no output")
+        state = self._resolve(client, call.args[0], frames, device, 0)
+        if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.dim() != 1:
+            raise ProtocolError(f"{SET_RNG_STATE_OP}: a state is a 1-D uint8 tensor")
+        generator.set_state(state.cpu())  # raises on a state of the wrong size for this generator
         return None
 
     def _kv(self, client: ClientState, call: OpCall, frames: list, device: torch.device):
@@ -524,6 +551,22 @@ class _RemoteOpError(Exception):
 
 
 RemoteOpError = _RemoteOpError
+
+
+@contextlib.contextmanager
+def _drawing_from(generator: torch.Generator, device: torch.device):
+    """Run a random op that has no `generator` argument (it draws from the device's default
+    generator) as if it drew from `generator`, the client's: its seed (torch.manual_seed) and its
+    saved states (activation checkpointing replays dropout with them) then hold for dropout too,
+    and clients do not move each other's streams."""
+    default = torch.cuda.default_generators[device.index or 0] if device.type == "cuda" else torch.default_generator
+    saved = default.get_state()
+    default.set_state(generator.get_state())
+    try:
+        yield
+    finally:
+        generator.set_state(default.get_state())
+        default.set_state(saved)
 
 
 def _dims(value) -> bool:

@@ -76,3 +76,10 @@ def written_arguments(op: torch._ops.OpOverload) -> tuple[tuple[int, str], ...]:
 @functools.lru_cache(maxsize=4096)
 def takes_generator(op: torch._ops.OpOverload) -> bool:
     return any(a.name == "generator" for a in op._schema.arguments)
+
+
+@functools.lru_cache(maxsize=4096)
+def seeded_without_generator(op: torch._ops.OpOverload) -> bool:
+    """Random ops that draw from the device's default generator, having no `generator` argument
+    (native_dropout, rand.default, randperm.default, ...)."""
+    return torch.Tag.nondeterministic_seeded in op.tags and not takes_generator(op)

@@ -20,6 +20,7 @@ from .streams import Event, Stream, current_stream, default_stream, set_stream, 
 
 NAME = "remote_accelerator"
 SEED_OP = "genie::manual_seed"
+RNG_STATE_OP, SET_RNG_STATE_OP = "genie::rng_state", "genie::set_rng_state"
 PERSIST_OP = "genie::mark_persistent"
 
 _state = {"seed": None, "initial_seed": None}
@@ -254,6 +255,44 @@ def initial_seed() -> int:
     return _state["initial_seed"]
 
 
+def get_rng_state(device=None) -> torch.Tensor:
+    """This client's generator state on the device (a CPU uint8 tensor), after the ops queued so far."""
+    s = _stream(device)
+    with s.lock:
+        handle = s.new_handle()
+    report = s.run_reported([RNG_STATE_OP, [], {}, handle])
+    return capture._from_report(report, s).cpu()
+
+
+def set_rng_state(new_state: torch.Tensor, device=None) -> None:
+    """Give this client's generator on the device a state from get_rng_state (queued in order)."""
+    if not isinstance(new_state, torch.Tensor) or new_state.dtype != torch.uint8:
+        raise TypeError("an RNG state is a uint8 tensor, as get_rng_state returns")
+    s = _stream(device)
+    with s.lock:
+        s.append([SET_RNG_STATE_OP, capture.encode_call([new_state.detach().cpu().contiguous()], {}, s)[0], {}, None])
+
+
+def get_rng_state_all() -> list[torch.Tensor]:
+    return [get_rng_state(i) for i in range(device_count())]
+
+
+def set_rng_state_all(new_states) -> None:
+    for i, state in enumerate(new_states):
+        set_rng_state(state, i)
+
+
+# torch.utils.checkpoint saves and restores device RNG states only for device modules whose
+# `_initialized` is true: without it, dropout in a checkpointed block was replayed with another
+# mask and the gradients were silently wrong. True once connected (see register).
+_initialized = False
+
+
+def _mark_initialized() -> None:
+    global _initialized
+    _initialized = True
+
+
 def _apply_pending_seed() -> None:
     if _state["seed"] is not None:
         _send_seed(_state["seed"])
@@ -306,6 +345,7 @@ def register() -> types.ModuleType:
     if native_guard.load():
         get_runtime().on_start.append(lambda: native_guard.set_device_count(len(get_runtime().streams)))
     get_runtime().on_start.append(_apply_pending_seed)
+    get_runtime().on_start.append(_mark_initialized)
     from .meta import import_lazy_dependencies
 
     get_runtime().warm_ups.append(import_lazy_dependencies)
@@ -336,7 +376,7 @@ __all__ = [
     "get_device_name", "get_device_properties", "synchronize", "memory_stats", "memory_allocated",
     "max_memory_allocated", "memory_reserved", "empty_cache", "max_memory_reserved", "mem_get_info",
     "reset_peak_memory_stats", "reset_max_memory_allocated", "memory_summary", "get_device_capability",
-    "is_bf16_supported", "init", "manual_seed", "manual_seed_all", "seed", "seed_all",
+    "is_bf16_supported", "init", "get_rng_state", "set_rng_state", "get_rng_state_all", "set_rng_state_all", "manual_seed", "manual_seed_all", "seed", "seed_all",
     "initial_seed", "register", "capture", "Stream", "Event", "current_stream", "default_stream",
     "set_stream", "stream", "get_amp_supported_dtype",
 ]
