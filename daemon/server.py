@@ -62,14 +62,19 @@ def _describe_hardware(device: torch.device) -> dict:
                 "capability": [props.major, props.minor], "bf16": bf16}
     import platform
 
-    try:
-        import os
-
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        total = 0
-    return {"name": f"cpu ({platform.machine() or 'unknown'})", "type": "cpu", "total_memory": total,
+    return {"name": f"cpu ({platform.machine() or 'unknown'})", "type": "cpu", "total_memory": _host_ram()[0],
             "capability": None, "bf16": True}
+
+
+def _host_ram() -> tuple[int, int]:
+    """(total, available) bytes of this host's RAM; zeros where the platform does not say."""
+    import os
+
+    try:
+        page = os.sysconf("SC_PAGE_SIZE")
+        return page * os.sysconf("SC_PHYS_PAGES"), page * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0, 0
 
 
 class DaemonServer:
@@ -156,7 +161,7 @@ class DaemonServer:
         log.info("CURVE on: accepting the public keys in %s", self.curve.allow_dir)
 
     def _open_lanes(self) -> None:
-        total = _describe_hardware(torch.device("cpu"))["total_memory"] or (1 << 40)
+        total = _host_ram()[0] or (1 << 40)
         try:
             self.bulk = BulkListener(self.bound_endpoint, lambda token: token in self.clients,
                                      max_transfer=self.memory_limit or total, shared_memory=self.shared_memory)
@@ -597,13 +602,7 @@ class DaemonServer:
 
     def _host_memory(self) -> dict:
         """free/total for a CPU device: the memory limit when one is set, else the host's RAM."""
-        import os
-
-        try:
-            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-        except (ValueError, OSError, AttributeError):
-            total = available = 0
+        total, available = _host_ram()
         if self.memory_limit:
             total = self.memory_limit
             available = min(available, max(0, self.memory_limit - self.account.allocated)) if available else \
