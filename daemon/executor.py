@@ -179,7 +179,7 @@ class Executor:
         if len(client.programs) >= programs.MAX_PROGRAMS:
             raise ProtocolError(f"a client may keep at most {programs.MAX_PROGRAMS} programs; drop some "
                                 "(del the genie.Graph)")
-        batches, writes, total = [], set(), 0
+        batches, writes, total, seeded = [], set(), 0, False
         for entry in raw:
             if not isinstance(entry, list) or len(entry) != 2:
                 raise ProtocolError(f"{DEFINE_PROGRAM_OP}: each batch is [ops, frees]")
@@ -187,12 +187,14 @@ class Executor:
             for op_call in parsed.ops:
                 op = op_table.resolve(op_call.name)  # aten only: transfers, KV and control ops are not replayable
                 op_table.check_call(op, op_call.args, op_call.kwargs)
+                # Replayed, random ops draw from the default generator, with or without a generator argument.
+                seeded = seeded or op_table.seeded(op)
                 writes.update(_handles_in(op_call.outs))
             total += len(parsed.ops)
             batches.append((parsed.ops, parsed.frees))
         if total > protocol.MAX_OPS_PER_EXEC:
             raise ProtocolError(f"a program of {total} ops exceeds {protocol.MAX_OPS_PER_EXEC}")
-        program = programs.Program(batches, writes)
+        program = programs.Program(batches, writes, seeded)
         program.compiled = programs.compile_program(batches, self.devices)
         client.programs[program_id] = program
         for handle in writes:
@@ -203,7 +205,11 @@ class Executor:
         program = client.programs.get(_int_arg(call, 0)) if len(call.args) == 1 else None
         if program is None:
             raise ProtocolError(f"{REPLAY_OP}: no such program")
-        programs.replay(self, client, program, device)
+        if program.seeded:  # dropout in a replayed step draws from this client's generator, as when run op by op
+            with _drawing_from(client.generator(device), device):
+                programs.replay(self, client, program, device)
+        else:
+            programs.replay(self, client, program, device)
         return None
 
     def _import_shared(self, shared: tuple, device: torch.device) -> None:
@@ -553,18 +559,26 @@ class _RemoteOpError(Exception):
 RemoteOpError = _RemoteOpError
 
 
+_drawing: set[int] = set()  # ids of client generators installed as the default right now (one executor thread)
+
+
 @contextlib.contextmanager
 def _drawing_from(generator: torch.Generator, device: torch.device):
     """Run a random op that has no `generator` argument (it draws from the device's default
     generator) as if it drew from `generator`, the client's: its seed (torch.manual_seed) and its
     saved states (activation checkpointing replays dropout with them) then hold for dropout too,
     and clients do not move each other's streams."""
+    if id(generator) in _drawing:  # already installed (a replay running ops one by one): nothing to swap
+        yield
+        return
     default = torch.cuda.default_generators[device.index or 0] if device.type == "cuda" else torch.default_generator
+    _drawing.add(id(generator))
     saved = default.get_state()
     default.set_state(generator.get_state())
     try:
         yield
     finally:
+        _drawing.discard(id(generator))
         generator.set_state(default.get_state())
         default.set_state(saved)
 

@@ -178,7 +178,10 @@ def _trace(segment: Segment, regs: list, interpret) -> None:
             examples = _stand_ins(values, stand_in)
             if examples is None:
                 continue
-            with warnings.catch_warnings():
+            # Tracing runs the ops once, on stand-ins: random ones must not move the generators, or
+            # the first replay after torch.manual_seed draws other numbers than every later one.
+            gpus = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+            with warnings.catch_warnings(), torch.random.fork_rng(devices=gpus):
                 warnings.simplefilter("ignore")  # torch.jit's deprecation and "may not generalize" notes
                 segment.fn = torch.jit.trace(body, examples, check_trace=False, strict=False)
             counts["traced"] += 1

@@ -79,7 +79,13 @@ def takes_generator(op: torch._ops.OpOverload) -> bool:
 
 
 @functools.lru_cache(maxsize=4096)
+def seeded(op: torch._ops.OpOverload) -> bool:
+    """Random ops (the `nondeterministic_seeded` tag)."""
+    return torch.Tag.nondeterministic_seeded in op.tags
+
+
+@functools.lru_cache(maxsize=4096)
 def seeded_without_generator(op: torch._ops.OpOverload) -> bool:
     """Random ops that draw from the device's default generator, having no `generator` argument
     (native_dropout, rand.default, randperm.default, ...)."""
-    return torch.Tag.nondeterministic_seeded in op.tags and not takes_generator(op)
+    return seeded(op) and not takes_generator(op)

@@ -50,3 +50,31 @@ def test_rng_state_round_trip_and_fork_rng(dev):
     assert torch.equal(ra.get_rng_state(), before)
     with pytest.raises(TypeError, match="uint8"):
         ra.set_rng_state(torch.zeros(3))
+
+
+def test_replayed_dropout_follows_the_seed_like_op_by_op(dev):
+    """A genie.graph step with dropout: replays draw from the client's generator (the daemon swaps
+    it in for programs with random ops), and tracing the step on its first replay draws nothing."""
+    import genie
+
+    drop = torch.nn.Dropout(0.5)
+    x, out = torch.ones(256, device=dev), torch.zeros(256, device=dev)
+
+    def step():
+        out.copy_(drop(x))
+
+    torch.manual_seed(5)
+    step()
+    op_by_op = out.cpu()
+    graph = genie.Graph()
+    with genie.graph(graph):
+        step()
+    replays = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        graph.replay()  # the first one traces the step
+        replays.append(out.cpu())
+        graph.replay()
+        replays.append(out.cpu())
+    assert torch.equal(replays[0], op_by_op) and torch.equal(replays[2], op_by_op)
+    assert torch.equal(replays[1], replays[3]) and not torch.equal(replays[0], replays[1])
