@@ -197,7 +197,8 @@ reset_max_memory_allocated = reset_peak_memory_stats
 
 
 def memory_summary(device=None, abbreviated: bool = False) -> str:
-    """The daemon's memory figures as text (torch.cuda.memory_summary's role, not its layout)."""
+    """The daemon's memory figures as text (torch.cuda.memory_summary's role, not its layout; its
+    `abbreviated` is accepted for code that passes it: the figures are few already)."""
     stats = memory_stats(device)
     s = _stream(device)
     width = max(len(k) for k in stats)
@@ -213,10 +214,9 @@ def empty_cache() -> None:
     are untouched. Queued frees go first, so what this program dropped is released too."""
     rt = get_runtime()
     rt.ensure_started()
+    for s in rt.streams:
+        s.synchronize()
     for link in rt.links:
-        for s in rt.streams:
-            if s.link is link:
-                s.synchronize()
         link.request("empty_cache", {})
 
 
@@ -376,7 +376,8 @@ __all__ = [
     "get_device_name", "get_device_properties", "synchronize", "memory_stats", "memory_allocated",
     "max_memory_allocated", "memory_reserved", "empty_cache", "max_memory_reserved", "mem_get_info",
     "reset_peak_memory_stats", "reset_max_memory_allocated", "memory_summary", "get_device_capability",
-    "is_bf16_supported", "init", "get_rng_state", "set_rng_state", "get_rng_state_all", "set_rng_state_all", "manual_seed", "manual_seed_all", "seed", "seed_all",
+    "is_bf16_supported", "init", "get_rng_state", "set_rng_state", "get_rng_state_all", "set_rng_state_all",
+    "manual_seed", "manual_seed_all", "seed", "seed_all",
     "initial_seed", "register", "capture", "Stream", "Event", "current_stream", "default_stream",
     "set_stream", "stream", "get_amp_supported_dtype",
 ]

@@ -31,8 +31,8 @@ def _deserialize(storage, location: str):
     # caches a storage (so tensors sharing it share it) only where its data pointer is not null.
     # Nothing reads through it: the only use of it is the rebuild's set_, which uploads the bytes.
     stand_in = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), device, storage.nbytes())
-    stand_in._genie_bytes = storage  # the checkpoint's bytes (kept alive here), until uploaded
-    stand_in._genie_source = None  # then: those bytes on the daemon, one uint8 tensor
+    stand_in._genie_bytes = storage  # the checkpoint's bytes: kept as long as the stand-in points at them
+    stand_in._genie_source = None  # once uploaded: those bytes on the daemon, one uint8 tensor
     return stand_in
 
 
@@ -48,7 +48,6 @@ def uploaded(storage: torch.UntypedStorage, device: torch.device):
     if storage._genie_source is None:
         raw = torch.empty(0, dtype=torch.uint8).set_(storage._genie_bytes)
         storage._genie_source = raw.to(device)
-        storage._genie_bytes = None  # uploaded: the host copy can go
     return storage._genie_source
 
 
