@@ -18,7 +18,7 @@ from genie.transport import cuda_ipc, protocol
 from genie.transport.cuda_ipc import SharedCudaTensor
 from genie.transport.errors import ProtocolError
 from genie.transport.protocol import BulkTensor, DeviceRef, Exec, HandleRef, InlineTensor, OpCall
-from genie.transport.tensors import bytes_as_tensor, dtype_name, frames_to_tensor, tensor_to_buffer, tensor_to_frames
+from genie.transport.tensors import bytes_as_tensor, check_shape, dtype_name, frames_to_tensor, tensor_to_buffer, tensor_to_frames
 
 from . import ops as op_table
 from . import programs
@@ -38,7 +38,6 @@ EVENT_WAIT_OP = "genie::event_wait"
 ADOPT_OP = "genie::adopt"
 SHARE_CUDA_OP = "genie::share_cuda"  # a resident GPU tensor for a client on this host, by CUDA IPC
 ALIAS_STORAGE_OP = "genie::alias_storage"  # a tensor over one of the client's tensors' storage (torch.load)
-MAX_DIMS = 64
 KV_APPEND_OP, KV_GET_OP, KV_CLOSE_OP = "genie::kv_append", "genie::kv_get", "genie::kv_close"
 DEFINE_PROGRAM_OP, REPLAY_OP, DROP_PROGRAM_OP = "genie::define_program", "genie::replay", "genie::drop_program"
 
@@ -584,9 +583,12 @@ def _drawing_from(generator: torch.Generator, device: torch.device):
 
 
 def _dims(value) -> bool:
-    """A list of sizes or strides: non-negative ints, at most MAX_DIMS of them."""
-    return (isinstance(value, list) and len(value) <= MAX_DIMS
-            and all(type(v) is int and 0 <= v < (1 << 62) for v in value))
+    """A list of sizes or strides, within the bounds of any shape on the wire (tensors.check_shape)."""
+    try:
+        check_shape(value)
+    except ProtocolError:
+        return False
+    return isinstance(value, list)
 
 
 def _int_arg(call: OpCall, i: int) -> int:
