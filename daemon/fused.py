@@ -10,10 +10,9 @@ evaluated or imported, and the graph is the same op sequence whatever the inputs
 Traces are kept by content, so a program recorded again (a new genie.Graph for the same
 step) reuses them.
 
-A segment ends after each op that writes into one of its arguments (in-place and out= ops),
-so every op of a traced segment but its last is free of side effects or only repeats a write
-that a re-run makes again identically, and nothing in it reads what it writes before the
-write (see plan_segments). If a traced segment fails (a data error such as an index out of
+Every op of a traced segment is free of side effects or makes a write that a re-run makes
+again identically (an overwrite: copy_, index_copy_, fill_...); other in-place ops run alone,
+and no op of a segment reads what a later op of it writes (see plan_segments). If a traced segment fails (a data error such as an index out of
 range), the replay re-runs it op by op from its start, which poisons exactly what the general
 path would and lands no write twice with different values. Segments of one op, and those the
 tracer refuses, are interpreted, each op once.
@@ -64,17 +63,19 @@ def plan_segments(steps: list, reads_of, writes_of, targets_of, describe, kept: 
     when the program ends; overwrites(step): the register an idempotent write (copy_,
     index_copy_, fill_...) sets, else None.
 
-    A segment ends after each step that writes in place, except that an idempotent write may
-    share its segment with the in-place write that follows it: a re-run writes the same values
-    again (in a decode step, the V-cache write joins the K-cache write). Other in-place writes
-    (add_, index_add_...) run alone, interpreted, as a write that fails halfway and is re-run
-    would land twice. A segment also ends before an in-place write into a register an earlier
-    step of it reads: a write that fails halfway (an index out of range) can leave part of its
-    target changed, and the re-run's earlier steps must not read that."""
+    An idempotent write (an overwrite) does not end its segment: a re-run writes the same
+    values again, and the steps after it then read what they read the first time (a decode
+    step's K- and V-cache writes of every layer, and the attention reading them, make one
+    segment). Other in-place writes (add_, index_add_...) run alone, interpreted, as a write
+    that fails halfway and is re-run would land twice. A segment also ends before an in-place
+    write into a register an earlier step of it reads: a write that fails halfway (an index out
+    of range) can leave part of its target changed, and the re-run's earlier steps must not
+    read that; nor may they read a value that a later write of the segment changes."""
     bounds, start, targets, read_here = [], 0, [], set()  # read_here: registers read since `start`
     for i, step in enumerate(steps):
         written = targets_of(step)
-        if written and i > start and (overwrites(step) is None or read_here.intersection(written)):
+        overwrite = overwrites(step) is not None
+        if written and i > start and (not overwrite or read_here.intersection(written)):
             bounds.append((start, i, targets))
             start, targets, read_here = i, [], set()
         read_here.update(reads_of(step))
@@ -82,7 +83,7 @@ def plan_segments(steps: list, reads_of, writes_of, targets_of, describe, kept: 
             targets = targets + list(written)
         if i == len(steps) - 1:
             bounds.append((start, i + 1, targets))
-        elif written and not (overwrites(step) is not None and targets_of(steps[i + 1])):
+        elif written and not overwrite:
             bounds.append((start, i + 1, targets))
             start, targets, read_here = i + 1, [], set()
     last_read: dict[int, int] = {}

@@ -221,6 +221,31 @@ def test_a_write_merged_before_a_failing_one_lands_once_with_its_value(dev):
         b.cpu()
 
 
+def test_ops_reading_a_merged_write_then_a_failing_write_give_op_by_op_values(dev):
+    # Overwrites do not cut a segment: here every op is one traced segment. The last write fails
+    # on the replay; the op-by-op re-run writes `a` again, and `d` is computed from it as before.
+    src = torch.arange(3.0, device=dev)
+    a, d = torch.zeros(3, device=dev), torch.zeros(3, device=dev)
+    b = torch.zeros(4, device=dev)
+    idx = torch.zeros(1, dtype=torch.long, device=dev)
+    g = genie.Graph()
+    with genie.graph(g):
+        a.copy_(src * 2)
+        c = a + 1                   # reads what the segment wrote
+        d.copy_(c * c)
+        b.index_copy_(0, idx, c[:1])
+    idx.fill_(99)
+    src.add_(1)
+    before = _segments()
+    g.replay()
+    assert a.cpu().tolist() == [2.0, 4.0, 6.0]
+    assert d.cpu().tolist() == [9.0, 25.0, 49.0]
+    with pytest.raises(genie.RemoteExecutionError, match="index"):
+        b.cpu()
+    after = _segments()
+    assert after["traced"] + after["reused"] == before["traced"] + before["reused"] + 1  # one segment
+
+
 def test_a_failing_accumulating_write_lands_as_often_as_op_by_op(dev):
     # index_add_ with one index out of range writes the valid part before it raises; replayed, it
     # must do that once, as op by op, not once more when its segment is re-run. The failed op

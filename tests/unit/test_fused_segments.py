@@ -13,36 +13,38 @@ def _run(seg, regs, interpret):
         fused.drop(seg, regs)
 
 
-def _plan(steps, kept):
-    # A step here: (reads, writes, writes in place, name); an in-place write targets its first
-    # read register and is an idempotent overwrite.
+def _plan_with_overwrites(steps, kept):
+    # A step here: (reads, writes, writes in place, name, overwritten register or None); an
+    # in-place write targets its first read register.
     return fused.plan_segments(steps, lambda s: s[0], lambda s: s[1], lambda s: [s[0][0]] if s[2] else [],
-                               lambda s: s[3], kept, lambda s: s[0][0] if s[2] else None)
+                               lambda s: s[3], kept, lambda s: s[4])
 
 
-def test_segments_end_after_each_mutating_op_and_carry_only_what_crosses():
+def test_segments_end_around_each_accumulating_write_and_carry_only_what_crosses():
     steps = [
-        ([0], [1], False, "a"),     # r1 = f(r0)
-        ([1], [2], False, "b"),     # r2 = g(r1)
-        ([3, 2], [], True, "c"),    # r3.write_(r2)   <- segment ends
-        ([1], [4], False, "d"),     # r4 = h(r1): r1 crosses the cut
-        ([4], [5], False, "e"),
+        ([0], [1], False, "a", None),     # r1 = f(r0)
+        ([1], [2], False, "b", None),     # r2 = g(r1)
+        ([3, 2], [], True, "c", None),    # r3.add_(r2): runs alone
+        ([1], [4], False, "d", None),     # r4 = h(r1): r1 crosses both cuts
+        ([4], [5], False, "e", None),
     ]
-    first, second = _plan(steps, kept={5})
-    assert (first.start, first.stop, second.start, second.stop) == (0, 3, 3, 5)
-    assert first.inputs == [0, 3] and first.outputs == [1]        # r2 stays inside; r1 is read later
-    assert second.inputs == [1] and second.outputs == [5]         # r4 is internal, r5 is live
-    assert 0 in first.drop and 2 in first.drop and 1 in second.drop and 4 in second.drop
-    assert first.key != second.key
+    first, alone, last = _plan_with_overwrites(steps, kept={5})
+    assert [(s.start, s.stop) for s in (first, alone, last)] == [(0, 2), (2, 3), (3, 5)]
+    assert first.inputs == [0] and first.outputs == [1, 2]        # r1 and r2 are read later
+    assert alone.inputs == [3, 2] and alone.fn is fused.INTERPRET
+    assert last.inputs == [1] and last.outputs == [5]             # r4 is internal, r5 is live
+    assert 0 in first.drop and 2 in alone.drop and 1 in last.drop and 4 in last.drop
+    assert first.key != last.key
 
 
 def test_one_op_segments_are_interpreted_and_the_key_follows_the_steps():
-    steps = [([0], [], True, "w1"), ([0], [1], False, "a"), ([1], [], True, "w2")]
-    single, pair = _plan(steps, kept=set())
-    assert single.fn is fused.INTERPRET and pair.fn is None
-    again = _plan([([0], [], True, "w1"), ([0], [1], False, "a"), ([1], [], True, "w2")], kept=set())
-    other = _plan([([0], [], True, "w1"), ([0], [1], False, "A"), ([1], [], True, "w2")], kept=set())
-    assert again[1].key == pair.key and other[1].key != pair.key
+    def steps(name):
+        return [([0], [], True, "w1", None), ([0], [1], False, name, None), ([1], [2], False, "b", None),
+                ([3, 2], [], True, "w2", None)]
+    single, pair, tail = _plan_with_overwrites(steps("a"), kept=set())
+    assert single.fn is fused.INTERPRET and pair.fn is None and tail.fn is fused.INTERPRET
+    assert _plan_with_overwrites(steps("a"), kept=set())[1].key == pair.key
+    assert _plan_with_overwrites(steps("A"), kept=set())[1].key != pair.key
 
 
 def test_a_traced_segment_runs_the_recorded_ops_and_is_traced_once():
@@ -113,31 +115,30 @@ def test_large_inputs_are_traced_on_meta_tensors(monkeypatch):
     torch.testing.assert_close(regs[2], torch.full((4,), 5.0))
 
 
-def _plan_with_overwrites(steps, kept):
-    # A step here: (reads, writes, writes in place, name, overwritten register or None); an
-    # in-place write targets its first read register.
-    return fused.plan_segments(steps, lambda s: s[0], lambda s: s[1], lambda s: [s[0][0]] if s[2] else [],
-                               lambda s: s[3], kept, lambda s: s[4])
-
-
-def test_overwrites_share_segments_other_writes_run_alone_and_no_segment_reads_what_it_then_writes():
+def test_overwrites_do_not_cut_other_writes_run_alone_and_no_segment_reads_what_it_then_writes():
     steps = [
         ([0], [1], False, "k = f(x)", None),
         ([5, 1], [], True, "K.index_copy_(k)", 5),   # overwrites K, which nothing before read
         ([6, 0], [], True, "V.index_copy_(x)", 6),
-        ([5, 6], [2], False, "attention(K, V)", None),
-        ([7, 2], [], True, "out.add_(a)", None),      # not an overwrite: reads its target
+        ([5, 6], [2], False, "attention(K, V)", None),  # reads what the segment wrote: the same on a re-run
+        ([9, 2], [], True, "K2.index_copy_(a)", 9),  # the next layer's cache write
+        ([9], [3], False, "attention(K2)", None),
+        ([7, 3], [], True, "out.add_(a)", None),      # not an overwrite: reads its target
         ([8], [], True, "pos.add_(1)", None),
     ]
     segments = _plan_with_overwrites(steps, kept=set())
-    assert [(s.start, s.stop) for s in segments] == [(0, 3), (3, 4), (4, 5), (5, 6)]
-    assert segments[0].targets == [5, 6]
+    assert [(s.start, s.stop) for s in segments] == [(0, 6), (6, 7), (7, 8)]
+    assert segments[0].targets == [5, 6, 9]
     # add_ is no overwrite: it runs alone, interpreted, each time exactly once
-    assert segments[2].fn is fused.INTERPRET and segments[3].fn is fused.INTERPRET
+    assert segments[1].fn is fused.INTERPRET and segments[2].fn is fused.INTERPRET
     read_first = [([5], [1], False, "k = g(K)", None), ([5, 1], [], True, "K.copy_(k)", 5),
                   ([6], [], True, "V.zero_()", 6)]
     # K is read before its write: the write starts a new segment (a half-done write must not be re-read)
     assert [(s.start, s.stop) for s in _plan_with_overwrites(read_first, kept=set())] == [(0, 1), (1, 3)]
+    read_between = [([5, 0], [], True, "K.copy_(x)", 5), ([5], [1], False, "a = f(K)", None),
+                    ([5, 1], [], True, "K.copy_(a)", 5)]
+    # a second write into K, which the segment read since: a re-run would read the second write's values
+    assert [(s.start, s.stop) for s in _plan_with_overwrites(read_between, kept=set())] == [(0, 2), (2, 3)]
 
 
 def test_a_merged_overwrite_into_storage_another_input_shares_is_interpreted():
