@@ -161,6 +161,11 @@ class BulkListener:
         lane = self.lane(identity)
         return None if lane is None else lane.next_id()
 
+    def later_download(self, identity: bytes, payload: memoryview) -> "LaterDownload | None":
+        """A download to send once its answer is out (see Executor.run's `later`); None: no lane."""
+        xfer = self.claim_download(identity)
+        return None if xfer is None else LaterDownload(self, identity, payload, xfer)
+
     def send_download(self, identity: bytes, payload: memoryview, xfer: int | None = None) -> int | None:
         """Send a payload to the client (as transfer `xfer` when claimed before); its transfer id,
         or None when the client has no lane."""
@@ -191,3 +196,23 @@ class BulkListener:
             lane.close()
         if self._path and os.path.exists(self._path):
             os.unlink(self._path)
+
+
+class LaterDownload:
+    """A claimed download: called, it sends the payload (blocking); `start` begins it without waiting."""
+
+    __slots__ = ("listener", "identity", "payload", "xfer")
+
+    def __init__(self, listener: BulkListener, identity: bytes, payload: memoryview, xfer: int) -> None:
+        self.listener, self.identity, self.payload, self.xfer = listener, identity, payload, xfer
+
+    def __call__(self) -> None:
+        self.listener.send_download(self.identity, self.payload, self.xfer)
+
+    def start(self, first_bytes: int) -> Callable[[], None]:
+        """Send what the socket takes now, up to `first_bytes`, on this thread; the call returned
+        sends the rest (see bulk.Lane.start_send)."""
+        lane = self.listener.lane(self.identity)
+        if lane is None:
+            raise ConnectionError("the client's bulk lane closed before its download was sent")
+        return lane.start_send(self.xfer, self.payload, first_bytes)

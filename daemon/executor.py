@@ -7,7 +7,6 @@ A failing op poisons its outputs and the tensors it writes (see `handles`).
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import time
 
@@ -530,10 +529,10 @@ class Executor:
                     with self._uploader(found.device).download(found) as staged:
                         xfer = self.bulk.send_download(client.identity, staged)
                 elif later is not None:
-                    xfer = self.bulk.claim_download(client.identity)
-                    if xfer is not None:
-                        later.append(functools.partial(self.bulk.send_download, client.identity,
-                                                       tensor_to_buffer(found.detach()), xfer))
+                    download = self.bulk.later_download(client.identity, tensor_to_buffer(found.detach()))
+                    xfer = None if download is None else download.xfer
+                    if download is not None:
+                        later.append(download)
                 else:
                     xfer = self.bulk.send_download(client.identity, tensor_to_buffer(found.detach()))
             except ConnectionError as e:

@@ -423,20 +423,46 @@ class DaemonServer:
 
     def _run_exec(self, identity: bytes, rid: int, client: ClientState, parsed, payload: list) -> None:
         """Run an exec whose transfers are in: here when that is quicker, else on the worker."""
-        if (self._pending == 0 and self.inline_ok and _small(parsed)
+        if (self._pending == 0 and self.inline_ok and _small(parsed, bulk_ok=not self.executor.has_cuda)
                 and sum(len(p) for p in payload) <= INLINE_MAX_BYTES
                 and self.executor.quick_to_start(client, parsed)):
             # Nothing is queued for the worker: running a small request here keeps program
             # order and saves two thread hops on the round trip a blocking read waits for.
             future = concurrent.futures.Future()
+            downloads: list = []
             try:
-                future.set_result(self.executor.run(client, parsed, payload))
+                future.set_result(self.executor.run(client, parsed, payload, later=downloads))
             except BaseException as e:  # noqa: BLE001 - reported to the client like any failure
                 future.set_exception(e)
             self._pending += 1
             self._finish(identity, rid, future)
+            if downloads:
+                self._send_downloads(identity, downloads)
             return
         self._submit_exec(identity, rid, client, parsed, payload)
+
+    def _send_downloads(self, identity: bytes, downloads: list) -> None:
+        """The bulk downloads of a request run here, after its answer. The first starts on this
+        thread, as far as its socket takes it now (up to FIRST_SEND_BYTES, never waiting): the
+        client reads those bytes while the worker wakes to send the rest, instead of waiting for
+        that hop before the first byte (4 MiB over tcp: +4-26% in six alternating runs against
+        sending all from the worker). Pending until sent, so no later request runs meanwhile."""
+        sends = list(downloads)
+        try:
+            sends[0] = sends[0].start(FIRST_SEND_BYTES)
+        except ConnectionError as e:
+            log.warning("bulk download to %s failed: %s", identity.hex(), e)
+            sends.pop(0)
+        self._pending += 1
+        loop = self._loop
+
+        def job() -> None:
+            try:
+                _send_all(identity, sends)
+            finally:
+                loop.call_soon_threadsafe(self._settle)
+
+        self._worker.submit(job)
 
     # ------------------------------------------------------------ requests that wait for transfers
 
@@ -514,11 +540,7 @@ class DaemonServer:
                 except BaseException as e:  # noqa: BLE001 - reported to the client like any failure
                     answer.set_exception(e)
                 loop.call_soon_threadsafe(self._answer, identity, rid, answer)
-                for send in downloads:
-                    try:
-                        send()
-                    except (ConnectionError, OSError) as e:  # the lane closed: the client's wait fails with it
-                        log.warning("bulk download to %s failed: %s", identity.hex(), e)
+                _send_all(identity, downloads)
             finally:
                 loop.call_soon_threadsafe(self._settle)
 
@@ -715,14 +737,27 @@ INLINE_MAX_BYTES = 1 << 20
 _BLOCKING_OPS = frozenset({"genie::recv"})
 
 
-def _small(request) -> bool:
+def _small(request, bulk_ok: bool) -> bool:
     # Only requests a client is blocked on gain from running inline. Bulk uploads are in by the
-    # time a request gets here (see `_park`); bulk downloads write to a socket: never inline
-    # (clients ask for them, with bulk_min, only when a fetched tensor is big enough to go so).
+    # time a request gets here (see `_park`). Bulk downloads (clients ask for them, with
+    # bulk_min, only when a fetched tensor is big enough to go so) are sent after the answer, by
+    # the worker (see `_send_downloads`); `bulk_ok` False: not inline at all (a GPU tensor's
+    # download is staged and sent synchronously by the executor).
     return ((request.waited or request.fetch or request.report) and len(request.ops) <= INLINE_MAX_OPS
-            and len(request.fetch) <= 4 and not request.bulk_min
+            and len(request.fetch) <= 4 and (bulk_ok or not request.bulk_min)
             and not any(op.name in _BLOCKING_OPS for op in request.ops))
 
+
+def _send_all(identity: bytes, sends: list) -> None:
+    for send in sends:
+        try:
+            send()
+        except (ConnectionError, OSError) as e:  # the lane closed: the client's wait fails with it
+            log.warning("bulk download to %s failed: %s", identity.hex(), e)
+
+
+# The most of a download the event loop writes itself (a non-blocking send; see `_send_downloads`).
+FIRST_SEND_BYTES = 1 << 20
 
 # Below this size a copying send is cheaper than pinning the buffer for zero-copy.
 COPY_THRESHOLD = 64 * 1024

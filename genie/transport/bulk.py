@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import logging
 import os
 import select
@@ -210,6 +211,49 @@ class Lane:
         self._flush_controls()
         if deferred is not None:
             raise deferred
+
+    def start_send(self, xfer: int, payload: memoryview, first_bytes: int) -> Callable[[], None]:
+        """Begin transfer `xfer` on this thread without waiting: its header and up to `first_bytes`
+        of the payload, as much as the socket takes now. Returns the call that sends the rest (on
+        another thread), and until it has, the lane is held. The receiver is then reading while
+        that thread wakes up. Nothing is sent here on a shared-memory lane (the payload is a copy
+        into a segment, not a socket write) or while the lane is busy: the call sends it all."""
+        payload = payload.cast("B") if payload.format != "B" or payload.ndim != 1 else payload
+        if self.shared or not self._send_lock.acquire(blocking=False):
+            return functools.partial(self.send, xfer, payload)
+        header = _HEADER.pack(STREAM, xfer, payload.nbytes, 0)
+        try:
+            if self.closed:
+                raise ConnectionError("bulk lane is closed")
+            try:
+                sent = self.sock.sendmsg([header, payload[:first_bytes]], [], socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+        except OSError as e:
+            self._send_lock.release()
+            self.close(e)
+            raise ConnectionError(f"bulk lane send failed: {e}") from e
+        except BaseException:
+            self._send_lock.release()
+            raise
+
+        def finish() -> None:
+            try:
+                if self.closed:
+                    raise ConnectionError("bulk lane is closed")
+                if sent < len(header):
+                    self.sock.sendall(header[sent:])
+                for i in range(max(0, sent - len(header)), payload.nbytes, _SEND_SLICE):
+                    self.sock.sendall(payload[i:i + _SEND_SLICE])
+                self.bytes_sent += payload.nbytes + _HEADER.size
+                self.last_streamed = time.monotonic()
+            except OSError as e:
+                self.close(e)
+                raise ConnectionError(f"bulk lane send failed: {e}") from e
+            finally:
+                self._send_lock.release()
+
+        return finish
 
     def _send_through_socket(self, xfer: int, payload: memoryview, after_head) -> BaseException | None:
         deferred = None
