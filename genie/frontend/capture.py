@@ -129,6 +129,8 @@ def _encode(value, stream):
         frames = [stream.add_frame(b) for b in tensor_to_frames(value.detach())]
         return protocol.encode_inline(frames[0] if len(frames) == 1 else frames, DTYPE_NAMES[value.dtype], value.shape)
     if isinstance(value, (list, tuple)):
+        if all(type(v) is int and _INT64_MIN <= v <= _UINT64_MAX for v in value):  # sizes, dims: the common case
+            return list(value)
         return [_encode(v, stream) for v in value]
     if value is None or isinstance(value, (bool, float, str)):
         return value
@@ -506,7 +508,7 @@ def move_between_devices(src: LazyTensor, dst_stream) -> LazyTensor:
         src_stream.flush()
         with dst_stream.lock:
             h = dst_stream.new_handle()
-            out = LazyTensor(dst_stream, h, src.shape, _contiguous_strides(src.shape), 0, src.dtype,
+            out = LazyTensor(dst_stream, h, src.shape, contiguous_strides(src.shape), 0, src.dtype,
                              src.numel() * src.element_size())
             dst_stream.append(["aten::_to_copy", [protocol.encode_handle(src._genie.id)],
                                {"device": protocol.encode_device("remote", dst_stream.local_index),
@@ -519,13 +521,13 @@ def move_between_devices(src: LazyTensor, dst_stream) -> LazyTensor:
     src_stream.flush()
     with dst_stream.lock:
         h = dst_stream.new_handle()
-        out = LazyTensor(dst_stream, h, src.shape, _contiguous_strides(src.shape), 0, src.dtype,
+        out = LazyTensor(dst_stream, h, src.shape, contiguous_strides(src.shape), 0, src.dtype,
                          src.numel() * src.element_size())
         dst_stream.append([RECV_OP, [tid], {}, h])
     return out
 
 
-def _contiguous_strides(shape) -> tuple[int, ...]:
+def contiguous_strides(shape) -> tuple[int, ...]:
     strides, acc = [], 1
     for s in reversed(shape):
         strides.append(acc)
@@ -554,7 +556,7 @@ def _set_storage(func, args, kwargs):
         offset, size, stride = 0, (storage.nbytes() // itemsize,), (1,)
     else:
         offset, size = bound["storage_offset"], tuple(bound["size"])
-        stride = tuple(bound.get("stride") or _contiguous_strides(size))
+        stride = tuple(bound.get("stride") or contiguous_strides(size))
     stream = dst._genie.stream
     with stream.lock:
         stream.append([ALIAS_STORAGE_OP, [source._genie.wire, protocol.encode_dtype(dst.dtype), offset, list(size),

@@ -8,6 +8,8 @@ captured. `_copy_from` is how `torch.tensor(data, device=...)` uploads.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from genie.runtime import get_runtime
@@ -28,13 +30,21 @@ def _stream_for(device) -> object:
 def _new_empty(op: str, size, stride, dtype, device, memory_format=None):
     dtype = dtype or torch.get_default_dtype()
     stream = _stream_for(device)
-    if stride is None:
-        probe = torch.empty(size, dtype=dtype, device="meta", memory_format=memory_format or torch.contiguous_format)
+    if stride is None and memory_format in (None, torch.contiguous_format) and all(
+            type(s) is int and s >= 0 for s in size):
+        # The common case, worked out here: a meta tensor (which checks the rest) costs more.
+        shape = tuple(size)
+        strides = capture.contiguous_strides(shape)
+        nbytes = math.prod(shape) * dtype.itemsize
     else:
-        probe = torch.empty_strided(size, stride, dtype=dtype, device="meta")
+        if stride is None:
+            probe = torch.empty(size, dtype=dtype, device="meta", memory_format=memory_format or torch.contiguous_format)
+        else:
+            probe = torch.empty_strided(size, stride, dtype=dtype, device="meta")
+        shape, strides, nbytes = probe.shape, probe.stride(), probe.untyped_storage().nbytes()
     with stream.lock:
         handle = stream.new_handle()
-        t = LazyTensor(stream, handle, probe.shape, probe.stride(), 0, dtype, probe.untyped_storage().nbytes())
+        t = LazyTensor(stream, handle, shape, strides, 0, dtype, nbytes)
         kwargs = {"dtype": dtype, "device": stream.device}
         if stride is None:
             kwargs["memory_format"] = memory_format or torch.contiguous_format

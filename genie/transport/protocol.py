@@ -51,6 +51,7 @@ offset, storage_nbytes]`` (for ops whose output shape depends on data).
 """
 from __future__ import annotations
 
+import functools
 import re
 import struct
 from dataclasses import dataclass
@@ -149,20 +150,26 @@ def encode_cuda_ipc(fields: list) -> msgpack.ExtType:
     return msgpack.ExtType(EXT_CUDA_IPC, msgpack.packb(fields, use_bin_type=True))
 
 
+# The encoders of dtypes, devices, memory formats and layouts are cached: factory calls and
+# .to() pass them with every op, and an ExtType (a namedtuple, immutable) costs microseconds to build.
+@functools.lru_cache(maxsize=None)
 def encode_dtype(dtype: torch.dtype) -> msgpack.ExtType:
     from .tensors import dtype_name
 
     return msgpack.ExtType(EXT_DTYPE, dtype_name(dtype).encode())
 
 
+@functools.lru_cache(maxsize=256)
 def encode_device(kind: str, index: int = 0) -> msgpack.ExtType:
     return msgpack.ExtType(EXT_DEVICE, msgpack.packb([kind, index]))
 
 
+@functools.lru_cache(maxsize=None)
 def encode_memory_format(fmt: torch.memory_format) -> msgpack.ExtType:
     return msgpack.ExtType(EXT_MEMFMT, MEMORY_FORMAT_NAMES[fmt].encode())
 
 
+@functools.lru_cache(maxsize=None)
 def encode_layout(layout: torch.layout) -> msgpack.ExtType:
     if layout not in LAYOUT_NAMES:
         raise ProtocolError(f"layout {layout} cannot be sent over the wire")
