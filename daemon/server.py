@@ -389,6 +389,12 @@ class DaemonServer:
             # Bandwidth probe: the client times sending these frames and getting this answer.
             self._reply(identity, rid, {"bytes": sum(len(p) for p in payload)})
         elif request.kind == "hello":
+            theirs = request.body.get("version")
+            if theirs != protocol.VERSION:
+                self._reply_error(identity, rid, ProtocolError(
+                    f"this genie-daemon speaks protocol version {protocol.VERSION} and the client "
+                    f"{'sent none' if theirs is None else f'speaks {theirs!r}'}: install the same Genie version on both"))
+                return
             hello = {"version": protocol.VERSION, "devices": self.device_info}
             if self.bulk is not None:
                 hello["bulk"] = self.bulk.advertised

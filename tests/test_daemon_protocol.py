@@ -34,8 +34,17 @@ def op(name, args, outs, kwargs=None):
 
 
 def test_hello(sock):
-    (rid, ok, body), _ = call(sock, [protocol.pack(["hello", 1, {}])])
+    (rid, ok, body), _ = call(sock, [protocol.pack(["hello", 1, {"version": protocol.VERSION}])])
     assert rid == 1 and ok and body["version"] == protocol.VERSION and body["devices"][0]["type"] == "cpu"
+
+
+@pytest.mark.parametrize("body", [{}, {"version": protocol.VERSION - 1}, {"version": "2"}])
+def test_a_hello_from_another_protocol_version_is_refused_and_the_daemon_carries_on(sock, body):
+    (rid, ok, reply), _ = call(sock, [protocol.pack(["hello", 2, body])])
+    assert rid == 2 and not ok and f"protocol version {protocol.VERSION}" in reply["message"]
+    assert "install the same Genie version" in reply["message"]
+    (rid, ok, reply), _ = call(sock, [protocol.pack(["hello", 3, {"version": protocol.VERSION}])])
+    assert rid == 3 and ok
 
 
 def error_text(ok, body):
@@ -98,7 +107,7 @@ def test_another_clients_handles_cannot_be_read_freed_or_overwritten(sock, dev):
 
 
 def test_a_daemon_without_a_gpu_refuses_cuda_ipc_handles_and_carries_on(sock):
-    (_, ok, body), _ = call(sock, [protocol.pack(["hello", 40, {}])])
+    (_, ok, body), _ = call(sock, [protocol.pack(["hello", 40, {"version": protocol.VERSION}])])
     assert ok and "cuda_ipc" not in body  # nothing offered: clients send bytes
     shared = protocol.encode_cuda_ipc(["GPU-0a1b2c3d-0000-1111-2222-333344445555", b"\0" * 66, 64, 0, 0,
                                        b"/torch_1_2_3", 0, None, False, "float32", [4]])

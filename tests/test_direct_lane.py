@@ -26,7 +26,7 @@ class FakeClient:
         self.dealer.setsockopt(zmq.ROUTING_ID, self.token)
         self.dealer.setsockopt(zmq.LINGER, 0)
         self.dealer.connect(link.endpoint)
-        self.dealer.send(protocol.pack(["hello", 70000, {}]))
+        self.dealer.send(protocol.pack(["hello", 70000, {"version": protocol.VERSION}]))
         assert self.dealer.poll(10_000), "no hello answer"
         self.dealer.recv()
         address = bulk.connect_address(["tcp", link.bulk_lane.sock.getpeername()[1]], link.endpoint)

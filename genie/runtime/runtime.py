@@ -20,7 +20,7 @@ import zmq.asyncio
 
 from genie import config as config_module
 from genie.errors import GenieConnectionError, GenieError
-from genie.transport import bulk, cuda_ipc, stream_framing
+from genie.transport import bulk, cuda_ipc, protocol, stream_framing
 from genie.transport.channel import Channel, ChannelClosed, RemoteError
 from genie.transport.hostmem import HostBufferPool
 
@@ -64,7 +64,7 @@ class DaemonLink:
         await self.channel.open()
         start = time.perf_counter()
         try:
-            reply = await asyncio.wait_for(self.channel.post("hello", {}), timeout)
+            reply = await asyncio.wait_for(self.channel.post("hello", {"version": protocol.VERSION}), timeout)
         except asyncio.TimeoutError:
             await self.channel.close()
             raise GenieConnectionError(f"no answer from genie-daemon at {self.endpoint} within {timeout:.0f}s") from None
@@ -72,6 +72,11 @@ class DaemonLink:
             await self.channel.close()
             raise GenieConnectionError(f"genie-daemon at {self.endpoint} refused hello: {e}") from None
         self.measured_rtt_s = time.perf_counter() - start
+        if reply.body.get("version") != protocol.VERSION:
+            await self.channel.close()
+            raise GenieConnectionError(f"genie-daemon at {self.endpoint} speaks protocol version "
+                                       f"{reply.body.get('version')!r} and this client {protocol.VERSION}: "
+                                       "install the same Genie version on both")
         devices = reply.body.get("devices")
         if not isinstance(devices, list) or not devices:
             raise GenieConnectionError(f"genie-daemon at {self.endpoint} reported no devices")

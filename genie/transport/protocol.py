@@ -64,7 +64,9 @@ from . import cuda_ipc
 from .errors import ProtocolError
 from .tensors import check_frames, check_shape, parse_dtype
 
-VERSION = 1
+# Clients and daemons of different versions refuse each other at hello with a clear error,
+# instead of misreading ops, lanes or replies later. 2: hello carries the client's version.
+VERSION = 2
 
 EXT_HANDLE, EXT_TENSOR, EXT_DTYPE, EXT_DEVICE, EXT_MEMFMT, EXT_LAYOUT, EXT_COMPLEX, EXT_BULK, EXT_CUDA_IPC = range(1, 10)
 
