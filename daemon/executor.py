@@ -530,9 +530,9 @@ class Executor:
                         xfer = self.bulk.send_download(client.identity, staged)
                 elif later is not None:
                     download = self.bulk.later_download(client.identity, tensor_to_buffer(found.detach()))
-                    xfer = None if download is None else download.xfer
                     if download is not None:
                         later.append(download)
+                    xfer = download.xfer if download is not None else None
                 else:
                     xfer = self.bulk.send_download(client.identity, tensor_to_buffer(found.detach()))
             except ConnectionError as e:
