@@ -4,8 +4,10 @@ GPT: prefill tokens/s, decode tokens/s in the steady state (greedy; from the sec
 token on, the first step, with the prefill, timed apart) with the model's torch.cat KV cache,
 a daemon-side genie.KVSession, and a static cache whose step is recorded once and replayed
 (genie.graph); bytes on the wire per generated token.
-CNN: images/s for batched inference. Medians of several runs; the local eager run
-in the same process is the baseline (for decode, local and remote runs take turns).
+CNN: images/s for batched inference. Training: steps/s of a GPT training step (AdamW,
+`capturable=True` on the device so that its state lives there), op by op and recorded once
+with genie.graph and replayed. Medians of several runs; the local eager run in the same
+process is the baseline (for decode and training, local and remote runs take turns).
 
     python -m bench.end_to_end [--tokens 64] [--repeats 3]
 """
@@ -24,6 +26,7 @@ from genie.examples.zoo import SmallCNN
 
 DEV = "remote_accelerator:0"
 DECODE_ROUNDS = 7  # at least this many turns of each decode run (one generation each, ~0.1 s)
+TRAIN_ROUNDS = 5  # at least this many turns of each training run (two steps each, ~0.1-0.3 s)
 
 
 def wire_bytes() -> int:
@@ -113,6 +116,56 @@ def gpt(tokens: int, prompt_len: int, repeats: int) -> dict:
     }
 
 
+def training(batch: int, seq: int, rounds: int) -> dict:
+    """Steps/s of one training step of the demo GPT (next-token loss, AdamW), local eager vs
+    remote op by op vs remote replayed, two steps of each per round, in turns; every copy of the
+    model takes the same number of steps, and their losses then agree."""
+    torch.manual_seed(0)
+    cfg = GPTConfig()
+    model = TinyGPT(cfg)
+    idx, target = torch.randint(0, cfg.vocab_size, (batch, seq)), torch.randint(0, cfg.vocab_size, (batch, seq))
+    pos = torch.arange(seq)
+    inputs = (idx.to(DEV), target.to(DEV), pos.to(DEV))
+
+    def step(m, optimizer, a, b, p):
+        optimizer.zero_grad(set_to_none=False)
+        logits, _ = m(a, p)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab_size), b.reshape(-1))
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    copies = {"local": model, "remote": copy.deepcopy(model).to(DEV), "remote_replay": copy.deepcopy(model).to(DEV)}
+    optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-3, capturable=name != "local")
+                  for name, m in copies.items()}
+    args = {"local": (idx, target, pos), "remote": inputs, "remote_replay": inputs}
+    losses = {name: step(copies[name], optimizers[name], *args[name]).item() for name in copies}  # state made
+    recorded_loss = torch.zeros((), device=DEV)
+    graph = genie.Graph()
+    with genie.graph(graph):
+        recorded_loss.copy_(step(copies["remote_replay"], optimizers["remote_replay"], *inputs))
+    losses["remote_replay"] = recorded_loss.item()
+    runs = {
+        "local": lambda: step(copies["local"], optimizers["local"], *args["local"]).item(),
+        "remote": lambda: step(copies["remote"], optimizers["remote"], *inputs).item(),
+        "remote_replay": lambda: (graph.replay(), recorded_loss.item())[1],
+    }
+    for name in ("local", "remote"):
+        losses[name] = runs[name]()  # the second step, as recorded above
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            for _ in range(2):
+                t0 = time.perf_counter()
+                losses[name] = run()
+                times[name].append(time.perf_counter() - t0)
+    assert abs(losses["remote"] - losses["local"]) <= 1e-3 * abs(losses["local"]) + 1e-4, losses
+    assert abs(losses["remote_replay"] - losses["local"]) <= 1e-3 * abs(losses["local"]) + 1e-4, losses
+    rates = {name: 1 / median(ts) for name, ts in times.items()}
+    return {"steps_per_s": rates, "ops_per_step": graph.ops, "final_loss": losses,
+            "slowdown": rates["local"] / rates["remote"], "slowdown_replay": rates["local"] / rates["remote_replay"]}
+
+
 def cnn(batch: int, repeats: int) -> dict:
     torch.manual_seed(0)
     model = SmallCNN().eval()
@@ -134,9 +187,12 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--train-batch", type=int, default=8)
+    p.add_argument("--train-seq", type=int, default=64)
     args = p.parse_args(argv)
     g = gpt(args.tokens, args.prompt_len, args.repeats)
     c = cnn(args.batch, args.repeats)
+    t = training(args.train_batch, args.train_seq, max(args.repeats, TRAIN_ROUNDS))
     m = machine()
     print(f"# end to end, local genie-daemon vs local eager -- {m['cpus']} cpus, torch {m['torch']}, "
           f"medians of {args.repeats}")
@@ -156,8 +212,12 @@ def main(argv=None) -> int:
          f"{g['wire_bytes_per_token']:.0f} / {g['wire_bytes_per_token_replay']:.0f}", ""),
         ("CNN images/s (batch 32, 64x64)", f"{c['images_per_s']['local']:.0f}", f"{c['images_per_s']['remote']:.0f}",
          f"{c['slowdown']:.1f}x slower"),
+        (f"GPT training steps/s (AdamW, batch {args.train_batch} x {args.train_seq}), op by op",
+         f"{t['steps_per_s']['local']:.1f}", f"{t['steps_per_s']['remote']:.1f}", f"{t['slowdown']:.1f}x slower"),
+        (f"GPT training steps/s, step replayed ({t['ops_per_step']} ops)", "",
+         f"{t['steps_per_s']['remote_replay']:.1f}", f"{t['slowdown_replay']:.2f}x slower"),
     ], ("workload", "local eager", "genie (local daemon)", "ratio"))
-    print("wrote", write_json("end_to_end", {"gpt": g, "cnn": c}))
+    print("wrote", write_json("end_to_end", {"gpt": g, "cnn": c, "training": t}))
     return 0
 
 

@@ -18,7 +18,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 RUNS = {
     "transport_throughput": ["--max-mb", "0.07", "--repeats", "1"],
-    "end_to_end": ["--tokens", "4", "--prompt-len", "8", "--batch", "2", "--repeats", "1"],
+    "end_to_end": ["--tokens", "4", "--prompt-len", "8", "--batch", "2", "--repeats", "1", "--train-batch", "2",
+                   "--train-seq", "8"],
     "rpc_peer": ["--tokens", "4", "--repeats", "1"],
     "capture_overhead": ["--ops", "400", "--repeats", "1", "--roundtrips", "20"],
 }

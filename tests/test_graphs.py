@@ -269,3 +269,55 @@ def test_a_failing_accumulating_write_lands_as_often_as_op_by_op(dev):
             x.cpu()
         landed.append(base.cpu().tolist())
     assert landed[0] == landed[1] == [4.0, 2.0, 0.0, 0.0], landed
+
+
+def _train_step(model, optimizer, x, y):
+    optimizer.zero_grad(set_to_none=False)
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def _mlp():
+    torch.manual_seed(3)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))
+
+
+def test_a_training_step_with_a_capturable_optimizer_replays_like_eager(dev):
+    local = _mlp()
+    remote = copy.deepcopy(local).to(dev)
+    x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
+    xr, yr = x.to(dev), y.to(dev)
+    opt_local = torch.optim.AdamW(local.parameters(), lr=0.05)
+    opt_remote = torch.optim.AdamW(remote.parameters(), lr=0.05, capturable=True)
+    _train_step(local, opt_local, x, y)
+    _train_step(remote, opt_remote, xr, yr)  # a warm-up step outside: the optimizer makes its state
+    loss = torch.zeros((), device=dev)
+    g = genie.Graph()
+    with genie.graph(g):
+        loss.copy_(_train_step(remote, opt_remote, xr, yr))  # step 2, recorded
+    expected = [_train_step(local, opt_local, x, y).item() for _ in range(6)]  # steps 2-7
+    got = [loss.item()]
+    for _ in range(5):
+        g.replay()
+        got.append(loss.item())
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    for a, b in zip(local.parameters(), remote.parameters()):
+        torch.testing.assert_close(b.detach().cpu(), a.detach(), rtol=1e-4, atol=1e-5)
+
+
+def test_a_write_into_a_cpu_tensor_while_recording_is_refused(dev):
+    remote = _mlp().to(dev)
+    x, y = torch.randn(6, 8, device=dev), torch.randint(0, 3, (6,)).to(dev)
+    optimizer = torch.optim.AdamW(remote.parameters(), lr=0.05)  # step counts on the CPU
+    _train_step(remote, optimizer, x, y)
+    with pytest.raises(genie.GenieError, match="capturable=True"):
+        with genie.graph(genie.Graph()):
+            _train_step(remote, optimizer, x, y)  # its CPU step count += 1 would never replay
+    counter = torch.zeros(())
+    with pytest.raises(genie.GenieError, match=r"aten::add_.* writes into a tensor on cpu"):
+        with genie.graph(genie.Graph()):
+            x.mul_(1.0)
+            counter.add_(1)
+    assert (x.sum() * 0 + 1).item() == 1.0  # the device works on after a refused recording

@@ -10,7 +10,9 @@ A replay runs the same ops on the same tensors, so, as with CUDA graphs, shapes 
 change: feed new inputs by writing into the tensors the block read (`copy_`, in-place ops
 recorded in the block), and read results from the tensors it wrote. Inside the block nothing
 may move data between host and daemon or read a value (`.cpu()`, `.item()`, ops whose output
-shape depends on data): those raise a GenieError. Replays queue like any op, in program order.
+shape depends on data): those raise a GenieError, and so does an op in the block that writes
+into a tensor elsewhere (on the CPU, or on another device): it would run now and never in a
+replay. Replays queue like any op, in program order.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import contextlib
 import weakref
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from genie.errors import GenieError
 from genie.runtime import get_runtime
@@ -57,6 +60,33 @@ def _drop(stream, program_id: int) -> None:
         pass
 
 
+class _OnlyThisDevice(TorchDispatchMode):
+    """While a block records: refuse an op that writes into a tensor off the recorded device (a
+    CPU tensor, another device's). It runs once, now, and a replay would not run it: the value
+    would silently stop changing, as a torch.optim optimizer's CPU step count does (bias
+    correction then freezes: seen with AdamW, whose replayed training drifted from eager)."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func._schema.is_mutable:
+            for i, spec in enumerate(func._schema.arguments):
+                if spec.alias_info is None or not spec.alias_info.is_write:
+                    continue
+                value = args[i] if i < len(args) and not spec.kwarg_only else kwargs.get(spec.name)
+                for t in value if isinstance(value, (list, tuple)) else (value,):
+                    if isinstance(t, torch.Tensor) and t.device != self.device and t.device.type != "meta":
+                        raise GenieError(
+                            f"genie.graph: {func.name()} writes into a tensor on {t.device} (shape "
+                            f"{list(t.shape)}), which a recording of {self.device} does not capture: a replay "
+                            "would not run it. torch.optim optimizers keep their step counts on the CPU unless "
+                            "built with capturable=True: pass capturable=True (their state then lives on the device)")
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def graph(g: Graph, device="remote_accelerator:0"):
     """Run the block once and record its ops on `device` into `g` (see the module docstring)."""
@@ -70,7 +100,8 @@ def graph(g: Graph, device="remote_accelerator:0"):
         stream.flush()  # ops from before the block are not part of it
         stream.recording = []
     try:
-        yield g
+        with _OnlyThisDevice(stream.device):
+            yield g
         with stream.lock:
             stream.flush()
     finally:
