@@ -203,11 +203,13 @@ class Executor:
         program = client.programs.get(_int_arg(call, 0)) if len(call.args) == 1 else None
         if program is None:
             raise ProtocolError(f"{REPLAY_OP}: no such program")
+        started = time.perf_counter()
         if program.seeded:  # dropout in a replayed step draws from this client's generator, as when run op by op
             with _drawing_from(client.generator(device), device):
                 programs.replay(self, client, program, device)
         else:
             programs.replay(self, client, program, device)
+        program.seconds = time.perf_counter() - started
         return None
 
     def _import_shared(self, shared: tuple, device: torch.device) -> None:
@@ -250,17 +252,25 @@ class Executor:
         of this client still running (a read-back would wait for it), no op this daemon has not run
         before (the first conv loads cuDNN, the first use of a kernel loads its module: on an H100,
         a test of nn functionals run inline stalled the event loop past the 3 s heartbeat timeout),
-        and no replay that traces first."""
+        no replay that traces first or whose last run took over INLINE_REPLAY_S, and no more than
+        INLINE_TENSOR_BYTES of tensors among the ops' arguments, counting sizes named in them (a
+        CPU daemon ran `(a @ a @ a @ a).item()` of 4096x4096 inline for seconds: clients' heartbeats
+        went unanswered and they declared it lost, their tensors with it)."""
         if self.has_cuda:
             if not client.streams.idle(self.devices):
                 return False
             if not all(call.name in self._warm_ops for call in request.ops):
                 return False
+        budget = INLINE_TENSOR_BYTES
         for call in request.ops:
             if call.name == REPLAY_OP and len(call.args) == 1 and type(call.args[0]) is int:
                 program = client.programs.get(call.args[0])
-                if program is not None and not programs.traced(program):
+                if program is not None and (not programs.traced(program) or program.seconds is None
+                                            or program.seconds > INLINE_REPLAY_S):
                     return False
+            budget -= _argument_bytes(client, call.args) + _argument_bytes(client, call.kwargs.values())
+            if budget < 0:
+                return False
         return True
 
     def _drop_program(self, client: ClientState, call: OpCall):
@@ -544,6 +554,34 @@ class Executor:
         out_frames.extend(chunks)
         ref = first if len(chunks) == 1 else list(range(first, first + len(chunks)))
         return [ref, dtype_name(found.dtype), list(found.shape)]
+
+
+# What a request may hold to run on the event loop (see Executor.quick_to_start): tensors among
+# its ops' arguments (sizes named in them count as 4-byte elements) of at most this many bytes in
+# all (a 724x724 float matmul, ~20 ms on one slow core), and replays whose last run took at most this long.
+INLINE_TENSOR_BYTES = 4 << 20
+INLINE_REPLAY_S = 0.01
+
+
+def _argument_bytes(client: ClientState, values, depth: int = 0) -> int:
+    """Bytes of the client's tensors among `values` (nested lists too), plus 4 per element of any
+    size a list of ints names; a handle made earlier in the same request counts nothing here (its
+    size is named by the op that makes it)."""
+    total = 0
+    for value in values:
+        if isinstance(value, HandleRef):
+            found = client.tensors.get(value.id)
+            if isinstance(found, torch.Tensor):
+                total += found.numel() * found.element_size()
+        elif isinstance(value, list) and depth < 4:
+            if value and all(type(v) is int for v in value):
+                elements = 1
+                for v in value:
+                    elements *= max(v, 1)
+                total += 4 * elements
+            else:
+                total += _argument_bytes(client, value, depth + 1)
+    return total
 
 
 class _RemoteOpError(Exception):

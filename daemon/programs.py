@@ -33,7 +33,7 @@ FUSE = True
 class Program:
     """A recorded genie.graph block: `batches` of (ops, frees), and its compiled form when it has one."""
 
-    __slots__ = ("batches", "writes", "released", "compiled", "seeded")
+    __slots__ = ("batches", "writes", "released", "compiled", "seeded", "seconds")
 
     def __init__(self, batches: list[tuple[list[OpCall], list[int]]], writes: set[int], seeded: bool = False) -> None:
         self.batches = batches
@@ -41,6 +41,7 @@ class Program:
         self.seeded = seeded               # it has random ops (dropout, rand, ...)
         self.released: set[int] = set()    # of those, the ones the client has dropped since
         self.compiled: Compiled | None = None
+        self.seconds: float | None = None  # how long its last replay ran (decides where the next runs)
 
 
 class Compiled:

@@ -31,6 +31,7 @@ def test_a_replay_that_must_trace_first_goes_to_the_worker():
     replay = _request(REPLAY_OP, args=[7])
     assert not executor.quick_to_start(client, replay)
     program.compiled.segments[0][0].fn = fused.INTERPRET  # what its first replay leaves behind
+    program.seconds = 0.001                                 # with how long it ran
     assert executor.quick_to_start(client, replay)
     assert executor.quick_to_start(client, _request(REPLAY_OP, args=[8]))  # unknown: the op reports it
     assert executor.quick_to_start(client, _request(REPLAY_OP, args=[[7]]))  # malformed: likewise
@@ -58,3 +59,42 @@ def test_running_a_request_on_a_gpu_daemon_warms_its_ops():
     client = ClientState(b"unit", MemoryAccount())
     executor.run(client, _request("aten::zeros"), [])  # a bad call still counts: it ran
     assert "aten::zeros" in executor._warm_ops
+
+
+def _call(name, *args, **kwargs):
+    return Exec(device=0, ops=[OpCall(name, list(args), kwargs, None)], frees=[], fetch=[], report=False)
+
+
+def test_requests_on_large_tensors_or_naming_large_sizes_go_to_the_worker():
+    # A CPU daemon that ran `(a @ a @ a @ a).item()` of 4096x4096 inline stalled its event loop for
+    # seconds: its clients' heartbeats went unanswered and they declared it lost.
+    from daemon.executor import INLINE_TENSOR_BYTES
+    from genie.transport.protocol import HandleRef
+
+    executor = Executor([torch.device("cpu")])
+    client = ClientState(b"unit", MemoryAccount())
+    side = 1
+    while 4 * side * side * 2 <= INLINE_TENSOR_BYTES:
+        side *= 2
+    client.put(1, torch.zeros(side // 2, side // 2))  # two of it fit
+    client.put(2, torch.zeros(side, side))            # two of it do not
+    assert executor.quick_to_start(client, _call("aten::mm", HandleRef(1), HandleRef(1)))
+    assert not executor.quick_to_start(client, _call("aten::mm", HandleRef(2), HandleRef(2)))
+    assert not executor.quick_to_start(client, _call("aten::cat", [HandleRef(2), HandleRef(2)]))  # nested
+    assert executor.quick_to_start(client, _call("aten::zeros", [64, 64]))
+    assert not executor.quick_to_start(client, _call("aten::zeros", [4096, 4096]))  # a size named in the op
+    assert executor.quick_to_start(client, _call("aten::slice.Tensor", HandleRef(1), 0, 0, 2**63 - 1))
+
+
+def test_a_replay_runs_inline_only_after_a_short_run():
+    from daemon.executor import INLINE_REPLAY_S
+
+    executor = Executor([torch.device("cpu")])
+    client, program = _client_with_program(9)
+    program.compiled.segments[0][0].fn = fused.INTERPRET  # traced (or settled on interpreting)
+    replay = _request(REPLAY_OP, args=[9])
+    assert not executor.quick_to_start(client, replay)  # never run: its length is unknown
+    program.seconds = INLINE_REPLAY_S / 2
+    assert executor.quick_to_start(client, replay)
+    program.seconds = INLINE_REPLAY_S * 100
+    assert not executor.quick_to_start(client, replay)
