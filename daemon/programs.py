@@ -41,7 +41,7 @@ class Program:
         self.seeded = seeded               # it has random ops (dropout, rand, ...)
         self.released: set[int] = set()    # of those, the ones the client has dropped since
         self.compiled: Compiled | None = None
-        self.seconds: float | None = None  # how long its last replay ran (decides where the next runs)
+        self.seconds: float | None = None  # how long the last request replaying it ran (where the next runs)
 
 
 class Compiled:
