@@ -8,7 +8,9 @@ which shares this host's cores, does not compete with it: on a real deployment i
 on another machine), and as usual (batches sent every 256 ops while the daemon runs them
 on the same cores).
 The round trip is `(x + 1).item()` through a local genie-daemon process,
-against a plain pyzmq DEALER/ROUTER echo between two processes.
+against a plain pyzmq DEALER/ROUTER echo between two processes. Each ratio is the median of
+ratios of pairs timed in turns (capture and floor chunk by chunk, round trip and echo block by
+block), so that both sides of a ratio see the same machine.
 
     python -m bench.capture_overhead [--ops 20000] [--repeats 5]
 """
@@ -68,29 +70,34 @@ def echo_server(endpoint_q, stop_q) -> None:
     ctx.term()
 
 
-def zmq_echo_us(n: int) -> float:
-    import zmq
+class ZmqEcho:
+    """A DEALER talking to `echo_server` in another process; `us(n)` times n round trips of 64 bytes."""
 
-    eq, sq = mp.Queue(), mp.Queue()
-    p = mp.Process(target=echo_server, args=(eq, sq), daemon=True)
-    p.start()
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
-    s.connect(eq.get(timeout=30))
-    msg = [b"x" * 64]
-    for _ in range(100):
-        s.send_multipart(msg)
-        s.recv_multipart()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        s.send_multipart(msg)
-        s.recv_multipart()
-    us = (time.perf_counter() - t0) / n * 1e6
-    sq.put(1)
-    s.close(0)
-    ctx.term()
-    p.join(5)
-    return us
+    def __init__(self) -> None:
+        import zmq
+
+        self.stop_q = mp.Queue()
+        endpoint_q = mp.Queue()
+        self.process = mp.Process(target=echo_server, args=(endpoint_q, self.stop_q), daemon=True)
+        self.process.start()
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.connect(endpoint_q.get(timeout=30))
+        self.us(100)  # warm
+
+    def us(self, n: int) -> float:
+        msg = [b"x" * 64]
+        t0 = time.perf_counter()
+        for _ in range(n):
+            self.sock.send_multipart(msg)
+            self.sock.recv_multipart()
+        return (time.perf_counter() - t0) / n * 1e6
+
+    def close(self) -> None:
+        self.stop_q.put(1)
+        self.sock.close(0)
+        self.ctx.term()
+        self.process.join(5)
 
 
 def roundtrip_us(x, n: int) -> float:
@@ -113,32 +120,41 @@ def main(argv=None) -> int:
     lazy = torch.randn(16, 16, device=dev)
     floor = Floor(torch.randn(16, 16))
     per_op_us(lazy, 2000), per_op_us(floor, 2000)  # warm caches
-    capture, shared, base = [], [], []
+    # Capture and its floor take turns, chunk by chunk, and each ratio is of a pair timed a moment
+    # apart: this shared machine's speed drifts by tens of percent between seconds. Alone: each
+    # chunk of CHUNK ops is held in one batch and sent (untimed) after it is timed.
+    capture, shared, base, capture_ratios = [], [], [], []
     stream = genie.get_runtime().stream(0)
     for _ in range(args.repeats):
-        base.append(per_op_us(floor, args.ops))
-        # Alone: chunks of CHUNK ops, each held in one batch and sent (untimed) after it is timed.
         default_batch, stream.batch_ops = stream.batch_ops, CHUNK + 1
         try:
-            chunks = []
             for _ in range(max(1, args.ops // CHUNK)):
-                chunks.append(per_op_us(lazy, CHUNK))
+                base.append(per_op_us(floor, CHUNK))
+                capture.append(per_op_us(lazy, CHUNK))
+                capture_ratios.append(capture[-1] / base[-1])
                 torch.remote_accelerator.synchronize()
-            capture.append(sum(chunks) / len(chunks))
         finally:
             stream.batch_ops = default_batch
         shared.append(per_op_us(lazy, args.ops))
         torch.remote_accelerator.synchronize()
+    # The round trip and the echo take turns likewise, one block of each per repeat.
     scalar = torch.ones((), device=dev)
-    rtt = [roundtrip_us(scalar, args.roundtrips) for _ in range(args.repeats)]
-    echo = [zmq_echo_us(args.roundtrips * 4) for _ in range(args.repeats)]
+    echo_client = ZmqEcho()
+    rtt, echo, rtt_ratios = [], [], []
+    try:
+        for _ in range(args.repeats):
+            rtt.append(roundtrip_us(scalar, args.roundtrips))
+            echo.append(echo_client.us(args.roundtrips))
+            rtt_ratios.append(rtt[-1] / echo[-1])
+    finally:
+        echo_client.close()
 
     result = {
         "capture_us_per_op": median(capture), "floor_us_per_op": median(base),
-        "capture_over_floor": median(capture) / median(base),
+        "capture_over_floor": median(capture_ratios),
         "capture_with_daemon_us_per_op": median(shared),
         "tiny_op_roundtrip_us": median(rtt), "zmq_echo_us": median(echo),
-        "roundtrip_over_echo": median(rtt) / median(echo),
+        "roundtrip_over_echo": median(rtt_ratios),
         "runs": {"capture": capture, "capture_with_daemon": shared, "floor": base, "roundtrip": rtt, "echo": echo},
         "meta_cache": genie.capture_stats(),
     }
