@@ -243,10 +243,7 @@ class Lane:
                     raise ConnectionError("bulk lane is closed")
                 if sent < len(header):
                     self.sock.sendall(header[sent:])
-                for i in range(max(0, sent - len(header)), payload.nbytes, _SEND_SLICE):
-                    self.sock.sendall(payload[i:i + _SEND_SLICE])
-                self.bytes_sent += payload.nbytes + _HEADER.size
-                self.last_streamed = time.monotonic()
+                self._stream_rest(payload, max(0, sent - len(header)))
             except OSError as e:
                 self.close(e)
                 raise ConnectionError(f"bulk lane send failed: {e}") from e
@@ -263,11 +260,15 @@ class Lane:
             start = min(HEAD_BYTES, payload.nbytes)
             self.sock.sendall(payload[:start])
             deferred = _call(after_head)
+        self._stream_rest(payload, start)
+        return deferred
+
+    def _stream_rest(self, payload: memoryview, start: int) -> None:
+        """(Holding the send lock, the header out.) Send the payload from byte `start` on, and count it."""
         for i in range(start, payload.nbytes, _SEND_SLICE):
             self.sock.sendall(payload[i:i + _SEND_SLICE])
         self.bytes_sent += payload.nbytes + _HEADER.size
         self.last_streamed = time.monotonic()
-        return deferred
 
     def _send_in_segment(self, segment, xfer: int, payload: memoryview, after_head) -> BaseException | None:
         deferred = _call(after_head) if after_head is not None else None
