@@ -147,12 +147,13 @@ class BulkListener:
         lane = self.lane(identity)
         return lane is None or lane.arrivals.ready(xfer)
 
-    def take_upload(self, identity: bytes, xfer: int, timeout: float) -> torch.Tensor:
+    def take_upload(self, identity: bytes, xfer: int, timeout: float, being_written_ok: bool = False) -> torch.Tensor:
+        """Upload `xfer`'s payload (see bulk.Arrivals.take for `being_written_ok`)."""
         lane = self.lane(identity)
         if lane is None:
             raise ProtocolError("this client has no bulk lane open")
         try:
-            return lane.arrivals.take(xfer, timeout)
+            return lane.arrivals.take(xfer, timeout, being_written_ok)
         except (TimeoutError, ConnectionError) as e:
             raise ProtocolError(str(e)) from None
 

@@ -34,7 +34,7 @@ SEND_OP = "genie::send"
 RECV_OP = "genie::recv"
 EVENT_RECORD_OP = "genie::event_record"
 EVENT_WAIT_OP = "genie::event_wait"
-ADOPT_OP = "genie::adopt"
+ADOPT_OP = protocol.ADOPT_OP
 SHARE_CUDA_OP = "genie::share_cuda"  # a resident GPU tensor for a client on this host, by CUDA IPC
 ALIAS_STORAGE_OP = "genie::alias_storage"  # a tensor over one of the client's tensors' storage (torch.load)
 KV_APPEND_OP, KV_GET_OP, KV_CLOSE_OP = "genie::kv_append", "genie::kv_get", "genie::kv_close"
@@ -362,7 +362,12 @@ class Executor:
         if (len(call.args) != 1 or not isinstance(call.args[0], (InlineTensor, BulkTensor, SharedCudaTensor))
                 or type(call.outs) is not int):
             raise ProtocolError(f"{ADOPT_OP} takes one inline tensor and one output handle")
-        tensor = self._resolve(client, call.args[0], frames, device, 0)
+        if isinstance(call.args[0], BulkTensor) and device.type == "cpu":
+            # Kept as received, read only by later requests: the client may still be copying
+            # the bytes into their shared segment (see bulk.Lane.send's write_behind).
+            tensor = self._bulk_upload(client, call.args[0], being_written_ok=True)
+        else:
+            tensor = self._resolve(client, call.args[0], frames, device, 0)
         client.put(call.outs, tensor)
         self._enforce_limit(client, call)
         return tensor
@@ -521,11 +526,11 @@ class Executor:
             return protocol.encode_dtype(result)
         raise ProtocolError(f"cannot report a {type(result).__name__}")
 
-    def _bulk_upload(self, client: ClientState, value: BulkTensor) -> torch.Tensor:
+    def _bulk_upload(self, client: ClientState, value: BulkTensor, being_written_ok: bool = False) -> torch.Tensor:
         """The payload the client sent on its bulk lane, as a tensor over the received buffer."""
         if self.bulk is None:
             raise ProtocolError("this daemon has no bulk lanes")
-        raw = self.bulk.take_upload(client.identity, value.xfer, self.transfer_timeout)
+        raw = self.bulk.take_upload(client.identity, value.xfer, self.transfer_timeout, being_written_ok)
         return bytes_as_tensor(raw, value.dtype, value.shape, f"bulk transfer {value.xfer}")
 
     def _fetch(self, client: ClientState, handle: int, out_frames: list, bulk_min: int = 0,

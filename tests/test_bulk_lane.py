@@ -77,6 +77,43 @@ def test_ipc_daemon_passes_payloads_in_shared_memory_used_in_place():
         assert lane._outgoing.held_bytes() <= 3 * size_class(BIG * 4)
 
 
+def test_uploads_are_copied_in_behind_their_record_only_where_the_daemon_keeps_them():
+    with _ipc_daemon():
+        sent = []
+        real_send = bulk.Lane.send
+
+        def send(self, xfer, payload, after_head=None, write_behind=False):
+            sent.append(write_behind)
+            return real_send(self, xfer, payload, after_head, write_behind)
+
+        bulk.Lane.send = send
+        try:
+            src = torch.randn(BIG)
+            x = src.to("remote_accelerator:0")  # adopted: copied in behind its record
+            y = torch.zeros(BIG, device="remote_accelerator:0")
+            y.copy_(src * 2)  # read at once by copy_: copied in first
+            assert torch.equal((x + y).cpu(), src * 3)
+            assert sent == [True, False]
+        finally:
+            bulk.Lane.send = real_send
+
+
+def test_daemon_refuses_a_payload_still_being_written_to_an_op_that_reads_it():
+    with _ipc_daemon():
+        real_send = bulk.Lane.send
+        bulk.Lane.send = lambda self, xfer, payload, after_head=None, write_behind=False: real_send(
+            self, xfer, payload, after_head, True)  # a client that breaks its promise
+        try:
+            y = torch.zeros(BIG, device="remote_accelerator:0")
+            with pytest.raises(genie.RemoteExecutionError, match="before its bytes were in"):
+                y.copy_(torch.ones(BIG))
+                y.cpu()  # the failed copy_ poisoned y: reading it says why
+        finally:
+            bulk.Lane.send = real_send
+        src = torch.randn(BIG)
+        assert torch.equal((src.to("remote_accelerator:0") + 1).cpu(), src + 1)  # and carries on
+
+
 def test_a_result_in_the_daemons_segment_outlives_the_daemon():
     with _ipc_daemon() as d:
         src = torch.randn(BIG)

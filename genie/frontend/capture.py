@@ -458,7 +458,7 @@ def _fetch_by_cuda_ipc(src: LazyTensor, target: torch.device) -> torch.Tensor | 
     return cuda_ipc.client_importer().copy_in(shared, device, wait=True, check_owner=False)
 
 
-ADOPT_OP = "genie::adopt"
+ADOPT_OP = protocol.ADOPT_OP
 
 
 def _try_adopt(dst: LazyTensor, src: torch.Tensor) -> bool:

@@ -96,6 +96,9 @@ class DeviceStream:
         # While a genie.graph records this stream: the [ops, frees] of each batch taken (see graphs).
         self.recording: list | None = None
         self.pending_bulk: list = []  # (transfer id, bytes) claimed by the op being queued; the bytes hold the tensor
+        # The daemon keeps an adopted upload as received, reading it only for later ops (a CPU
+        # device; a GPU copies it in at once): such payloads may be copied in behind their record.
+        self.adopts_in_place = link.devices[local_index].get("type") == "cpu"
         self._unsettled = 0  # batches posted through the loop whose answer has not been handled yet
         self._settled = threading.Condition()
 
@@ -148,14 +151,14 @@ class DeviceStream:
         """The op that claimed these transfers was never queued (its arguments failed to encode)."""
         self.pending_bulk.clear()
 
-    def _send_pending_bulk(self, post=None) -> None:
+    def _send_pending_bulk(self, post=None, write_behind: bool = False) -> None:
         """Send the claimed transfers' bytes; `post` (sending their batch) runs once the first
-        transfer's head is out (see `bulk.Lane.send`)."""
+        transfer's head is out (see `bulk.Lane.send`, also for `write_behind`)."""
         pending, self.pending_bulk = self.pending_bulk, []
         lane = self.link.bulk_lane
         for xfer, payload in pending:
             try:
-                lane.send(xfer, payload, after_head=post)
+                lane.send(xfer, payload, after_head=post, write_behind=write_behind)
             except ConnectionError as e:
                 # The batch naming this transfer is out (or never will be): the daemon fails it.
                 raise GenieConnectionError(f"genie-daemon at {self.link.endpoint}: {e}") from None
@@ -183,7 +186,9 @@ class DeviceStream:
                 def post() -> None:
                     if not self.link.post_direct(body, frames, self):
                         self._post((body, frames), wait=False)
-                self._send_pending_bulk(post)
+                # An adopt is the batch's last op, and this thread's next message goes after the
+                # copy: on a daemon that keeps it as received, nothing reads it before then.
+                self._send_pending_bulk(post, write_behind=entry[0] == protocol.ADOPT_OP and self.adopts_in_place)
         elif len(self.ops) >= self.batch_ops or self.inline_bytes >= self.batch_bytes:
             self._post(self._take(fetch=[], report=False), wait=False)
 

@@ -16,7 +16,9 @@ byte: ACCEPTED, or ACCEPTED_SHARED when it agrees to shared memory (Unix
 socket, same user; see `shared_segments`). Then, in each direction, records
 follow each other, each ``<u32 kind, u64 transfer id, u64 nbytes, u64
 segment>``: STREAM followed by the payload; on shared lanes also SEGMENT (the
-payload is in a segment), HAND_BACK and FORGET (a segment's life). Each side's
+payload is in a segment), WRITING (the same, but the sender is still copying the
+payload in: see `Lane.send`'s `write_behind`), HAND_BACK and FORGET (a segment's
+life). Each side's
 transfer ids are its own. A violation closes the lane; ops that wait on a
 transfer then fail with a clear error after a timeout.
 
@@ -54,6 +56,7 @@ STREAM = 1     # the payload follows on the socket
 SEGMENT = 2    # the payload is in the sender's segment (whose fd rides along the first time)
 HAND_BACK = 3  # the receiver no longer uses the sender's segment
 FORGET = 4     # the sender dropped one of its (idle) segments: the receiver unmaps it
+WRITING = 5    # SEGMENT, sent before the payload is in: complete before the sender's next message
 UNIX_BUFFER_BYTES = 4 << 20
 _SEND_SLICE = 64 << 20  # sendall in slices: bounded time per call, and the GIL is let go between
 HEAD_BYTES = 64 << 10  # sent before the `after_head` callback of `Lane.send`
@@ -92,13 +95,16 @@ class Arrivals:
 
     def __init__(self, on_change: Callable[[], None] | None = None) -> None:
         self._done: dict[int, torch.Tensor] = {}
+        self._being_written: set[int] = set()  # transfers whose sender is still copying them in (WRITING)
         self._cond = threading.Condition()
         self.failure: BaseException | None = None
         self.on_change = on_change  # called (on the receiving thread) after each arrival or failure
 
-    def put(self, xfer: int, data: torch.Tensor) -> None:
+    def put(self, xfer: int, data: torch.Tensor, being_written: bool = False) -> None:
         with self._cond:
             self._done[xfer] = data
+            if being_written:
+                self._being_written.add(xfer)
             self._cond.notify_all()
         if self.on_change is not None:
             self.on_change()
@@ -110,13 +116,23 @@ class Arrivals:
         if self.on_change is not None:
             self.on_change()
 
-    def take(self, xfer: int, timeout: float) -> torch.Tensor:
+    def take(self, xfer: int, timeout: float, being_written_ok: bool = False) -> torch.Tensor:
+        """Transfer `xfer`'s payload, waiting up to `timeout` for it. One whose sender may still be
+        copying it in (a WRITING record) goes only to a taker that will not read it now
+        (`being_written_ok`: it keeps the payload as a tensor, read for later messages only); to
+        any other taker it is the sender's protocol error."""
         with self._cond:
             if not self._cond.wait_for(lambda: xfer in self._done or self.failure is not None, timeout):
                 raise TimeoutError(f"bulk transfer {xfer} did not arrive" + (f" within {timeout:.0f}s" if timeout else ""))
-            if xfer in self._done:
-                return self._done.pop(xfer)
-            raise ConnectionError(f"bulk lane failed before transfer {xfer} arrived: {self.failure}")
+            if xfer not in self._done:
+                raise ConnectionError(f"bulk lane failed before transfer {xfer} arrived: {self.failure}")
+            data = self._done.pop(xfer)
+            if xfer in self._being_written:
+                self._being_written.discard(xfer)
+                if not being_written_ok:
+                    raise ProtocolError(f"bulk transfer {xfer} was named before its bytes were in, and what "
+                                        "takes it reads it at once: only a tensor kept as received may be")
+            return data
 
     def ready(self, xfer: int) -> bool:
         with self._cond:
@@ -129,6 +145,7 @@ class Arrivals:
     def clear(self) -> None:
         with self._cond:
             self._done.clear()
+            self._being_written.clear()
 
 
 class Lane:
@@ -174,7 +191,8 @@ class Lane:
             return "shared-memory"
         return "unix" if self.sock.family == socket.AF_UNIX else "tcp"
 
-    def send(self, xfer: int, payload: memoryview, after_head: Callable[[], None] | None = None) -> None:
+    def send(self, xfer: int, payload: memoryview, after_head: Callable[[], None] | None = None,
+             write_behind: bool = False) -> None:
         """Write one transfer; holds the lane for its whole length so transfers never interleave.
 
         `after_head` runs once the first HEAD_BYTES are out: the sender's ZeroMQ message about
@@ -185,6 +203,11 @@ class Lane:
         segment it runs before the copy: the receiver handles the message meanwhile, and has no
         payload to read. An exception from `after_head` is raised once the payload is out (the
         stream must stay in step).
+
+        `write_behind`, the caller's promise that the receiver keeps this payload as a tensor and
+        reads it only for messages this thread sends after this call returns: in a segment, the
+        record (WRITING) goes first, then `after_head`, then the copy, so the receiver takes the
+        message and answers it while the bytes are copied in.
         """
         payload = payload.cast("B") if payload.format != "B" or payload.ndim != 1 else payload
         with self._send_lock:
@@ -198,7 +221,7 @@ class Lane:
                 self._controls.extend(_HEADER.pack(FORGET, 0, 0, ident) for ident in forgotten)
                 self._write_controls(blocking=True)
                 if segment is not None:
-                    deferred = self._send_in_segment(segment, xfer, payload, after_head)
+                    deferred = self._send_in_segment(segment, xfer, payload, after_head, write_behind)
                     segment = None
                 else:
                     deferred = self._send_through_socket(xfer, payload, after_head)
@@ -270,18 +293,26 @@ class Lane:
         self.bytes_sent += payload.nbytes + _HEADER.size
         self.last_streamed = time.monotonic()
 
-    def _send_in_segment(self, segment, xfer: int, payload: memoryview, after_head) -> BaseException | None:
+    def _send_in_segment(self, segment, xfer: int, payload: memoryview, after_head,
+                         write_behind: bool) -> BaseException | None:
+        if write_behind:
+            self._send_segment_record(WRITING, segment, xfer, payload.nbytes)
         deferred = _call(after_head) if after_head is not None else None
         copy_bytes(segment.array, payload)
-        record = _HEADER.pack(SEGMENT, xfer, payload.nbytes, segment.ident)
+        if not write_behind:
+            self._send_segment_record(SEGMENT, segment, xfer, payload.nbytes)
+        self.bytes_sent += payload.nbytes
+        return deferred
+
+    def _send_segment_record(self, kind: int, segment, xfer: int, nbytes: int) -> None:
+        """(Holding the send lock.) Name `segment` as transfer `xfer`'s; its fd rides along the first time."""
+        record = _HEADER.pack(kind, xfer, nbytes, segment.ident)
         if segment.peer_has_fd:
             self.sock.sendall(record)
         else:
             if socket.send_fds(self.sock, [record], [segment.fd]) != len(record):
                 raise OSError("short write of a segment record")
             segment.peer_has_fd = True
-        self.bytes_sent += payload.nbytes
-        return deferred
 
     # ------------------------------------------------------------ control records
 
@@ -349,7 +380,7 @@ class Lane:
                     raise ProtocolError(f"bulk transfer of {nbytes} bytes exceeds the limit of {self.max_transfer}")
                 if kind == STREAM and not fds:
                     self._receive_stream(xfer, nbytes)
-                elif kind in (SEGMENT, HAND_BACK, FORGET) and self.shared:
+                elif kind in (SEGMENT, WRITING, HAND_BACK, FORGET) and self.shared:
                     self._receive_control(kind, xfer, nbytes, segment, fds)
                 else:
                     _close_all(fds)
@@ -390,8 +421,9 @@ class Lane:
 
     def _receive_control(self, kind: int, xfer: int, nbytes: int, segment: int, fds: list[int]) -> None:
         """SEGMENT: transfer `xfer`'s payload is in `segment` (its fd comes along the first time);
-        HAND_BACK: the peer is done with one of our segments; FORGET: the peer dropped one of its own."""
-        if fds and not (kind == SEGMENT and len(fds) == 1):
+        WRITING: the same, still being copied in; HAND_BACK: the peer is done with one of our
+        segments; FORGET: the peer dropped one of its own."""
+        if fds and not (kind in (SEGMENT, WRITING) and len(fds) == 1):
             _close_all(fds)
             raise ProtocolError("unexpected file descriptor on the bulk lane")
         if kind == HAND_BACK:
@@ -403,7 +435,7 @@ class Lane:
                 self._incoming.attach(segment, fds[0])
             data = self._incoming.payload(segment, nbytes)
             self.bytes_received += nbytes + _HEADER.size
-            self.arrivals.put(xfer, data)
+            self.arrivals.put(xfer, data, being_written=kind == WRITING)
 
     def abandon(self) -> None:
         """In a forked child: stop using the parent's lane. The socket's descriptor is closed in this

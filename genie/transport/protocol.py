@@ -66,7 +66,11 @@ from .tensors import check_frames, check_shape, parse_dtype
 
 # Clients and daemons of different versions refuse each other at hello with a clear error,
 # instead of misreading ops, lanes or replies later. 2: hello carries the client's version.
-VERSION = 2
+# 3: WRITING records on shared-memory bulk lanes.
+VERSION = 3
+
+# The op that keeps an uploaded tensor as received (`.to(device)` of a host tensor).
+ADOPT_OP = "genie::adopt"
 
 EXT_HANDLE, EXT_TENSOR, EXT_DTYPE, EXT_DEVICE, EXT_MEMFMT, EXT_LAYOUT, EXT_COMPLEX, EXT_BULK, EXT_CUDA_IPC = range(1, 10)
 

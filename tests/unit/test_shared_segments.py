@@ -294,3 +294,26 @@ def test_a_transfer_over_the_receivers_limit_closes_the_lane(kind):
     finally:
         a_sock.close()
         b.close()
+
+
+def test_a_payload_named_before_it_is_written_goes_only_to_a_taker_that_keeps_it(lane_pair):
+    a, b = lane_pair
+    named_first = []
+
+    def after_head():  # with write_behind the record is out before this runs (and before the copy)
+        deadline = time.monotonic() + 5
+        while not b.arrivals.ready(2) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        named_first.append(b.arrivals.ready(2))
+
+    data = torch.full((4 * MiB,), 3, dtype=torch.uint8)
+    a.send(1, bulk.tensor_bytes(data), write_behind=True)
+    with pytest.raises(ProtocolError, match="before its bytes were in"):
+        b.arrivals.take(1, timeout=10)  # a taker that would read it now
+    a.send(2, bulk.tensor_bytes(data), after_head=after_head, write_behind=True)
+    got = b.arrivals.take(2, timeout=10, being_written_ok=True)
+    assert named_first == [True]
+    assert torch.equal(got, data)  # complete once send returned
+    a.send(3, bulk.tensor_bytes(data))  # an ordinary SEGMENT record: anyone may take it
+    assert torch.equal(b.arrivals.take(3, timeout=10), data)
+    assert not a.closed and not b.closed
