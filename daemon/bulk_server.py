@@ -147,6 +147,13 @@ class BulkListener:
         lane = self.lane(identity)
         return lane is None or lane.arrivals.ready(xfer)
 
+    def accept_named(self, identity: bytes, records) -> None:
+        """Uploads a request named in the client's shared segments (see bulk.Lane.accept_named)."""
+        lane = self.lane(identity)
+        if lane is None:
+            raise ProtocolError("this client has no bulk lane open")
+        lane.accept_named(records)
+
     def take_upload(self, identity: bytes, xfer: int, timeout: float, being_written_ok: bool = False) -> torch.Tensor:
         """Upload `xfer`'s payload (see bulk.Arrivals.take for `being_written_ok`)."""
         lane = self.lane(identity)

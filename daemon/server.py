@@ -410,6 +410,10 @@ class DaemonServer:
                         raise ProtocolError("this daemon takes no CUDA IPC handles (it has no GPU, or it listens "
                                             "beyond this host, or --no-cuda-ipc): send the tensor's bytes")
                     parsed = dataclasses.replace(parsed, shared=shared)
+                if parsed.segments:
+                    if self.bulk is None:
+                        raise ProtocolError("this daemon has no bulk lanes")
+                    self.bulk.accept_named(key, parsed.segments)
             except ProtocolError as e:
                 self._reply_error(identity, rid, e)
                 return

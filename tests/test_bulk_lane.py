@@ -82,18 +82,28 @@ def test_uploads_are_copied_in_behind_their_record_only_where_the_daemon_keeps_t
         sent = []
         real_send = bulk.Lane.send
 
-        def send(self, xfer, payload, after_head=None, write_behind=False):
-            sent.append(write_behind)
-            return real_send(self, xfer, payload, after_head, write_behind)
+        def send(self, xfer, payload, after_head=None, write_behind=False, records=None):
+            before = len(records) if records is not None else 0
+            real_send(self, xfer, payload, after_head, write_behind, records)
+            sent.append((write_behind, records is not None and len(records) > before))
 
         bulk.Lane.send = send
         try:
-            src = torch.randn(BIG)
-            x = src.to("remote_accelerator:0")  # adopted: copied in behind its record
-            y = torch.zeros(BIG, device="remote_accelerator:0")
-            y.copy_(src * 2)  # read at once by copy_: copied in first
-            assert torch.equal((x + y).cpu(), src * 3)
-            assert sent == [True, False]
+            for _ in range(2):
+                src = torch.randn(BIG)
+                x = src.to("remote_accelerator:0")  # adopted: copied in behind its record
+                y = torch.zeros(BIG, device="remote_accelerator:0")
+                y.copy_(src * 2)  # read at once by copy_: copied in first
+                assert torch.equal((x + y).cpu(), src * 3)
+                del x, y
+                torch.remote_accelerator.synchronize()  # the frees go: the daemon hands the segments back
+                deadline = time.monotonic() + 10
+                while any(s.busy for s in _lane()._outgoing._segments.values()):
+                    assert time.monotonic() < deadline, "segments were not handed back"
+                    time.sleep(0.01)
+            # The first time a segment is named on the lane (its fd rides along); once the daemon
+            # has handed it back, the request itself names it.
+            assert sent == [(True, False), (False, False), (True, True), (False, False)]
         finally:
             bulk.Lane.send = real_send
 
@@ -101,8 +111,8 @@ def test_uploads_are_copied_in_behind_their_record_only_where_the_daemon_keeps_t
 def test_daemon_refuses_a_payload_still_being_written_to_an_op_that_reads_it():
     with _ipc_daemon():
         real_send = bulk.Lane.send
-        bulk.Lane.send = lambda self, xfer, payload, after_head=None, write_behind=False: real_send(
-            self, xfer, payload, after_head, True)  # a client that breaks its promise
+        bulk.Lane.send = lambda self, xfer, payload, after_head=None, write_behind=False, records=None: real_send(
+            self, xfer, payload, after_head, True, records)  # a client that breaks its promise
         try:
             y = torch.zeros(BIG, device="remote_accelerator:0")
             with pytest.raises(genie.RemoteExecutionError, match="before its bytes were in"):
@@ -112,6 +122,29 @@ def test_daemon_refuses_a_payload_still_being_written_to_an_op_that_reads_it():
             bulk.Lane.send = real_send
         src = torch.randn(BIG)
         assert torch.equal((src.to("remote_accelerator:0") + 1).cpu(), src + 1)  # and carries on
+
+
+def test_a_request_naming_a_segment_the_daemon_does_not_know_fails_and_the_daemon_carries_on():
+    with _ipc_daemon() as d:
+        real_send = bulk.Lane.send
+
+        def send(self, xfer, payload, after_head=None, write_behind=False, records=None):
+            if records is not None:
+                records.append([xfer, 999, payload.nbytes])  # no such segment
+                after_head()
+                return None
+            return real_send(self, xfer, payload, after_head, write_behind, records)
+
+        bulk.Lane.send = send
+        try:
+            with pytest.raises(genie.GenieError, match="unknown shared segment 999"):
+                torch.ones(BIG).to("remote_accelerator:0")
+                torch.remote_accelerator.synchronize()
+        finally:
+            bulk.Lane.send = real_send
+        assert d.proc.poll() is None and _lane().closed  # a bad record closes the lane, as on the lane itself
+        src = torch.randn(BIG)
+        assert torch.equal((src.to("remote_accelerator:0") + 1).cpu(), src + 1)  # over ZeroMQ now
 
 
 def test_a_result_in_the_daemons_segment_outlives_the_daemon():

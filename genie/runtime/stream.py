@@ -151,14 +151,14 @@ class DeviceStream:
         """The op that claimed these transfers was never queued (its arguments failed to encode)."""
         self.pending_bulk.clear()
 
-    def _send_pending_bulk(self, post=None, write_behind: bool = False) -> None:
+    def _send_pending_bulk(self, post=None, write_behind: bool = False, records: list | None = None) -> None:
         """Send the claimed transfers' bytes; `post` (sending their batch) runs once the first
-        transfer's head is out (see `bulk.Lane.send`, also for `write_behind`)."""
+        transfer's head is out (see `bulk.Lane.send`, also for `write_behind` and `records`)."""
         pending, self.pending_bulk = self.pending_bulk, []
         lane = self.link.bulk_lane
         for xfer, payload in pending:
             try:
-                lane.send(xfer, payload, after_head=post, write_behind=write_behind)
+                lane.send(xfer, payload, after_head=post, write_behind=write_behind, records=records)
             except ConnectionError as e:
                 # The batch naming this transfer is out (or never will be): the daemon fails it.
                 raise GenieConnectionError(f"genie-daemon at {self.link.endpoint}: {e}") from None
@@ -182,13 +182,17 @@ class DeviceStream:
             if send_now:
                 body, frames = self._take(fetch=[], report=False)
                 body["wait"] = True  # a hint: answered soon after its bytes land, not queued behind
+                named: list = []  # uploads the batch names in segments itself (see bulk.Lane.send)
 
                 def post() -> None:
+                    if named:
+                        body["segments"] = named
                     if not self.link.post_direct(body, frames, self):
                         self._post((body, frames), wait=False)
                 # An adopt is the batch's last op, and this thread's next message goes after the
                 # copy: on a daemon that keeps it as received, nothing reads it before then.
-                self._send_pending_bulk(post, write_behind=entry[0] == protocol.ADOPT_OP and self.adopts_in_place)
+                self._send_pending_bulk(post, write_behind=entry[0] == protocol.ADOPT_OP and self.adopts_in_place,
+                                        records=named)
         elif len(self.ops) >= self.batch_ops or self.inline_bytes >= self.batch_bytes:
             self._post(self._take(fetch=[], report=False), wait=False)
 

@@ -192,7 +192,7 @@ class Lane:
         return "unix" if self.sock.family == socket.AF_UNIX else "tcp"
 
     def send(self, xfer: int, payload: memoryview, after_head: Callable[[], None] | None = None,
-             write_behind: bool = False) -> None:
+             write_behind: bool = False, records: list | None = None) -> None:
         """Write one transfer; holds the lane for its whole length so transfers never interleave.
 
         `after_head` runs once the first HEAD_BYTES are out: the sender's ZeroMQ message about
@@ -207,7 +207,10 @@ class Lane:
         `write_behind`, the caller's promise that the receiver keeps this payload as a tensor and
         reads it only for messages this thread sends after this call returns: in a segment, the
         record (WRITING) goes first, then `after_head`, then the copy, so the receiver takes the
-        message and answers it while the bytes are copied in.
+        message and answers it while the bytes are copied in. With `records` too (a list the
+        message of `after_head` carries, see protocol.Exec.segments), a segment the receiver has
+        mapped is named there, [xfer, segment, bytes], instead of on this lane: the receiver takes
+        it with the message, without its lane thread's wake-up and turn at the interpreter lock.
         """
         payload = payload.cast("B") if payload.format != "B" or payload.ndim != 1 else payload
         with self._send_lock:
@@ -221,7 +224,7 @@ class Lane:
                 self._controls.extend(_HEADER.pack(FORGET, 0, 0, ident) for ident in forgotten)
                 self._write_controls(blocking=True)
                 if segment is not None:
-                    deferred = self._send_in_segment(segment, xfer, payload, after_head, write_behind)
+                    deferred = self._send_in_segment(segment, xfer, payload, after_head, write_behind, records)
                     segment = None
                 else:
                     deferred = self._send_through_socket(xfer, payload, after_head)
@@ -294,8 +297,10 @@ class Lane:
         self.last_streamed = time.monotonic()
 
     def _send_in_segment(self, segment, xfer: int, payload: memoryview, after_head,
-                         write_behind: bool) -> BaseException | None:
-        if write_behind:
+                         write_behind: bool, records: list | None) -> BaseException | None:
+        if write_behind and records is not None and segment.peer_attached:
+            records.append([xfer, segment.ident, payload.nbytes])
+        elif write_behind:
             self._send_segment_record(WRITING, segment, xfer, payload.nbytes)
         deferred = _call(after_head) if after_head is not None else None
         copy_bytes(segment.array, payload)
@@ -436,6 +441,23 @@ class Lane:
             data = self._incoming.payload(segment, nbytes)
             self.bytes_received += nbytes + _HEADER.size
             self.arrivals.put(xfer, data, being_written=kind == WRITING)
+
+    def accept_named(self, records) -> None:
+        """Take the uploads a message named in this lane's segments ((xfer, segment, bytes) each,
+        still being copied in), as if their WRITING records had come here. A bad one closes the
+        lane, as a bad record on it would."""
+        try:
+            if not self.shared:
+                raise ProtocolError("segments named on a lane without shared memory")
+            for xfer, segment, nbytes in records:
+                if nbytes > self.max_transfer:
+                    raise ProtocolError(f"bulk transfer of {nbytes} bytes exceeds the limit of {self.max_transfer}")
+                data = self._incoming.payload(segment, nbytes)
+                self.bytes_received += nbytes
+                self.arrivals.put(xfer, data, being_written=True)
+        except ProtocolError as e:
+            self.close(e)
+            raise
 
     def abandon(self) -> None:
         """In a forked child: stop using the parent's lane. The socket's descriptor is closed in this

@@ -327,6 +327,9 @@ class Exec:
     bulk_min: int = 0  # fetch tensors of at least this many bytes over the bulk lane; 0: never
     waited: bool = False  # the client blocks on the reply
     shared: tuple = ()  # the CUDA IPC tensors in its arguments (set by the receiver, see decode_ext)
+    # (transfer id, segment, bytes) of uploads named here instead of on the bulk lane: in the
+    # client's shared segments, still being copied in (see bulk.Lane.send's `records`).
+    segments: tuple = ()
 
 
 _GOOD_NAMES: set[str] = set()  # op names already seen to be well formed (bounded below)
@@ -391,7 +394,15 @@ def parse_exec(body: dict) -> Exec:
     waited = body.get("wait", False)
     if type(waited) is not bool:
         raise ProtocolError("wait must be a bool")
+    segments = body.get("segments", ())
+    if segments:
+        if type(segments) is not list or len(segments) > MAX_FRAMES or not all(
+                type(r) is list and len(r) == 3 and all(type(v) is int and 0 <= v < 1 << 63 for v in r)
+                for r in segments):
+            raise ProtocolError("segments must be a list of [transfer id, segment, bytes]")
+        segments = tuple(tuple(r) for r in segments)
     return Exec(
+        segments=segments,
         waited=waited,
         bulk_min=bulk_min,
         stream=stream,

@@ -77,6 +77,7 @@ class Segment:
             os.close(self.fd)
             raise
         self.peer_has_fd = False
+        self.peer_attached = False  # handed back once: the receiver has it mapped for sure
         self.busy = False
 
     def close(self) -> None:
@@ -148,6 +149,7 @@ class OutgoingSegments:
             if segment is None or not segment.busy:
                 raise ProtocolError(f"release of segment {ident}, which is not in use")
             segment.busy = False
+            segment.peer_attached = True
 
     def held_bytes(self) -> int:
         with self._lock:

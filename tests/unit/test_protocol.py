@@ -58,10 +58,19 @@ def test_garbage_headers_are_protocol_errors():
     ({"ops": [["aten::add", [], {}, "x"]]}, "bad outs"),
     ({"frees": [1, "2"]}, "handle ids"),
     ({"report": 1}, "report must be a bool"),
+    ({"segments": {1: 2}}, "segments must be"),
+    ({"segments": [[1, 2]]}, "segments must be"),
+    ({"segments": [[1, 2, -3]]}, "segments must be"),
+    ({"segments": [[1, 2, "3"]]}, "segments must be"),
 ])
 def test_exec_validation(body, message):
     with pytest.raises(ProtocolError, match=message):
         protocol.parse_exec(body)
+
+
+def test_exec_names_uploads_in_segments():
+    assert protocol.parse_exec({"segments": [[7, 2, 4096]]}).segments == ((7, 2, 4096),)
+    assert protocol.parse_exec({}).segments == ()
 
 
 def test_parse_request_checks_kind_and_id():
