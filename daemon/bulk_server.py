@@ -169,6 +169,12 @@ class BulkListener:
         lane = self.lane(identity)
         return None if lane is None else lane.next_id()
 
+    def named_download(self, identity: bytes, payload: memoryview) -> list[int] | None:
+        """`payload` copied into a segment the client has mapped, as [segment, bytes] for the answer
+        to name (see bulk.Lane.name_in_segment); None: send it on the lane."""
+        lane = self.lane(identity)
+        return None if lane is None else lane.name_in_segment(payload)
+
     def later_download(self, identity: bytes, payload: memoryview) -> "LaterDownload | None":
         """A download to send once its answer is out (see Executor.run's `later`); None: no lane."""
         xfer = self.claim_download(identity)

@@ -548,6 +548,11 @@ class Executor:
                     # The lane sends synchronously: the pinned buffer is free again right after.
                     with self._uploader(found.device).download(found) as staged:
                         xfer = self.bulk.send_download(client.identity, staged)
+                elif nbytes <= NAMED_DOWNLOAD_BYTES and (
+                        named := self.bulk.named_download(client.identity, tensor_to_buffer(found.detach()))):
+                    # Copied into the client's mapping of our segment now, named in the answer:
+                    # no lane record after it, no wake-up of the client's lane thread.
+                    return {"segment": named, "dtype": dtype_name(found.dtype), "shape": list(found.shape)}
                 elif later is not None:
                     download = self.bulk.later_download(client.identity, tensor_to_buffer(found.detach()))
                     if download is not None:
@@ -571,6 +576,9 @@ class Executor:
 # all (a 724x724 float matmul, ~20 ms on one slow core), and replays whose last run took at most this long.
 INLINE_TENSOR_BYTES = 4 << 20
 INLINE_REPLAY_S = 0.01
+# Downloads up to this size are copied into a shared segment by the request itself (on the event
+# loop when it runs there: ~2-8 ms at most); larger ones go on the lane, from the worker.
+NAMED_DOWNLOAD_BYTES = 16 << 20
 
 
 def _argument_bytes(client: ClientState, values, depth: int = 0) -> int:

@@ -298,6 +298,9 @@ class DeviceStream:
             if isinstance(desc, dict) and "bulk" in desc:
                 out.append(self._take_bulk(desc))
                 continue
+            if isinstance(desc, dict) and "segment" in desc:
+                out.append(self._take_named(desc))
+                continue
             if isinstance(desc, dict):
                 err = desc.get("error") or {}
                 raise RemoteExecutionError(err.get("op"), err.get("message", ""), err.get("type", "RuntimeError"),
@@ -317,6 +320,17 @@ class DeviceStream:
             raw = lane.arrivals.take(xfer, self.link.runtime.config.request_timeout)
             return bytes_as_tensor(raw, dtype, shape, f"bulk transfer {xfer}")
         except (TimeoutError, ConnectionError, ProtocolError) as e:
+            raise GenieConnectionError(f"genie-daemon at {self.link.endpoint}: {e}") from None
+
+    def _take_named(self, desc: dict) -> torch.Tensor:
+        """A fetched tensor the daemon copied into one of its shared segments and named in the reply."""
+        lane = self.link.bulk_lane
+        where, dtype, shape = desc.get("segment"), parse_dtype(desc.get("dtype")), check_shape(desc.get("shape"))
+        try:
+            if lane is None or type(where) is not list or len(where) != 2 or not all(type(v) is int for v in where):
+                raise ProtocolError(f"a fetched tensor named in a shared segment this client cannot read: {where!r}")
+            return bytes_as_tensor(lane.take_named(*where), dtype, shape, f"segment {where[0]}")
+        except ProtocolError as e:
             raise GenieConnectionError(f"genie-daemon at {self.link.endpoint}: {e}") from None
 
     def run_reported(self, entry: list) -> Any:

@@ -442,19 +442,36 @@ class Lane:
             self.bytes_received += nbytes + _HEADER.size
             self.arrivals.put(xfer, data, being_written=kind == WRITING)
 
+    def name_in_segment(self, payload: memoryview) -> list[int] | None:
+        """Copy `payload` into a free segment the receiver has mapped and return [segment, bytes],
+        for a message to name (the receiver takes it with `take_named`, no record on this lane,
+        no wake-up of its lane thread); None when no such segment is free: send it instead."""
+        if self._outgoing is None or self.closed or not payload.nbytes:
+            return None
+        segment = self._outgoing.acquire_attached(payload.nbytes)
+        if segment is None:
+            return None
+        copy_bytes(segment.array, payload.cast("B") if payload.format != "B" or payload.ndim != 1 else payload)
+        self.bytes_sent += payload.nbytes
+        return [segment.ident, payload.nbytes]
+
+    def take_named(self, segment: int, nbytes: int) -> torch.Tensor:
+        """The payload a message named in the peer's `segment` (see `name_in_segment`)."""
+        if not self.shared:
+            raise ProtocolError("a segment named on a lane without shared memory")
+        data = self._incoming.payload(segment, nbytes)
+        self.bytes_received += nbytes
+        return data
+
     def accept_named(self, records) -> None:
         """Take the uploads a message named in this lane's segments ((xfer, segment, bytes) each,
         still being copied in), as if their WRITING records had come here. A bad one closes the
         lane, as a bad record on it would."""
         try:
-            if not self.shared:
-                raise ProtocolError("segments named on a lane without shared memory")
             for xfer, segment, nbytes in records:
                 if nbytes > self.max_transfer:
                     raise ProtocolError(f"bulk transfer of {nbytes} bytes exceeds the limit of {self.max_transfer}")
-                data = self._incoming.payload(segment, nbytes)
-                self.bytes_received += nbytes
-                self.arrivals.put(xfer, data, being_written=True)
+                self.arrivals.put(xfer, self.take_named(segment, nbytes), being_written=True)
         except ProtocolError as e:
             self.close(e)
             raise

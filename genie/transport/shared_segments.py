@@ -137,6 +137,17 @@ class OutgoingSegments:
             self._segments[segment.ident] = segment
             return segment, dropped
 
+    def acquire_attached(self, nbytes: int) -> Segment | None:
+        """A free segment of `nbytes`' size class that the receiver has mapped (it handed it back
+        once), marked busy; None if there is none. Makes and drops nothing."""
+        size = size_class(nbytes)
+        with self._lock:
+            for segment in self._segments.values():
+                if not segment.busy and segment.peer_attached and segment.nbytes == size:
+                    segment.busy = True
+                    return segment
+        return None
+
     def give_back(self, segment: Segment) -> None:
         """The segment was taken but not sent (the send failed before its record went out)."""
         with self._lock:

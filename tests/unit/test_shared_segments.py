@@ -317,3 +317,24 @@ def test_a_payload_named_before_it_is_written_goes_only_to_a_taker_that_keeps_it
     a.send(3, bulk.tensor_bytes(data))  # an ordinary SEGMENT record: anyone may take it
     assert torch.equal(b.arrivals.take(3, timeout=10), data)
     assert not a.closed and not b.closed
+
+
+def test_a_segment_the_receiver_has_mapped_can_be_named_in_a_message_instead_of_a_record(lane_pair):
+    a, b = lane_pair
+    data = torch.arange(5 * MiB, dtype=torch.int64).to(torch.uint8)
+    assert a.name_in_segment(bulk.tensor_bytes(data)) is None  # no segment b has mapped yet
+    a.send(1, bulk.tensor_bytes(data))
+    del_me = b.arrivals.take(1, timeout=10)
+    del del_me  # handed back: now b has it mapped, and a knows
+    _wait_for(lambda: any(s.peer_attached and not s.busy for s in a._outgoing._segments.values()))
+    where = a.name_in_segment(bulk.tensor_bytes(data))
+    assert where is not None and where[1] == data.nbytes
+    assert a.name_in_segment(bulk.tensor_bytes(data)) is None  # that one is busy now, and no other is mapped
+    got = b.take_named(*where)
+    assert torch.equal(got, data)
+    with pytest.raises(ProtocolError, match="reused before it was handed back"):
+        b.take_named(*where)
+    with pytest.raises(ProtocolError, match="unknown shared segment"):
+        b.take_named(99, 10)
+    del got
+    _wait_for(lambda: not any(s.busy for s in a._outgoing._segments.values()))
