@@ -30,6 +30,8 @@ REMOTE = "remote_accelerator"
 meta_cache = meta.MetaCache()
 _plans_get = meta_cache._plans.get  # the hot path's lookup (MetaCache.get counts the same way)
 _REMOTE, _NewTensor = meta.REMOTE, meta.NewTensor
+contiguous_strides = meta.contiguous_strides
+_planned = LazyTensor.planned
 
 _INT64_MIN, _UINT64_MAX = -(1 << 63), (1 << 64) - 1
 _names: dict = {}
@@ -167,9 +169,7 @@ def _build_outputs(plan_out, stream, inputs):
     """Output objects and the matching wire `outs` structure."""
     if type(plan_out) is meta.NewTensor:
         h = stream.new_handle()
-        t = LazyTensor(stream, h, plan_out.shape, plan_out.stride, plan_out.offset, plan_out.dtype,
-                       plan_out.storage_nbytes)
-        return t, h
+        return LazyTensor.planned(stream, h, plan_out), h
     if type(plan_out) is meta.SameAsInput:
         return inputs[plan_out.index], None
     if type(plan_out) is meta.Value:
@@ -276,8 +276,7 @@ def _capture_hot(func, args: tuple):
     out_plan = plan.outputs
     with stream.lock:
         outs = next(stream.link.handle_ids)
-        outputs = LazyTensor(stream, outs, out_plan.shape, out_plan.stride, out_plan.offset, out_plan.dtype,
-                             out_plan.storage_nbytes)
+        outputs = _planned(stream, outs, out_plan)
         entry = [_names.get(id(func)) or op_name(func), wire, {}, outs]
         # DeviceStream.append inlined for the case where the batch neither changes stream nor fills up.
         ids = getattr(thread_streams, "ids", None)
@@ -337,8 +336,7 @@ def _capture_general(func, args: tuple, kwargs: dict, walked: tuple | None = Non
         out_plan = plan.outputs
         if type(out_plan) is _NewTensor:  # the common case, without the general walk
             outs = next(stream.link.handle_ids)
-            outputs = LazyTensor(stream, outs, out_plan.shape, out_plan.stride, out_plan.offset, out_plan.dtype,
-                                 out_plan.storage_nbytes)
+            outputs = _planned(stream, outs, out_plan)
         else:
             outputs, outs = _build_outputs(out_plan, stream, tensors)
         if wire_args is not None:
@@ -525,14 +523,6 @@ def move_between_devices(src: LazyTensor, dst_stream) -> LazyTensor:
                          src.numel() * src.element_size())
         dst_stream.append([RECV_OP, [tid], {}, h])
     return out
-
-
-def contiguous_strides(shape) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for s in reversed(shape):
-        strides.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(strides))
 
 
 ALIAS_STORAGE_OP = "genie::alias_storage"

@@ -11,7 +11,7 @@ kernel raises `NeedsRemoteExecution` and is run on the daemon synchronously.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,6 +35,14 @@ class NeedsRemoteExecution(Exception):
 REMOTE = object()
 
 
+def contiguous_strides(shape) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(strides))
+
+
 @dataclass(frozen=True, slots=True)
 class NewTensor:
     dtype: torch.dtype
@@ -42,6 +50,17 @@ class NewTensor:
     stride: tuple
     offset: int
     storage_nbytes: int
+    # Worked out once per plan, for every output made from it (see LazyTensor.planned):
+    meta_key: tuple = field(init=False, compare=False)  # the output's HandleRef.meta_key
+    dense: bool = field(init=False, compare=False)  # contiguous, at offset 0, its storage exactly its bytes
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "meta_key", (self.dtype, self.shape, self.stride, self.offset, self.storage_nbytes))
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        object.__setattr__(self, "dense", self.offset == 0 and self.stride == contiguous_strides(self.shape)
+                           and self.storage_nbytes == numel * self.dtype.itemsize)
 
 
 @dataclass(frozen=True, slots=True)
