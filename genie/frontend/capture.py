@@ -279,7 +279,7 @@ def _capture_hot(func, args: tuple):
         outputs = _planned(stream, outs, out_plan)
         entry = [_names.get(id(func)) or op_name(func), wire, {}, outs]
         # DeviceStream.append inlined for the case where the batch neither changes stream nor fills up.
-        ids = getattr(thread_streams, "ids", None)
+        ids = thread_streams.ids
         ops = stream.ops
         if ((ids.get(stream.global_index, 0) if ids else 0) == stream.batch_stream
                 and len(ops) + 1 < stream.batch_ops and stream.inline_bytes < stream.batch_bytes):

@@ -30,20 +30,28 @@ if TYPE_CHECKING:
 log = logging.getLogger("genie.runtime")
 
 
-# The current remote stream id per device, per thread (like CUDA's current stream).
-_current = threading.local()
+class _CurrentStreams(threading.local):
+    """The current remote stream id per device, per thread (like CUDA's current stream)."""
+
+    # A device's global index -> its current stream id, once a thread sets one. The class-level
+    # default makes reading it in a thread that never did a plain attribute read (~70 ns), not a
+    # failed lookup (~440 ns): every captured op reads it.
+    ids: dict | None = None
 
 
-thread_streams = _current  # per thread: .ids maps a device's global index to its current stream id
+_current = _CurrentStreams()
+
+
+thread_streams = _current
 
 
 def current_stream_id(global_index: int) -> int:
-    ids = getattr(_current, "ids", None)
+    ids = _current.ids
     return ids.get(global_index, 0) if ids else 0
 
 
 def set_current_stream_id(global_index: int, stream_id: int) -> None:
-    ids = getattr(_current, "ids", None)
+    ids = _current.ids
     if ids is None:
         ids = _current.ids = {}
     ids[global_index] = stream_id
@@ -167,7 +175,7 @@ class DeviceStream:
     def append(self, entry: list, send_now: bool = True) -> None:
         """Queue an op. With transfers claimed for it (`send_bulk`), the batch goes out now and
         then their bytes, unless `send_now` is False (the caller posts it, then `_send_pending_bulk`)."""
-        ids = getattr(_current, "ids", None)  # current_stream_id, inlined: this runs once per captured op
+        ids = _current.ids  # current_stream_id, inlined: this runs once per captured op
         sid = ids.get(self.global_index, 0) if ids else 0
         if sid != self.batch_stream:
             # A batch runs on one daemon-side stream: switching streams closes the batch.
