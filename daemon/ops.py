@@ -51,13 +51,14 @@ def resolve(name: str) -> torch._ops.OpOverload:
 
 
 @functools.lru_cache(maxsize=4096)
-def _unsafe_flags(op: torch._ops.OpOverload) -> tuple[tuple[int, str], ...]:
+def unsafe_flags(op: torch._ops.OpOverload) -> tuple[tuple[int, str], ...]:
+    """(position, name) of the op's `unsafe` arguments; `check_call` looks at these."""
     return tuple((i, a.name) for i, a in enumerate(op._schema.arguments) if a.name == "unsafe")
 
 
 def check_call(op: torch._ops.OpOverload, args: list, kwargs: dict) -> None:
     """Refuse a call that switches off the op's own bounds checks (e.g. `_index_put_impl_(unsafe=True)`)."""
-    for position, name in _unsafe_flags(op):
+    for position, name in unsafe_flags(op):
         value = args[position] if position < len(args) else kwargs.get(name)
         if value:
             raise OpRefused(f"operator {op._schema.name} with {name}=True skips bounds checks and is not allowed")
