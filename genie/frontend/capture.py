@@ -106,6 +106,10 @@ def _walk(value, w: _Walk, seen: dict):
 # ---------------------------------------------------------------- wire encoding (stream lock held)
 
 
+_ENCODED_BY_TYPE = {torch.dtype: protocol.encode_dtype, torch.memory_format: protocol.encode_memory_format,
+                    torch.layout: protocol.encode_layout}
+
+
 def encode_call(args, kwargs, stream) -> tuple[list, dict]:
     """The wire form of an op's arguments. Bulk transfers claimed on the way are dropped if a
     later argument fails: no op will read them."""
@@ -117,8 +121,16 @@ def encode_call(args, kwargs, stream) -> tuple[list, dict]:
 
 
 def _encode(value, stream):
-    if type(value) is LazyTensor:
+    t = type(value)
+    if t is LazyTensor:
         return value._genie.wire
+    # Keyword constants of factories and .to() (dtype, device, memory format), before the general
+    # isinstance chain below: encode_call of empty_strided's arguments 4.8 -> 3.2 us.
+    by_type = _ENCODED_BY_TYPE.get(t)
+    if by_type is not None:
+        return by_type(value)
+    if t is torch.device and value == stream.device:
+        return protocol.encode_device("remote", stream.local_index)
     if isinstance(value, torch.Tensor):
         if value.device.type != "cpu":
             if value.device.type == "cuda" and stream.link.cuda_ipc_for(value.device):
