@@ -138,7 +138,8 @@ class Executor:
             if genie_op is not None:
                 return genie_op(client, call, frames, device)
             # An aten op, worked out once per name: a dict lookup per call, not four lru_caches
-            # hashing the OpOverload (the executor's own cost per op: 2.6 -> ~1.5 us here).
+            # hashing the OpOverload (with the rest below, the executor's own cost per op here:
+            # ~2.3 -> ~1.1 us over the op itself).
             aten = self._aten_ops.get(call.name)
             if aten is None:
                 op = op_table.resolve(call.name)
@@ -561,18 +562,21 @@ class Executor:
                     # The lane sends synchronously: the pinned buffer is free again right after.
                     with self._uploader(found.device).download(found) as staged:
                         xfer = self.bulk.send_download(client.identity, staged)
-                elif nbytes <= NAMED_DOWNLOAD_BYTES and (
-                        named := self.bulk.named_download(client.identity, tensor_to_buffer(found.detach()))):
-                    # Copied into the client's mapping of our segment now, named in the answer:
-                    # no lane record after it, no wake-up of the client's lane thread.
-                    return {"segment": named, "dtype": dtype_name(found.dtype), "shape": list(found.shape)}
-                elif later is not None:
-                    download = self.bulk.later_download(client.identity, tensor_to_buffer(found.detach()))
-                    if download is not None:
-                        later.append(download)
-                    xfer = download.xfer if download is not None else None
                 else:
-                    xfer = self.bulk.send_download(client.identity, tensor_to_buffer(found.detach()))
+                    payload = tensor_to_buffer(found.detach())
+                    if nbytes <= NAMED_DOWNLOAD_BYTES:
+                        # Copied into the client's mapping of one of our segments now and named
+                        # in the answer: no lane record after it, no wake-up of its lane thread.
+                        named = self.bulk.named_download(client.identity, payload)
+                        if named is not None:
+                            return {"segment": named, "dtype": dtype_name(found.dtype), "shape": list(found.shape)}
+                    if later is not None:
+                        download = self.bulk.later_download(client.identity, payload)
+                        if download is not None:
+                            later.append(download)
+                        xfer = download.xfer if download is not None else None
+                    else:
+                        xfer = self.bulk.send_download(client.identity, payload)
             except ConnectionError as e:
                 return {"error": protocol.error_body(e)}
             if xfer is not None:

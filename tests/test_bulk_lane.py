@@ -174,6 +174,31 @@ def test_downloads_into_segments_the_client_has_mapped_are_named_in_the_answer()
         assert len(named) >= 3 and lane.bytes_received >= 6 * BIG * 4
 
 
+def test_a_failed_fetch_still_takes_the_other_tensors_so_their_segments_come_back():
+    with _ipc_daemon():
+        src = torch.randn(BIG)
+        x = src.to("remote_accelerator:0")
+        assert torch.equal((x + 0).cpu(), src)  # a download: its segment is handed back, then named next time
+        time.sleep(0.1)
+        taken = []
+        real_take = bulk.Lane.take_named
+
+        def take_named(self, segment, nbytes):
+            taken.append(segment)
+            return real_take(self, segment, nbytes)
+
+        bulk.Lane.take_named = take_named
+        try:
+            bad = torch.ones(4, device="remote_accelerator:0")[torch.tensor([10], device="remote_accelerator:0")]
+            with pytest.raises(genie.RemoteExecutionError, match="out of bounds"):
+                genie.materialize_sync([x * 2, bad])
+        finally:
+            bulk.Lane.take_named = real_take
+        assert len(taken) == 1  # x * 2 was taken (and dropped: its segment goes back) before the error
+        for i in range(3):  # and segments keep coming back: results stay right
+            assert torch.equal((x + i).cpu(), src + i)
+
+
 def test_a_result_in_the_daemons_segment_outlives_the_daemon():
     with _ipc_daemon() as d:
         src = torch.randn(BIG)

@@ -40,11 +40,19 @@ def to_cpu_many(tensors: list) -> list[torch.Tensor]:
     futures = [(s, idx, s.fetch_async([tensors[i]._genie.id for i in idx], direct=direct,
                                       largest=_largest(tensors, idx)))
                for s, idx in groups.items()]
+    failure = None
     for stream, idx, future in futures:
-        reply = stream.link.wait(future)
-        stream._raise_async_error()
-        for i, value in zip(idx, stream.decode_fetched(reply)):
+        try:
+            reply = stream.link.wait(future)
+            fetched = stream.decode_fetched(reply)  # taken before an earlier error is raised: see decode_fetched
+            stream._raise_async_error()
+        except Exception as e:  # noqa: BLE001 - raised once every daemon's answer is taken
+            failure = failure or e
+            continue
+        for i, value in zip(idx, fetched):
             out[i] = value
+    if failure is not None:
+        raise failure
     return out
 
 
@@ -61,11 +69,19 @@ async def materialize_many(tensors: list) -> list[torch.Tensor]:
                                                           largest=_largest(tensors, idx))))
                for s, idx in groups.items()]
     replies = await asyncio.gather(*(f for _, _, f in pending))
+    failure = None
     for (stream, idx, _), reply in zip(pending, replies):
-        stream._raise_async_error()
-        await _bulk_arrived(stream, reply)
-        for i, value in zip(idx, stream.decode_fetched(reply)):
+        try:
+            await _bulk_arrived(stream, reply)
+            fetched = stream.decode_fetched(reply)  # taken before an earlier error is raised: see decode_fetched
+            stream._raise_async_error()
+        except Exception as e:  # noqa: BLE001 - raised once every daemon's answer is taken
+            failure = failure or e
+            continue
+        for i, value in zip(idx, fetched):
             out[i] = value
+    if failure is not None:
+        raise failure
     return out
 
 

@@ -293,15 +293,19 @@ class DeviceStream:
 
     def fetch(self, handles: list[int], largest: int | None = None) -> list[torch.Tensor]:
         reply = self.link.wait(self.fetch_async(handles, direct=True, largest=largest))
+        fetched = self.decode_fetched(reply)  # taken first: see decode_fetched
         self._raise_async_error()
-        return self.decode_fetched(reply)
+        return fetched
 
     def bulk_transfers(self, reply) -> list[int]:
         """Transfer ids of the fetched tensors that come on the bulk lane."""
         return [d["bulk"] for d in reply.body["fetched"] if isinstance(d, dict) and "bulk" in d]
 
     def decode_fetched(self, reply) -> list[torch.Tensor]:
-        out = []
+        """The fetched tensors of `reply`. A tensor that failed on the daemon raises, but only once
+        every other one is taken: a bulk transfer left unclaimed, or a shared segment untaken,
+        would stay held (the daemon reuses a segment only once the tensor over it is freed)."""
+        out, failure = [], None
         for desc in reply.body["fetched"]:
             if isinstance(desc, dict) and "bulk" in desc:
                 out.append(self._take_bulk(desc))
@@ -311,11 +315,15 @@ class DeviceStream:
                 continue
             if isinstance(desc, dict):
                 err = desc.get("error") or {}
-                raise RemoteExecutionError(err.get("op"), err.get("message", ""), err.get("type", "RuntimeError"),
-                                           daemon=self.link.endpoint)
+                failure = failure or RemoteExecutionError(err.get("op"), err.get("message", ""),
+                                                          err.get("type", "RuntimeError"), daemon=self.link.endpoint)
+                out.append(None)
+                continue
             frame, dtype, shape = desc
             frames = check_frames(frame, len(reply.frames))
             out.append(frames_to_tensor([reply.frames[i].buffer for i in frames], parse_dtype(dtype), tuple(shape)))
+        if failure is not None:
+            raise failure
         return out
 
     def _take_bulk(self, desc: dict) -> torch.Tensor:
