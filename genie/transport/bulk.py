@@ -212,7 +212,7 @@ class Lane:
         mapped is named there, [xfer, segment, bytes], instead of on this lane: the receiver takes
         it with the message, without its lane thread's wake-up and turn at the interpreter lock.
         """
-        payload = payload.cast("B") if payload.format != "B" or payload.ndim != 1 else payload
+        payload = _flat_bytes(payload)
         with self._send_lock:
             if self.closed:
                 raise ConnectionError("bulk lane is closed")
@@ -244,7 +244,7 @@ class Lane:
         another thread), and until it has, the lane is held. The receiver is then reading while
         that thread wakes up. Nothing is sent here on a shared-memory lane (the payload is a copy
         into a segment, not a socket write) or while the lane is busy: the call sends it all."""
-        payload = payload.cast("B") if payload.format != "B" or payload.ndim != 1 else payload
+        payload = _flat_bytes(payload)
         if self.shared or not self._send_lock.acquire(blocking=False):
             return functools.partial(self.send, xfer, payload)
         header = _HEADER.pack(STREAM, xfer, payload.nbytes, 0)
@@ -451,7 +451,7 @@ class Lane:
         segment = self._outgoing.acquire_attached(payload.nbytes)
         if segment is None:
             return None
-        copy_bytes(segment.array, payload.cast("B") if payload.format != "B" or payload.ndim != 1 else payload)
+        copy_bytes(segment.array, _flat_bytes(payload))
         self.bytes_sent += payload.nbytes
         return [segment.ident, payload.nbytes]
 
@@ -507,6 +507,11 @@ def _call(callback: Callable[[], None]) -> BaseException | None:
     except BaseException as e:  # noqa: BLE001 - re-raised by the caller
         return e
     return None
+
+
+def _flat_bytes(payload: memoryview) -> memoryview:
+    """`payload` as a flat view of bytes (the same memory)."""
+    return payload.cast("B") if payload.format != "B" or payload.ndim != 1 else payload
 
 
 def _close_all(fds: list[int]) -> None:
