@@ -151,25 +151,31 @@ def test_a_request_naming_a_segment_the_daemon_does_not_know_fails_and_the_daemo
         assert torch.equal((src.to("remote_accelerator:0") + 1).cpu(), src + 1)  # over ZeroMQ now
 
 
+@contextlib.contextmanager
+def _segments_taken_by_name():
+    """The segments the client takes as named in answers (bulk.Lane.take_named), while in the block."""
+    taken = []
+    real_take = bulk.Lane.take_named
+
+    def take_named(self, segment, nbytes):
+        taken.append(segment)
+        return real_take(self, segment, nbytes)
+
+    bulk.Lane.take_named = take_named
+    try:
+        yield taken
+    finally:
+        bulk.Lane.take_named = real_take
+
+
 def test_downloads_into_segments_the_client_has_mapped_are_named_in_the_answer():
-    with _ipc_daemon():
+    with _ipc_daemon(), _segments_taken_by_name() as named:
         lane = _lane()
-        named = []
-        real_take = bulk.Lane.take_named
-
-        def take_named(self, segment, nbytes):
-            named.append(segment)
-            return real_take(self, segment, nbytes)
-
-        bulk.Lane.take_named = take_named
-        try:
-            src = torch.randn(BIG)
-            x = src.to("remote_accelerator:0")
-            for i in range(6):
-                assert torch.equal((x + i).cpu(), src + i)  # each result freed at once: handed back
-                time.sleep(0.05)
-        finally:
-            bulk.Lane.take_named = real_take
+        src = torch.randn(BIG)
+        x = src.to("remote_accelerator:0")
+        for i in range(6):
+            assert torch.equal((x + i).cpu(), src + i)  # each result freed at once: handed back
+            time.sleep(0.05)
         # The first went on the lane (its fd with it); once handed back, answers name the segment.
         assert len(named) >= 3 and lane.bytes_received >= 6 * BIG * 4
 
@@ -180,20 +186,10 @@ def test_a_failed_fetch_still_takes_the_other_tensors_so_their_segments_come_bac
         x = src.to("remote_accelerator:0")
         assert torch.equal((x + 0).cpu(), src)  # a download: its segment is handed back, then named next time
         time.sleep(0.1)
-        taken = []
-        real_take = bulk.Lane.take_named
-
-        def take_named(self, segment, nbytes):
-            taken.append(segment)
-            return real_take(self, segment, nbytes)
-
-        bulk.Lane.take_named = take_named
-        try:
+        with _segments_taken_by_name() as taken:
             bad = torch.ones(4, device="remote_accelerator:0")[torch.tensor([10], device="remote_accelerator:0")]
             with pytest.raises(genie.RemoteExecutionError, match="out of bounds"):
                 genie.materialize_sync([x * 2, bad])
-        finally:
-            bulk.Lane.take_named = real_take
         assert len(taken) == 1  # x * 2 was taken (and dropped: its segment goes back) before the error
         for i in range(3):  # and segments keep coming back: results stay right
             assert torch.equal((x + i).cpu(), src + i)

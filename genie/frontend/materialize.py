@@ -42,18 +42,29 @@ def to_cpu_many(tensors: list) -> list[torch.Tensor]:
                for s, idx in groups.items()]
     failure = None
     for stream, idx, future in futures:
-        try:
-            reply = stream.link.wait(future)
-            fetched = stream.decode_fetched(reply)  # taken before an earlier error is raised: see decode_fetched
-            stream._raise_async_error()
-        except Exception as e:  # noqa: BLE001 - raised once every daemon's answer is taken
-            failure = failure or e
-            continue
-        for i, value in zip(idx, fetched):
-            out[i] = value
+        failure = failure or _place(out, idx, lambda: _taken(stream, stream.link.wait(future)))
     if failure is not None:
         raise failure
     return out
+
+
+def _taken(stream, reply) -> list:
+    """The reply's fetched tensors, all taken before an earlier batch's error is raised (see decode_fetched)."""
+    fetched = stream.decode_fetched(reply)
+    stream._raise_async_error()
+    return fetched
+
+
+def _place(out: list, idx: list, take) -> BaseException | None:
+    """Put what `take()` returns at positions `idx` of `out`; what it raised instead, to be raised
+    once every daemon's answer is taken."""
+    try:
+        fetched = take()
+    except Exception as e:  # noqa: BLE001 - raised by the caller after the other answers
+        return e
+    for i, value in zip(idx, fetched):
+        out[i] = value
+    return None
 
 
 def to_cpu(t) -> torch.Tensor:
@@ -71,15 +82,8 @@ async def materialize_many(tensors: list) -> list[torch.Tensor]:
     replies = await asyncio.gather(*(f for _, _, f in pending))
     failure = None
     for (stream, idx, _), reply in zip(pending, replies):
-        try:
-            await _bulk_arrived(stream, reply)
-            fetched = stream.decode_fetched(reply)  # taken before an earlier error is raised: see decode_fetched
-            stream._raise_async_error()
-        except Exception as e:  # noqa: BLE001 - raised once every daemon's answer is taken
-            failure = failure or e
-            continue
-        for i, value in zip(idx, fetched):
-            out[i] = value
+        await _bulk_arrived(stream, reply)
+        failure = failure or _place(out, idx, lambda: _taken(stream, reply))
     if failure is not None:
         raise failure
     return out
