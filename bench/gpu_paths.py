@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from bench.common import machine, median, print_table, write_json
+from bench.common import median, print_table, write_json
 
 SIZES = [4 << 20, 64 << 20, 256 << 20, 1 << 30]
 
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
             link.cuda_ipc_offer = offer
             results[n] = {k: n / v / 1e6 for k, v in row.items()}  # MB/s
             print(f"{n >> 20} MiB: " + ", ".join(f"{k} {v:,.0f}" for k, v in results[n].items()), flush=True)
-            del resident, cpu, pinned, gpu
+            resident = cpu = pinned = gpu = None  # this size's buffers go before the next size's are made
     finally:
         genie.shutdown()
         daemon.stop()

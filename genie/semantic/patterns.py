@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .graph import Graph, Node
+from .graph import Graph
 
 # Ops that move or re-view data without changing what it means for pattern matching.
 TRANSPARENT = frozenset({

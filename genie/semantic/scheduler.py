@@ -22,7 +22,7 @@ import networkx as nx
 
 from .costs import GraphCosts, NetworkModel
 from .graph import Graph
-from .patterns import CONV, LINEAR, TRANSPARENT, PatternMatch, source_through_transparent
+from .patterns import LINEAR, TRANSPARENT, PatternMatch, source_through_transparent
 
 
 @dataclass
