@@ -189,10 +189,24 @@ def test_a_failed_fetch_still_takes_the_other_tensors_so_their_segments_come_bac
         with _segments_taken_by_name() as taken:
             bad = torch.ones(4, device="remote_accelerator:0")[torch.tensor([10], device="remote_accelerator:0")]
             with pytest.raises(genie.RemoteExecutionError, match="out of bounds"):
-                genie.materialize_sync([x * 2, bad])
-        assert len(taken) == 1  # x * 2 was taken (and dropped: its segment goes back) before the error
+                genie.materialize_sync([bad, x * 2])
+        assert len(taken) == 1  # x * 2 was taken (and dropped: its segment goes back) though bad came first
         for i in range(3):  # and segments keep coming back: results stay right
             assert torch.equal((x + i).cpu(), src + i)
+
+
+async def test_a_failed_async_materialize_still_takes_the_other_tensors():
+    with _ipc_daemon():
+        src = torch.randn(BIG)
+        x = src.to("remote_accelerator:0")
+        assert torch.equal((await genie.materialize(x + 0)), src)  # its segment comes back, then is named
+        time.sleep(0.1)
+        with _segments_taken_by_name() as taken:
+            bad = torch.ones(4, device="remote_accelerator:0")[torch.tensor([10], device="remote_accelerator:0")]
+            with pytest.raises(genie.RemoteExecutionError, match="out of bounds"):
+                await genie.materialize([bad, x * 2])
+        assert len(taken) == 1
+        assert torch.equal(await genie.materialize(x + 1), src + 1)
 
 
 def test_a_result_in_the_daemons_segment_outlives_the_daemon():
