@@ -31,11 +31,11 @@ def _new_empty(op: str, size, stride, dtype, device, memory_format=None):
     dtype = dtype or torch.get_default_dtype()
     stream = _stream_for(device)
     shape = tuple(size)
-    if memory_format in (None, torch.contiguous_format) and all(type(s) is int and s >= 0 for s in shape) and (
-            stride is None or tuple(stride) == capture.contiguous_strides(shape)):
+    dense = memory_format in (None, torch.contiguous_format) and all(type(s) is int and s >= 0 for s in shape)
+    strides = capture.contiguous_strides(shape) if dense else None
+    if dense and (stride is None or tuple(stride) == strides):
         # The common case (empty, and the empty_strided of a contiguous tensor's .to()), worked
         # out here: a meta tensor (which checks the rest) costs more.
-        strides = capture.contiguous_strides(shape)
         nbytes = math.prod(shape) * dtype.itemsize
     else:
         if stride is None:

@@ -42,17 +42,10 @@ def to_cpu_many(tensors: list) -> list[torch.Tensor]:
                for s, idx in groups.items()]
     failure = None
     for stream, idx, future in futures:
-        failure = failure or _place(out, idx, lambda: _taken(stream, stream.link.wait(future)))
+        failure = failure or _place(out, idx, lambda: stream.take_fetched(stream.link.wait(future)))
     if failure is not None:
         raise failure
     return out
-
-
-def _taken(stream, reply) -> list:
-    """The reply's fetched tensors, all taken before an earlier batch's error is raised (see decode_fetched)."""
-    fetched = stream.decode_fetched(reply)
-    stream._raise_async_error()
-    return fetched
 
 
 def _place(out: list, idx: list, take) -> BaseException | None:
@@ -83,7 +76,7 @@ async def materialize_many(tensors: list) -> list[torch.Tensor]:
     failure = None
     for (stream, idx, _), reply in zip(pending, replies):
         await _bulk_arrived(stream, reply)
-        failure = failure or _place(out, idx, lambda: _taken(stream, reply))
+        failure = failure or _place(out, idx, lambda: stream.take_fetched(reply))
     if failure is not None:
         raise failure
     return out

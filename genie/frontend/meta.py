@@ -11,6 +11,7 @@ kernel raises `NeedsRemoteExecution` and is run on the daemon synchronously.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,11 +57,8 @@ class NewTensor:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "meta_key", (self.dtype, self.shape, self.stride, self.offset, self.storage_nbytes))
-        numel = 1
-        for size in self.shape:
-            numel *= size
         object.__setattr__(self, "dense", self.offset == 0 and self.stride == contiguous_strides(self.shape)
-                           and self.storage_nbytes == numel * self.dtype.itemsize)
+                           and self.storage_nbytes == math.prod(self.shape) * self.dtype.itemsize)
 
 
 @dataclass(frozen=True, slots=True)

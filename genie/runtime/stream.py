@@ -292,8 +292,11 @@ class DeviceStream:
             return self._post(self._take(fetch=handles, report=False, largest=largest), wait=True, direct=direct)
 
     def fetch(self, handles: list[int], largest: int | None = None) -> list[torch.Tensor]:
-        reply = self.link.wait(self.fetch_async(handles, direct=True, largest=largest))
-        fetched = self.decode_fetched(reply)  # taken first: see decode_fetched
+        return self.take_fetched(self.link.wait(self.fetch_async(handles, direct=True, largest=largest)))
+
+    def take_fetched(self, reply) -> list[torch.Tensor]:
+        """The reply's fetched tensors, all taken before an earlier batch's error is raised (see decode_fetched)."""
+        fetched = self.decode_fetched(reply)
         self._raise_async_error()
         return fetched
 

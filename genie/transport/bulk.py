@@ -438,8 +438,8 @@ class Lane:
         else:
             if fds:
                 self._incoming.attach(segment, fds[0])
-            data = self._incoming.payload(segment, nbytes)
-            self.bytes_received += nbytes + _HEADER.size
+            data = self.take_named(segment, nbytes)
+            self.bytes_received += _HEADER.size
             self.arrivals.put(xfer, data, being_written=kind == WRITING)
 
     def name_in_segment(self, payload: memoryview) -> list[int] | None:

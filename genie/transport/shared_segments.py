@@ -110,10 +110,9 @@ class OutgoingSegments:
         size = size_class(nbytes)
         dropped: list[int] = []
         with self._lock:
-            for segment in self._segments.values():
-                if not segment.busy and segment.nbytes == size:
-                    segment.busy = True
-                    return segment, dropped
+            segment = self._take_free(size, attached_only=False)
+            if segment is not None:
+                return segment, dropped
             total = sum(s.nbytes for s in self._segments.values())
             idle = sum(s.nbytes for s in self._segments.values() if not s.busy)
             for segment in [s for s in self._segments.values() if not s.busy]:  # first made, first dropped
@@ -140,12 +139,16 @@ class OutgoingSegments:
     def acquire_attached(self, nbytes: int) -> Segment | None:
         """A free segment of `nbytes`' size class that the receiver has mapped (it handed it back
         once), marked busy; None if there is none. Makes and drops nothing."""
-        size = size_class(nbytes)
         with self._lock:
-            for segment in self._segments.values():
-                if not segment.busy and segment.peer_attached and segment.nbytes == size:
-                    segment.busy = True
-                    return segment
+            return self._take_free(size_class(nbytes), attached_only=True)
+
+    def _take_free(self, size: int, attached_only: bool) -> Segment | None:
+        """(Lock held.) A free segment of exactly `size` bytes (the receiver has mapped it, if
+        `attached_only`), marked busy."""
+        for segment in self._segments.values():
+            if not segment.busy and segment.nbytes == size and (segment.peer_attached or not attached_only):
+                segment.busy = True
+                return segment
         return None
 
     def give_back(self, segment: Segment) -> None:
