@@ -38,7 +38,7 @@ ADOPT_OP = protocol.ADOPT_OP
 SHARE_CUDA_OP = "genie::share_cuda"  # a resident GPU tensor for a client on this host, by CUDA IPC
 ALIAS_STORAGE_OP = "genie::alias_storage"  # a tensor over one of the client's tensors' storage (torch.load)
 KV_APPEND_OP, KV_GET_OP, KV_CLOSE_OP = "genie::kv_append", "genie::kv_get", "genie::kv_close"
-DEFINE_PROGRAM_OP, REPLAY_OP, DROP_PROGRAM_OP = "genie::define_program", "genie::replay", "genie::drop_program"
+DEFINE_PROGRAM_OP, REPLAY_OP, DROP_PROGRAM_OP = "genie::define_program", "genie::replay", protocol.DROP_PROGRAM_OP
 
 
 class _Poisoned(Exception):
@@ -70,6 +70,9 @@ class Executor:
         self._importer = None  # cuda_ipc.Importer, made at the first CUDA IPC tensor
         self._imported: dict = {}  # id(SharedCudaTensor) -> its copy here, or the error opening it, per request
         self._replayed: list = []  # programs the running request replays (timed with it: see quick_to_start)
+        # The first failure of the running request that poisoned nothing (an op with no outputs and
+        # no written arguments, e.g. genie::replay of an unknown program): sent with its answer.
+        self._unlanded: Poison | None = None
         # Genie's own ops, by name: (client, call, frames, device) -> result.
         self._genie_ops = {
             SEED_OP: lambda c, call, f, d: self._seed(c, call, d),
@@ -106,6 +109,7 @@ class Executor:
             self.kv_store.begin_request()
         started, clock = time.time(), time.perf_counter()
         reported = None
+        self._unlanded = None
         if self._importer is not None:
             self._importer.release_finished()  # clients' memory whose copy here is done
         try:
@@ -130,7 +134,10 @@ class Executor:
             for program in self._replayed:
                 program.seconds = time.perf_counter() - clock
             self._replayed.clear()
-        return {"fetched": fetched, "report": reported, "time": [started, time.time()]}, out_frames
+        answer = {"fetched": fetched, "report": reported, "time": [started, time.time()]}
+        if self._unlanded is not None:
+            answer["failed"], self._unlanded = self._unlanded.describe(), None
+        return answer, out_frames
 
     def _run_op(self, client: ClientState, call: OpCall, frames: list, device: torch.device, raise_errors: bool):
         try:
@@ -506,17 +513,23 @@ class Executor:
             self._store(client, o, r, name)
 
     def _poison(self, client: ClientState, call: OpCall, poison: Poison) -> None:
+        """Poison what the op writes; if that is nothing, the request's answer reports the failure."""
+        landed = False
         for handle in _handles_in(call.outs):
             client.put(handle, poison)
+            landed = True
         try:
             op = op_table.resolve(call.name)
         except ProtocolError:
-            return
-        for position, name in op_table.written_arguments(op):
+            op = None
+        for position, name in op_table.written_arguments(op) if op is not None else ():
             target = call.args[position] if position < len(call.args) else call.kwargs.get(name)
             for ref in _refs_in(target):
                 if ref.id in client.tensors:
                     client.put(ref.id, poison)
+                    landed = True
+        if not landed and self._unlanded is None:
+            self._unlanded = poison
 
     def _describe(self, outs, result):
         """The reported op's outputs as plain values (tensors as metadata, kept under their handles)."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import time
 
 import pytest
 import torch
@@ -76,6 +77,77 @@ def test_dropped_outputs_are_freed_after_each_replay_and_the_program_with_the_gr
     gc.collect()
     torch.remote_accelerator.synchronize()
     assert allocated() <= before, (before, allocated())
+
+
+def test_a_graph_keeps_the_tensors_it_reads_after_their_owners_drop_them(dev):
+    # The usual shape of a decode loop: a helper records a step over tensors only its closure
+    # holds, and hands back the graph and the output. Replays must still find those tensors.
+    def record():
+        w = torch.full((4, 4), 0.25, device=dev)
+        bias = torch.ones(1, 4, device=dev)
+        state = torch.zeros(1, 4, device=dev)
+        g = genie.Graph()
+        with genie.graph(g):
+            state.copy_(state @ w + bias)
+        return g, state
+
+    g, state = record()
+    gc.collect()
+    allocated = torch.remote_accelerator.memory_allocated
+    torch.remote_accelerator.synchronize()
+    held = allocated()
+    for _ in range(3):
+        g.replay()
+    expected = torch.zeros(1, 4)
+    for _ in range(4):
+        expected = expected @ torch.full((4, 4), 0.25) + 1
+    torch.testing.assert_close(state.cpu(), expected)
+    del g
+    gc.collect()
+    torch.remote_accelerator.synchronize()
+    assert allocated() < held  # w and bias go with the graph
+
+
+def test_a_graph_collected_while_another_records_stays_out_of_its_program(dev):
+    # A Graph that only the cycle collector frees can die in the middle of another recording
+    # (pytest.raises' tracebacks make such cycles). Its drop must not become part of that program.
+    x = torch.zeros(3, device=dev)
+    old = genie.Graph()
+    with genie.graph(old):
+        x.add_(1)
+    cycle = [old]
+    cycle.append(cycle)
+    gc.disable()
+    try:
+        del old, cycle
+        g = genie.Graph()
+        with genie.graph(g):
+            gc.collect()  # the old graph dies here
+            x.mul_(2)
+    finally:
+        gc.enable()
+    g.replay()
+    assert x.cpu().tolist() == [4.0] * 3
+
+
+@pytest.mark.parametrize("sync", ["synchronize", "cpu", "flush, then synchronize"])
+def test_a_failed_op_that_poisons_no_tensor_is_raised_at_the_next_sync(dev, sync):
+    x = torch.zeros(1, device=dev)
+    g = genie.Graph()
+    with genie.graph(g):
+        x.add_(1)
+    g.program_id += 1000  # a program the daemon does not know (as after a failed definition)
+    g.replay()
+    with pytest.raises(genie.RemoteExecutionError, match="no such program"):
+        if sync == "cpu":
+            x.cpu()
+        else:
+            if sync.startswith("flush"):
+                genie.flush()
+                time.sleep(0.2)  # its answer arrives before the sync asks for nothing new
+            torch.remote_accelerator.synchronize()
+    assert x.cpu().tolist() == [1.0]  # raised once; the stream carries on
+    g.program_id -= 1000
 
 
 def test_a_failing_replayed_op_poisons_its_outputs(dev):

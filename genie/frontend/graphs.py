@@ -21,13 +21,15 @@ import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from genie.errors import GenieError
 from genie.runtime import get_runtime
 
+from .lazy_tensor import LazyTensor
+
 DEFINE_OP = "genie::define_program"
 REPLAY_OP = "genie::replay"
-DROP_OP = "genie::drop_program"
 
 
 class Graph:
@@ -38,6 +40,10 @@ class Graph:
         self.ops = 0  # ops recorded
         self._stream = None
         self._finalizer = None
+        # The tensors from before the block that it reads (weights, static inputs, caches): held
+        # while the graph lives, so a replay never finds them dropped by the code that made them
+        # (e.g. a step function's closure that went out of scope after recording).
+        self._inputs: dict = {}
 
     def replay(self) -> None:
         if self.program_id is None:
@@ -52,26 +58,33 @@ class Graph:
 
 
 def _drop(stream, program_id: int) -> None:
-    """When a Graph dies, its program is dropped on the daemon (queued with the stream's next batch)."""
-    try:
-        with stream.lock:
-            stream.append([DROP_OP, [program_id], {}, None])
-    except Exception:  # noqa: BLE001 - the runtime may already be shut down at exit
-        pass
+    """When a Graph dies, its program is dropped on the daemon (with the stream's next batch
+    that is not being recorded). deque.append is atomic: safe from a finalizer on any thread."""
+    stream.dropped_programs.append(program_id)
 
 
 class _OnlyThisDevice(TorchDispatchMode):
     """While a block records: refuse an op that writes into a tensor off the recorded device (a
     CPU tensor, another device's). It runs once, now, and a replay would not run it: the value
     would silently stop changing, as a torch.optim optimizer's CPU step count does (bias
-    correction then freezes: seen with AdamW, whose replayed training drifted from eager)."""
+    correction then freezes: seen with AdamW, whose replayed training drifted from eager).
 
-    def __init__(self, device: torch.device) -> None:
+    It also collects the handles of the recorded stream that ops read and that existed before
+    the block (ids below `first_new`: ids only grow), for the graph to hold."""
+
+    def __init__(self, device: torch.device, stream, first_new: int) -> None:
         super().__init__()
         self.device = device
+        self.stream = stream
+        self.first_new = first_new
+        self.inputs: dict = {}  # handle id -> HandleRef
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        for t in tree_leaves((args, kwargs)):
+            ref = getattr(t, "_genie", None) if isinstance(t, LazyTensor) else None
+            if ref is not None and ref.id < self.first_new and ref.stream is self.stream:
+                self.inputs[ref.id] = ref
         if func._schema.is_mutable:
             for i, spec in enumerate(func._schema.arguments):
                 if spec.alias_info is None or not spec.alias_info.is_write:
@@ -99,8 +112,9 @@ def graph(g: Graph, device="remote_accelerator:0"):
             raise GenieError("genie.graph blocks cannot be nested on one device")
         stream.flush()  # ops from before the block are not part of it
         stream.recording = []
+        guard = _OnlyThisDevice(stream.device, stream, first_new=stream.new_handle())
     try:
-        with _OnlyThisDevice(stream.device):
+        with guard:
             yield g
         with stream.lock:
             stream.flush()
@@ -114,6 +128,6 @@ def graph(g: Graph, device="remote_accelerator:0"):
         program_id = stream.new_handle()
         stream.append([DEFINE_OP, [program_id, batches], {}, None])
     stream.synchronize()  # the daemon checks the program now, so a bad one fails here, not at replay
-    g.program_id, g._stream = program_id, stream
+    g.program_id, g._stream, g._inputs = program_id, stream, guard.inputs
     g.ops = sum(len(ops) for ops, _ in batches)
     g._finalizer = weakref.finalize(g, _drop, stream, program_id)

@@ -235,6 +235,8 @@ class DaemonLink:
                     exc = f.exception()
                     if exc is None:
                         self._log_timing(f.result(), stream)
+                        if not waited:
+                            stream.note_failure(f.result())
                     elif not waited:
                         stream.record_async_error(to_genie_error(exc, self.endpoint))
             finally:
@@ -297,6 +299,7 @@ class DaemonLink:
             try:
                 reply = self.channel.receive_direct(rid, self.runtime.config.request_timeout, alive=self._alive)
                 self._log_timing(reply, stream)
+                stream.note_failure(reply)
             except RemoteError as e:
                 stream.record_async_error(to_genie_error(e, self.endpoint))
             except Exception as e:  # noqa: BLE001 - the connection failed: said to this caller

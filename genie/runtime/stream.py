@@ -94,6 +94,10 @@ class DeviceStream:
         self.frames: list = []
         self.inline_bytes = 0
         self.frees: collections.deque[int] = collections.deque()
+        # Programs (genie.graph) whose Graph died, dropped with the next batch; like frees, queued
+        # from finalizers at any moment, so never into `ops` directly: a Graph collected while
+        # another block records would have its drop recorded into that block's program.
+        self.dropped_programs: collections.deque[int] = collections.deque()
         self.batch_ops = batch_ops
         self.batch_bytes = batch_bytes
         self._async_error: BaseException | None = None
@@ -205,6 +209,9 @@ class DeviceStream:
             self._post(self._take(fetch=[], report=False), wait=False)
 
     def _take(self, fetch: list[int], report: bool, largest: int | None = None) -> tuple[dict, list]:
+        if self.dropped_programs and self.recording is None:
+            while self.dropped_programs:
+                self.ops.append([protocol.DROP_PROGRAM_OP, [self.dropped_programs.popleft()], {}, None])
         frees = []
         while self.frees:
             frees.append(self.frees.popleft())
@@ -255,6 +262,13 @@ class DeviceStream:
         if self._async_error is None:
             self._async_error = exc
 
+    def note_failure(self, reply) -> None:
+        """A failure the daemon reports with an answer because it poisoned no tensor (an op with no
+        outputs, e.g. a replay of a program that failed to define): raised at the next sync."""
+        failed = reply.body.get("failed")
+        if failed is not None:
+            self.record_async_error(remote_error(RemoteError(failed), self.link.endpoint))
+
     def _raise_async_error(self) -> None:
         exc, self._async_error = self._async_error, None
         if exc is not None:
@@ -266,7 +280,8 @@ class DeviceStream:
         with self.lock:
             if not self.ops and not self.frees:
                 return None
-            return self._post(self._take(fetch=[], report=False), wait=True)
+            # Nobody waits on it: a failure of the whole batch is kept for the next sync.
+            return self._post(self._take(fetch=[], report=False), wait=False)
 
     def synchronize(self) -> None:
         """Wait until every op queued so far has run on the daemon.
@@ -277,7 +292,7 @@ class DeviceStream:
             if self.ops or self.frees:
                 future = self._post(self._take(fetch=[], report=False), wait=True, direct=True)
         if future is not None:
-            self.link.wait(future)
+            self.note_failure(self.link.wait(future))
         self.link.collect_direct()
         self._wait_settled()
         self._raise_async_error()
@@ -297,6 +312,7 @@ class DeviceStream:
     def take_fetched(self, reply) -> list[torch.Tensor]:
         """The reply's fetched tensors, all taken before an earlier batch's error is raised (see decode_fetched)."""
         fetched = self.decode_fetched(reply)
+        self.note_failure(reply)
         self._raise_async_error()
         return fetched
 
@@ -362,6 +378,7 @@ class DeviceStream:
             future = self._post(self._take(fetch=[], report=True), wait=True, direct=not self.pending_bulk)
             self._send_pending_bulk()
         reply = self.link.wait(future)
+        self.note_failure(reply)
         self._raise_async_error()
         return reply.body["report"]
 

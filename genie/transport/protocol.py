@@ -71,6 +71,8 @@ VERSION = 3
 
 # The op that keeps an uploaded tensor as received (`.to(device)` of a host tensor).
 ADOPT_OP = "genie::adopt"
+# The op that lets a recorded program (genie.graph) go; the client queues it when the Graph dies.
+DROP_PROGRAM_OP = "genie::drop_program"
 
 EXT_HANDLE, EXT_TENSOR, EXT_DTYPE, EXT_DEVICE, EXT_MEMFMT, EXT_LAYOUT, EXT_COMPLEX, EXT_BULK, EXT_CUDA_IPC = range(1, 10)
 
