@@ -113,7 +113,9 @@ class Executor:
         if self._importer is not None:
             self._importer.release_finished()  # clients' memory whose copy here is done
         try:
-            with client.streams.context(device, request.stream):
+            # No autograd on a daemon (clients record it): inference mode skips its dispatch and
+            # version-counter work on every op (traced step of the demo GPT: min 423 -> 367 us).
+            with torch.inference_mode(), client.streams.context(device, request.stream):
                 if request.shared:
                     self._import_shared(request.shared, device)
                 for i, call in enumerate(request.ops):
