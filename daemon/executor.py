@@ -19,6 +19,7 @@ from genie.transport.errors import ProtocolError
 from genie.transport.protocol import BulkTensor, DeviceRef, Exec, HandleRef, InlineTensor, OpCall
 from genie.transport.tensors import bytes_as_tensor, check_shape, dtype_name, frames_to_tensor, tensor_to_buffer, tensor_to_frames
 
+from . import attention
 from . import ops as op_table
 from . import programs
 from .handles import ClientState, Poison
@@ -56,6 +57,7 @@ class Executor:
     def __init__(self, devices: list[torch.device], account=None, memory_limit: int = 0, kv_store=None,
                  mailbox=None, send_to_peer=None, transfer_timeout: float = 120.0, bulk=None) -> None:
         self.devices = devices
+        attention.register()  # kernels for the fused-attention ops clients send under autograd
         self.has_cuda = any(d.type == "cuda" for d in devices)
         self.cuda_ipc_offered = False  # set by the server: clients on this host may take GPU tensors by handle
         self._warm_ops: set[str] = set()  # op names run on a GPU before (see quick_to_start)

@@ -19,7 +19,7 @@ import torch
 
 from genie.transport.protocol import BulkTensor, DeviceRef, HandleRef, InlineTensor, OpCall
 
-from . import fused
+from . import attention, fused
 from . import ops as op_table
 from .handles import ClientState, Poison
 
@@ -113,7 +113,7 @@ def compile_program(batches: list[tuple[list[OpCall], list[int]]], devices: list
                     return None  # per-client generators: the general path handles them
                 args = [arg(a, 0) for a in call.args]
                 kwargs = {k: arg(v, 0) for k, v in call.kwargs.items()}
-                steps.append((op._op, args, kwargs, out(call.outs), call))
+                steps.append((attention.traceable(call.name) or op._op, args, kwargs, out(call.outs), call))
             cleared = [registers[h] for h in frees if h in written]
             external = [h for h in frees if h not in written]
             compiled_batches.append((steps, cleared, external))

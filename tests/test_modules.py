@@ -118,3 +118,32 @@ def test_deepcopy_of_remote_module(dev):
     c = copy.deepcopy(m)
     assert c.weight is not m.weight
     torch.testing.assert_close(c.weight.detach().cpu(), m.weight.detach().cpu())
+
+
+def test_attention_under_autograd_is_one_fused_op_each_way_and_trains_like_cpu(dev, monkeypatch):
+    import torch.nn.functional as F
+
+    from genie.runtime.stream import DeviceStream
+
+    sent = []
+    take = DeviceStream._take
+
+    def spy(self, *args, **kwargs):
+        sent.extend(op[0] for op in self.ops)
+        return take(self, *args, **kwargs)
+
+    monkeypatch.setattr(DeviceStream, "_take", spy)
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(n_layers=2))
+    remote = copy.deepcopy(model).to(dev)
+    idx, target = torch.randint(0, 512, (4, 32)), torch.randint(0, 512, (4, 32))
+    pos = torch.arange(32)
+    for m, device in ((model, "cpu"), (remote, dev)):
+        logits, _ = m(idx.to(device), pos.to(device))
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.to(device).reshape(-1)).backward()
+    torch.remote_accelerator.synchronize()
+    for p, rp in zip(model.parameters(), remote.parameters()):
+        torch.testing.assert_close(rp.grad.cpu(), p.grad, atol=1e-6, rtol=1e-4)
+    assert sent.count("aten::_scaled_dot_product_fused_attention_overrideable") == 2  # one per layer
+    assert sent.count("aten::_scaled_dot_product_fused_attention_overrideable_backward") == 2
+    assert "aten::_safe_softmax" not in sent and "aten::bmm" not in sent  # not the math decomposition

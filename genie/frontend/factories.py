@@ -87,12 +87,21 @@ def local_scalar_dense(self):
 def sdpa_whole(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """Keep scaled_dot_product_attention one op on remote tensors (it would otherwise decompose into
     ~15 ops before capture sees it): the daemon then runs its fused kernel, and the op's arguments
-    carry no sequence lengths. With autograd recording, the decomposition runs, so backward works."""
+    carry no sequence lengths. With autograd recording, it is torch's fused op for out-of-tree
+    devices, whose derivative is its own backward op (kernels: daemon/attention.py); where that op
+    does not apply (dropout, GQA, a mask that needs a gradient, not 4-D), the math decomposition."""
     op = torch.ops.aten.scaled_dot_product_attention.default
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, attn_mask)):
-        return op.decompose(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        if (dropout_p or enable_gqa or query.dim() != 4 or key.dim() != 4 or value.dim() != 4
+                or (attn_mask is not None and attn_mask.requires_grad)):
+            return op.decompose(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        # A boolean mask goes as it is: the daemon's kernel reads it as this op does (True: attend).
+        return _FUSED(query, key, value, attn_mask, 0.0, is_causal, False, scale=scale)[0]
     with torch._C._AutoDispatchBelowAutograd():
         return op(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+_FUSED = torch.ops.aten._scaled_dot_product_fused_attention_overrideable.default
 
 
 def register() -> None:

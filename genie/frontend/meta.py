@@ -25,6 +25,7 @@ METADATA_ONLY_RESULTS = frozenset({
     "is_same_size", "is_contiguous", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset",
     "size", "stride", "numel", "dim", "is_complex", "is_floating_point", "is_signed",
     "_has_compatible_shallow_copy_type", "is_strides_like_format", "is_non_overlapping_and_dense",
+    "_scaled_dot_product_fused_attention_overrideable",  # max_q, max_k: the sequence lengths
 })
 
 

@@ -1,0 +1,181 @@
+"""Kernels for the "overrideable" fused-attention ops, which torch leaves to out-of-tree devices.
+
+A client that records autograd through scaled_dot_product_attention sends it as
+aten::_scaled_dot_product_fused_attention_overrideable (forward: output and log-sum-exp) and,
+in backward, its _backward op: two ops instead of the ~15 of the math decomposition, and the
+daemon's own fused kernel where it has one. torch has no CPU or CUDA kernel for these ops
+(they exist for devices like Genie's), so the daemon registers them here:
+
+- on CPU, torch's flash-attention kernels for CPU (forward and backward);
+- elsewhere, or where that kernel refuses the inputs, exact math with the same log-sum-exp.
+
+A boolean attn_bias is read as scaled_dot_product_attention reads a boolean mask (True: attend).
+
+Outputs are laid out as the ops' meta kernels say (the client plans with those), so the
+result is copied into tensors of that layout where the kernel's own differs.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+aten = torch.ops.aten
+FORWARD = "_scaled_dot_product_fused_attention_overrideable"
+BACKWARD = "_scaled_dot_product_fused_attention_overrideable_backward"
+
+_lib: torch.library.Library | None = None
+
+
+def traceable(name: str):
+    """The kernel itself, called from Python, for an op of a recorded program: torch.jit.trace
+    cannot record these ops (they return ints), but records the aten ops their kernels call."""
+    return _BY_NAME.get(name)
+
+
+def register() -> None:
+    """Give both ops a kernel on CPU and CUDA where torch has none (once per process)."""
+    global _lib
+    if _lib is not None:
+        return
+    lib = torch.library.Library("aten", "IMPL")
+    for key in ("CPU", "CUDA"):
+        for name, kernel in ((FORWARD, forward), (BACKWARD, backward)):
+            if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", key):
+                lib.impl(name, kernel, key)
+    _lib = lib
+
+
+def forward(query, key, value, attn_bias=None, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
+    if dropout_p or return_debug_mask:
+        raise NotImplementedError("genie-daemon's fused attention runs without dropout or a debug mask "
+                                  "(clients send those as the math decomposition)")
+    if query.dim() != 4:
+        raise NotImplementedError("genie-daemon's fused attention takes 4-D (batch, heads, length, dim) inputs")
+    attn_bias = _as_bias(attn_bias, query)
+    out = lse = None
+    if query.device.type == "cpu":
+        try:
+            out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+                query, key, value, 0.0, is_causal, attn_mask=attn_bias, scale=scale)
+        except RuntimeError:  # inputs its checks refuse (e.g. differing head dims): the math below
+            out = None
+    if out is None:
+        out, lse = _math_forward(query, key, value, attn_bias, is_causal, _scale(query, scale))
+    b, h, lq, _ = query.shape
+    result = _like_query(query, (b, h, lq, value.shape[-1]))
+    result.copy_(out)
+    seed = torch.zeros((), dtype=torch.long, device=query.device)
+    offset = torch.zeros((), dtype=torch.long, device=query.device)
+    return result, _contiguous(lse.float()), None, None, lq, key.shape[-2], seed, offset, None
+
+
+def backward(grad_out, query, key, value, attn_bias, grad_input_mask, out, logsumexp, cum_seq_q, cum_seq_k,
+             max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
+    if dropout_p:
+        raise NotImplementedError("genie-daemon's fused attention runs without dropout")
+    bias = _as_bias(attn_bias, query) if attn_bias is not None and attn_bias.numel() else None
+    grads = None
+    if query.device.type == "cpu" and not (bias is not None and grad_input_mask[3]):
+        try:
+            grads = (*aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad_out, query, key, value, out, logsumexp, 0.0, is_causal, attn_mask=bias, scale=scale), None)
+        except RuntimeError:
+            grads = None
+    if grads is None:
+        grads = _math_backward(grad_out, query, key, value, bias, out, logsumexp, is_causal, _scale(query, scale),
+                               grad_bias=bias is not None and grad_input_mask[3])
+    results = []
+    for grad, like in zip(grads[:3], (query, key, value)):
+        placed = torch.empty_like(like)
+        placed.copy_(grad)
+        results.append(placed)
+    grad_bias = None  # as the meta kernel: a tensor like the bias whenever there is one
+    if attn_bias is not None:
+        grad_bias = torch.zeros_like(attn_bias)  # zeros where no gradient was asked for
+        if grads[3] is not None:
+            grad_bias.copy_(grads[3])
+    return (*results, grad_bias)
+
+
+def _as_bias(mask, query):
+    """A boolean mask (True: attend; the client sends scaled_dot_product_attention's as it is) as
+    the additive bias the kernels take."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def _scale(query, scale) -> float:
+    return scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
+
+
+def _scores(query, key, bias, is_causal: bool, scale: float):
+    """Scaled scores in float32 or wider, bias and causal mask (top-left aligned, as torch's) applied."""
+    work = torch.promote_types(query.dtype, torch.float32)
+    scores = torch.matmul(query.to(work), key.to(work).transpose(-2, -1)) * scale
+    if bias is not None:
+        scores = scores + bias.to(work)
+    if is_causal:
+        lq, lk = scores.shape[-2:]
+        keep = torch.ones(lq, lk, dtype=torch.bool, device=scores.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return scores
+
+
+def _math_forward(query, key, value, bias, is_causal: bool, scale: float):
+    scores = _scores(query, key, bias, is_causal, scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)  # rows with nothing to attend to: zeros
+    return torch.matmul(probs, value.to(probs.dtype)).to(query.dtype), lse
+
+
+def _math_backward(grad_out, query, key, value, bias, out, lse, is_causal: bool, scale: float, grad_bias: bool):
+    """Gradients of softmax(q k^T * scale + bias) v from the saved log-sum-exp (no autograd)."""
+    scores = _scores(query, key, bias, is_causal, scale)
+    work = scores.dtype
+    probs = torch.exp(scores - lse.to(work).unsqueeze(-1)).nan_to_num(0.0)
+    g = grad_out.to(work)
+    grad_v = torch.matmul(probs.transpose(-2, -1), g)
+    grad_p = torch.matmul(g, value.to(work).transpose(-2, -1))
+    rows = (g * out.to(work)).sum(dim=-1, keepdim=True)
+    grad_s = probs * (grad_p - rows)
+    grad_q = torch.matmul(grad_s, key.to(work)) * scale
+    grad_k = torch.matmul(grad_s.transpose(-2, -1), query.to(work)) * scale
+    grad_b = _sum_to(grad_s, bias.shape) if grad_bias else None
+    return grad_q, grad_k, grad_v, grad_b
+
+
+def _sum_to(grad, shape) -> torch.Tensor:
+    """`grad` summed over the dimensions a tensor of `shape` was broadcast along."""
+    lead = grad.dim() - len(shape)
+    dims = list(range(lead)) + [lead + i for i, n in enumerate(shape) if n == 1 and grad.shape[lead + i] != 1]
+    return grad.sum(dim=dims, keepdim=True).reshape(shape) if dims else grad
+
+
+def _contiguous(t) -> torch.Tensor:
+    """`t` with row-major strides in every dimension, size-1 ones too (as the meta kernel's log-sum-exp)."""
+    strides, step = [], 1
+    for n in reversed(t.shape):
+        strides.append(step)
+        step *= n
+    if tuple(t.stride()) == tuple(reversed(strides)):
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def _like_query(query, shape) -> torch.Tensor:
+    """An empty tensor of `shape` laid out as the op's meta kernel lays out its output (the
+    query's dimension order), so the client's metadata holds."""
+    if tuple(query.shape) == tuple(shape):
+        return torch.empty_like(query)
+    order = sorted(range(4), key=lambda i: query.stride()[i], reverse=True)
+    strides = [0] * 4
+    step = 1
+    for i in reversed(order):
+        strides[i] = step
+        step *= shape[i]
+    return torch.empty_strided(shape, strides, dtype=query.dtype, device=query.device)
+
+
+_BY_NAME = {f"aten::{FORWARD}": forward, f"aten::{BACKWARD}": backward}
