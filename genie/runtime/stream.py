@@ -210,8 +210,12 @@ class DeviceStream:
 
     def _take(self, fetch: list[int], report: bool, largest: int | None = None) -> tuple[dict, list]:
         if self.dropped_programs and self.recording is None:
+            drops = []
             while self.dropped_programs:
-                self.ops.append([protocol.DROP_PROGRAM_OP, [self.dropped_programs.popleft()], {}, None])
+                drops.append([protocol.DROP_PROGRAM_OP, [self.dropped_programs.popleft()], {}, None])
+            # After every queued op (a replay of the program may be one), before a reported op (it stays last).
+            at = len(self.ops) - 1 if report and self.ops else len(self.ops)
+            self.ops[at:at] = drops
         frees = []
         while self.frees:
             frees.append(self.frees.popleft())
