@@ -46,3 +46,19 @@ def two_daemons(daemon_endpoint):
         finally:
             genie.shutdown()
     shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+@pytest.fixture
+def sent_ops(monkeypatch):
+    """The names of the ops this process sends from now on, in order (batches as they are taken)."""
+    from genie.runtime.stream import DeviceStream
+
+    sent: list[str] = []
+    take = DeviceStream._take
+
+    def spy(self, *args, **kwargs):
+        sent.extend(op[0] for op in self.ops)
+        return take(self, *args, **kwargs)
+
+    monkeypatch.setattr(DeviceStream, "_take", spy)
+    return sent

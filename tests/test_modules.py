@@ -120,19 +120,10 @@ def test_deepcopy_of_remote_module(dev):
     torch.testing.assert_close(c.weight.detach().cpu(), m.weight.detach().cpu())
 
 
-def test_attention_under_autograd_is_one_fused_op_each_way_and_trains_like_cpu(dev, monkeypatch):
+def test_attention_under_autograd_is_one_fused_op_each_way_and_trains_like_cpu(dev, sent_ops):
     import torch.nn.functional as F
 
-    from genie.runtime.stream import DeviceStream
-
-    sent = []
-    take = DeviceStream._take
-
-    def spy(self, *args, **kwargs):
-        sent.extend(op[0] for op in self.ops)
-        return take(self, *args, **kwargs)
-
-    monkeypatch.setattr(DeviceStream, "_take", spy)
+    sent = sent_ops
     torch.manual_seed(0)
     model = TinyGPT(GPTConfig(n_layers=2))
     remote = copy.deepcopy(model).to(dev)
