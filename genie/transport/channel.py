@@ -61,6 +61,11 @@ class Reply:
 
 WAIT_AVERAGING = 0.25  # weight of the latest wait in the moving average that decides on spinning
 
+# Monitor endpoints, one per socket for the process's life. pyzmq's default names one after the
+# socket's file descriptor, and descriptors are reused: a new socket could meet the endpoint of a
+# closed one that libzmq has not torn down yet.
+_monitor_ids = itertools.count()
+
 
 class Channel:
     def __init__(self, endpoint: str, context: zmq.asyncio.Context, routing_id: bytes | None = None,
@@ -114,7 +119,8 @@ class Channel:
 
         handshake_failures = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                               | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | handshake_failures)
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | handshake_failures,
+                                          addr=f"inproc://genie-monitor-{next(_monitor_ids)}")
         connected = False
         try:
             while True:
