@@ -59,7 +59,7 @@ def forward(query, key, value, attn_bias=None, dropout_p=0.0, is_causal=False, r
             out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
                 query, key, value, 0.0, is_causal, attn_mask=attn_bias, scale=scale)
         except RuntimeError:  # inputs its checks refuse (e.g. differing head dims): the math below
-            out = None
+            pass
     if out is None:
         out, lse = _math_forward(query, key, value, attn_bias, is_causal, _scale(query, scale))
     b, h, lq, _ = query.shape
@@ -75,16 +75,17 @@ def backward(grad_out, query, key, value, attn_bias, grad_input_mask, out, logsu
     if dropout_p:
         raise NotImplementedError("genie-daemon's fused attention runs without dropout")
     bias = _as_bias(attn_bias, query) if attn_bias is not None and attn_bias.numel() else None
+    bias_grad = bias is not None and grad_input_mask[3]  # the CPU flash kernel gives none
     grads = None
-    if query.device.type == "cpu" and not (bias is not None and grad_input_mask[3]):
+    if query.device.type == "cpu" and not bias_grad:
         try:
             grads = (*aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 grad_out, query, key, value, out, logsumexp, 0.0, is_causal, attn_mask=bias, scale=scale), None)
-        except RuntimeError:
-            grads = None
+        except RuntimeError:  # as in forward: the math below
+            pass
     if grads is None:
         grads = _math_backward(grad_out, query, key, value, bias, out, logsumexp, is_causal, _scale(query, scale),
-                               grad_bias=bias is not None and grad_input_mask[3])
+                               grad_bias=bias_grad)
     results = []
     for grad, like in zip(grads[:3], (query, key, value)):
         placed = torch.empty_like(like)

@@ -140,7 +140,7 @@ class Executor:
             self._replayed.clear()
         answer = {"fetched": fetched, "report": reported, "time": [started, time.time()]}
         if self._unlanded is not None:
-            answer["failed"], self._unlanded = self._unlanded.describe(), None
+            answer["failed"] = self._unlanded.describe()
         return answer, out_frames
 
     def _run_op(self, client: ClientState, call: OpCall, frames: list, device: torch.device, raise_errors: bool):

@@ -82,9 +82,8 @@ class _OnlyThisDevice(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         for t in tree_leaves((args, kwargs)):
-            ref = getattr(t, "_genie", None) if isinstance(t, LazyTensor) else None
-            if ref is not None and ref.id < self.first_new and ref.stream is self.stream:
-                self.inputs[ref.id] = ref
+            if isinstance(t, LazyTensor) and t._genie.id < self.first_new and t._genie.stream is self.stream:
+                self.inputs[t._genie.id] = t._genie
         if func._schema.is_mutable:
             for i, spec in enumerate(func._schema.arguments):
                 if spec.alias_info is None or not spec.alias_info.is_write:

@@ -234,9 +234,10 @@ class DaemonLink:
                 if not f.cancelled():
                     exc = f.exception()
                     if exc is None:
-                        self._log_timing(f.result(), stream)
+                        reply = f.result()
+                        self._log_timing(reply, stream)
                         if not waited:
-                            stream.note_failure(f.result())
+                            stream.note_failure(reply)
                     elif not waited:
                         stream.record_async_error(to_genie_error(exc, self.endpoint))
             finally:
