@@ -67,7 +67,10 @@ class DaemonLink:
             reply = await asyncio.wait_for(self.channel.post("hello", {"version": protocol.VERSION}), timeout)
         except asyncio.TimeoutError:
             await self.channel.close()
-            raise GenieConnectionError(f"no answer from genie-daemon at {self.endpoint} within {timeout:.0f}s") from None
+            why = ("the connection was made, but nothing answered on it" if self.channel.connected else
+                   "no connection could be made: is a genie-daemon listening there?")
+            raise GenieConnectionError(f"no answer from genie-daemon at {self.endpoint} within {timeout:.0f}s "
+                                       f"({why})") from None
         except RemoteError as e:
             await self.channel.close()
             raise GenieConnectionError(f"genie-daemon at {self.endpoint} refused hello: {e}") from None

@@ -65,6 +65,9 @@ WAIT_AVERAGING = 0.25  # weight of the latest wait in the moving average that de
 # socket's file descriptor, and descriptors are reused: a new socket could meet the endpoint of a
 # closed one that libzmq has not torn down yet.
 _monitor_ids = itertools.count()
+_HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                       | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_WATCHED_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILURES
 
 
 class Channel:
@@ -75,6 +78,7 @@ class Channel:
         self.routing_id = routing_id
         self._ctx = context
         self._socket: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None  # reading end of the connection watch (see _stop_monitor)
         # Ids start at 2**16 so that msgpack writes every one in 5 bytes (up to 2**32): message
         # sizes then do not creep up as a run goes on, and byte counts stay comparable.
         self._ids = itertools.count(1 << 16)
@@ -98,6 +102,7 @@ class Channel:
         self._direct_lock = threading.Lock()
         self.last_heard = 0.0  # time.monotonic() of the last reply from the daemon
         self.on_disconnect = None  # callback(reason): set before open() to learn of dropped connections
+        self.connected = False  # whether the watch (on with on_disconnect) saw the connection come up
 
     async def open(self) -> None:
         sock = self._ctx.socket(zmq.DEALER)
@@ -106,40 +111,51 @@ class Channel:
             sock.setsockopt(zmq.ROUTING_ID, self.routing_id)
         if self.curve is not None:
             self.curve.apply(sock)
+        if self.on_disconnect is not None:
+            # Attached before connect(): an ipc connection is up within connect(), and a watch that
+            # missed its EVENT_CONNECTED would never report that connection dropping.
+            self._monitor = sock.get_monitor_socket(_WATCHED_EVENTS, addr=f"inproc://genie-monitor-{next(_monitor_ids)}")
         sock.connect(self.endpoint)
         self._socket = sock
         self._outbox = asyncio.Queue()
         self._tasks = [asyncio.create_task(self._send_loop()), asyncio.create_task(self._receive_loop())]
-        if self.on_disconnect is not None:
-            self._tasks.append(asyncio.create_task(self._watch_connection(sock)))
+        if self._monitor is not None:
+            self._tasks.append(asyncio.create_task(self._watch_connection(self._monitor)))
 
-    async def _watch_connection(self, sock) -> None:
+    async def _watch_connection(self, monitor) -> None:
         """Report a dropped connection at once: replies to anything in flight are lost with it."""
         from zmq.utils.monitor import parse_monitor_message
 
-        handshake_failures = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                              | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | handshake_failures,
-                                          addr=f"inproc://genie-monitor-{next(_monitor_ids)}")
-        connected = False
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            if event["event"] & _HANDSHAKE_FAILURES:
+                self._stop_monitor()
+                self.on_disconnect("the CURVE handshake failed: the daemon's key or this client's is not "
+                                   "the expected one" if self.curve else "the ZeroMQ handshake failed")
+                return
+            if event["event"] == zmq.EVENT_CONNECTED:
+                self.connected = True
+            elif event["event"] == zmq.EVENT_DISCONNECTED and self.connected:
+                self._stop_monitor()
+                self.on_disconnect("the connection dropped")
+                return
+
+    def _stop_monitor(self) -> None:
+        """Detach the connection watch while the socket is still open, and only then close its
+        reading end. libzmq's I/O thread sends each event with a blocking send: an event for a
+        monitor whose reader is gone (e.g. the connection dropping while a closed socket is still
+        being torn down) blocks that thread for good, and with it every connection of the context,
+        so every later connect in this process waits forever (seen once in CI: each later hello
+        timed out; reproduced with bare pyzmq)."""
+        monitor, self._monitor = self._monitor, None
+        if monitor is None:
+            return
         try:
-            while True:
-                event = parse_monitor_message(await monitor.recv_multipart())
-                if event["event"] & handshake_failures:
-                    self.on_disconnect("the CURVE handshake failed: the daemon's key or this client's is not "
-                                       "the expected one" if self.curve else "the ZeroMQ handshake failed")
-                    return
-                if event["event"] == zmq.EVENT_CONNECTED:
-                    connected = True
-                elif event["event"] == zmq.EVENT_DISCONNECTED and connected:
-                    self.on_disconnect("the connection dropped")
-                    return
-        finally:
-            try:
-                sock.disable_monitor()
-            except zmq.ZMQError:
-                pass
-            monitor.close(linger=0)
+            self._socket.disable_monitor()
+        except zmq.ZMQError as e:  # the monitor may still be attached: leave its reader open
+            log.warning("could not detach the connection monitor of %s: %s", self.endpoint, e)
+            return
+        monitor.close(linger=0)
 
     def post(self, kind: str, body: dict, frames: list | None = None) -> asyncio.Future:
         """Queue a request; the future resolves to a `Reply` or raises `RemoteError`."""
@@ -374,6 +390,7 @@ class Channel:
             task.cancel()
         self.fail_pending(ChannelClosed(f"connection to {self.endpoint} closed"))
         if self._socket is not None:
+            self._stop_monitor()
             self._socket.close(linger=0)
         # A thread may be inside request_sync: it sees `closed` within one poll and gives up.
         if (self._direct is not None or self.direct_stream is not None) and self._direct_lock.acquire(timeout=1.0):

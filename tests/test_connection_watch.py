@@ -1,0 +1,107 @@
+"""The connection watch (a ZeroMQ socket monitor on each daemon connection): it reports drops on
+tcp and ipc alike, and it is taken down in an order that cannot wedge the process's ZeroMQ context."""
+from __future__ import annotations
+
+import asyncio
+import shutil
+import signal
+import time
+
+import pytest
+import zmq
+import zmq.asyncio
+
+import genie
+from daemons import DaemonProcess, ipc_endpoint
+from genie.transport.channel import Channel
+
+
+class _RecordingSocket(zmq.asyncio.Socket):
+    calls: list = []
+
+    def disable_monitor(self):
+        _RecordingSocket.calls.append(("disable_monitor", self.type, self.closed))
+        return super().disable_monitor()
+
+    def close(self, linger=None):
+        if not self.closed:
+            _RecordingSocket.calls.append(("close", self.type))
+        return super().close(linger)
+
+
+class _RecordingContext(zmq.asyncio.Context):
+    _socket_class = _RecordingSocket
+
+
+async def test_the_monitor_is_detached_from_the_open_socket_before_either_closes(daemon_endpoint):
+    """libzmq's I/O thread sends monitor events with a blocking send: if the monitor's reading end
+    closes while the monitored socket can still raise an event (a closed socket is torn down
+    later, by another thread), that thread blocks for good and no connection of the context
+    works again. So: detach first, on the open socket; then close the reader; then the socket."""
+    _RecordingSocket.calls = []
+    ctx = _RecordingContext()
+    channel = Channel(daemon_endpoint, ctx)
+    channel.on_disconnect = lambda why: None
+    try:
+        await channel.open()
+        await asyncio.wait_for(channel.post("ping", {}), 10)
+        await channel.close()
+        await asyncio.sleep(0.05)  # anything the cancelled watch does late shows up too
+        assert _RecordingSocket.calls == [("disable_monitor", zmq.DEALER, False),
+                                          ("close", zmq.PAIR), ("close", zmq.DEALER)]
+    finally:
+        ctx.destroy(linger=0)
+
+
+@pytest.mark.timeout(60)
+def test_an_ipc_daemon_killed_is_reported_at_once_not_by_heartbeats():
+    """The watch is attached before connect(): on ipc the connection is up within connect(), and
+    a watch attached after it never saw it come up, so it never reported it going down either."""
+    endpoint, tmpdir = ipc_endpoint()
+    try:
+        with DaemonProcess(endpoint) as d:
+            genie.init(endpoint)
+            try:
+                link = genie.get_runtime().links[0]
+                d.proc.send_signal(signal.SIGKILL)
+                d.proc.wait(10)
+                deadline = time.monotonic() + 2.0  # well inside the heartbeat timeout
+                while link.lost is None and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert link.lost is not None and "the connection dropped" in link.lost, link.lost
+            finally:
+                genie.shutdown()
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+@pytest.fixture
+def quick_connect(monkeypatch):
+    import dataclasses
+
+    rt = genie.get_runtime()
+    monkeypatch.setattr(rt, "config", dataclasses.replace(rt.config, connect_timeout=1.0))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(60)
+def test_a_connect_timeout_says_whether_anything_was_listening(quick_connect):
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    with pytest.raises(genie.GenieConnectionError, match="no connection could be made"):
+        genie.init(endpoint)
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)  # accepts the connection, never answers
+    try:
+        port = silent.bind_to_random_port("tcp://127.0.0.1")
+        with pytest.raises(genie.GenieConnectionError, match="the connection was made, but nothing answered"):
+            genie.init(f"tcp://127.0.0.1:{port}")
+    finally:
+        silent.close(linger=0)
+        ctx.term()
