@@ -138,3 +138,40 @@ def test_attention_under_autograd_is_one_fused_op_each_way_and_trains_like_cpu(d
     assert sent.count("aten::_scaled_dot_product_fused_attention_overrideable") == 2  # one per layer
     assert sent.count("aten::_scaled_dot_product_fused_attention_overrideable_backward") == 2
     assert "aten::_safe_softmax" not in sent and "aten::bmm" not in sent  # not the math decomposition
+
+
+def test_composite_ops_go_whole_without_autograd_and_decompose_with_it(dev, sent_ops):
+    """linear/matmul/layer_norm/softmax are decomposed by ATen at the autograd key: under no_grad
+    (or with nothing requiring a gradient) capture now gets each as one op, as under
+    inference_mode; when a gradient is recorded they decompose as before, and train like CPU."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    x, w, b = torch.randn(2, 3, 16), torch.randn(32, 16), torch.randn(32)
+    ln_w, ln_b = torch.randn(32), torch.randn(32)
+
+    def f(x, w, b, ln_w, ln_b):
+        h = F.layer_norm(F.linear(x, w, b), (32,), ln_w, ln_b)
+        return F.log_softmax(torch.matmul(h, w), -1).softmax(-1)
+
+    expected = f(x, w, b, ln_w, ln_b)
+    remote = [t.to(dev) for t in (x, w, b, ln_w, ln_b)]
+    torch.remote_accelerator.synchronize()
+    with torch.no_grad():
+        sent_ops.clear()
+        out = f(*remote)
+        torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
+    assert sent_ops[:5] == ["aten::linear", "aten::layer_norm", "aten::matmul", "aten::log_softmax.int",
+                            "aten::softmax.int"]
+    assert "aten::addmm" not in sent_ops and "aten::native_layer_norm" not in sent_ops
+
+    cpu_leaves = [t.clone().requires_grad_() for t in (x, w, b, ln_w, ln_b)]
+    remote_leaves = [t.to(dev).requires_grad_() for t in (x, w, b, ln_w, ln_b)]
+    torch.remote_accelerator.synchronize()
+    sent_ops.clear()
+    g = torch.randn_like(expected)
+    f(*cpu_leaves).backward(g)
+    f(*remote_leaves).backward(g.to(dev))
+    for c, r in zip(cpu_leaves, remote_leaves):
+        torch.testing.assert_close(r.grad.cpu(), c.grad, atol=1e-5, rtol=1e-4)
+    assert "aten::linear" not in sent_ops and "aten::addmm" in sent_ops  # decomposed: autograd has formulas

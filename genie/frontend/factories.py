@@ -14,7 +14,7 @@ import torch
 
 from genie.runtime import get_runtime
 
-from . import capture
+from . import capture, whole_ops
 from .lazy_tensor import LazyTensor
 
 _lib: torch.library.Library | None = None
@@ -84,26 +84,6 @@ def local_scalar_dense(self):
     return to_cpu(self).item()
 
 
-def sdpa_whole(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """Keep scaled_dot_product_attention one op on remote tensors (it would otherwise decompose into
-    ~15 ops before capture sees it): the daemon then runs its fused kernel, and the op's arguments
-    carry no sequence lengths. With autograd recording, it is torch's fused op for out-of-tree
-    devices, whose derivative is its own backward op (kernels: daemon/attention.py); where that op
-    does not apply (dropout, GQA, a mask that needs a gradient, not 4-D), the math decomposition."""
-    op = torch.ops.aten.scaled_dot_product_attention.default
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, attn_mask)):
-        if (dropout_p or enable_gqa or query.dim() != 4 or key.dim() != 4 or value.dim() != 4
-                or (attn_mask is not None and attn_mask.requires_grad)):
-            return op.decompose(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
-        # A boolean mask goes as it is: the daemon's kernel reads it as this op does (True: attend).
-        return _FUSED(query, key, value, attn_mask, 0.0, is_causal, False, scale=scale)[0]
-    with torch._C._AutoDispatchBelowAutograd():
-        return op(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
-
-
-_FUSED = torch.ops.aten._scaled_dot_product_fused_attention_overrideable.default
-
-
 def register() -> None:
     global _lib
     if _lib is not None:
@@ -114,5 +94,5 @@ def register() -> None:
     lib.impl("_copy_from", copy_from, "PrivateUse1")
     lib.impl("_copy_from_and_resize", copy_from_and_resize, "PrivateUse1")
     lib.impl("_local_scalar_dense", local_scalar_dense, "PrivateUse1")
-    lib.impl("scaled_dot_product_attention", sdpa_whole, "AutogradPrivateUse1")
+    whole_ops.register(lib)
     _lib = lib

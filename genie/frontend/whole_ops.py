@@ -1,0 +1,61 @@
+"""Composite ops kept whole on `remote_accelerator` when no gradient is being recorded.
+
+ATen decomposes a CompositeImplicitAutograd op (linear, matmul, layer_norm, softmax, ...) at
+its autograd key, before __torch_dispatch__ sees it: under torch.no_grad a 3-D `F.linear`
+reached capture as view + t + addmm + view, each a C++ -> Python -> C++ trip. These kernels sit
+at AutogradPrivateUse1: when no gradient is needed they skip to below autograd, where capture
+gets the whole op (as it does under torch.inference_mode) and the daemon runs it as one;
+when one is, they decompose exactly as ATen would, so autograd records the same graph.
+Only ops whose result is a new tensor (no aliasing, no writes to arguments) are listed.
+"""
+from __future__ import annotations
+
+import torch
+
+# Overload names of CompositeImplicitAutograd ops with fresh outputs, common in models.
+WHOLE_WHEN_NO_GRAD = ("linear", "matmul", "layer_norm", "softmax.int", "log_softmax.int")
+
+
+def _needs_grad(args, kwargs) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in (*args, *kwargs.values()))
+
+
+def _whole_unless_grad(op):
+    def kernel(*args, **kwargs):
+        if _needs_grad(args, kwargs):
+            return op.decompose(*args, **kwargs)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(*args, **kwargs)
+
+    kernel.__name__ = f"whole_{op.__name__}"
+    return kernel
+
+
+def sdpa_whole(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """Keep scaled_dot_product_attention one op on remote tensors (it would otherwise decompose into
+    ~15 ops before capture sees it): the daemon then runs its fused kernel, and the op's arguments
+    carry no sequence lengths. With autograd recording, it is torch's fused op for out-of-tree
+    devices, whose derivative is its own backward op (kernels: daemon/attention.py); where that op
+    does not apply (dropout, GQA, a mask that needs a gradient, not 4-D), the math decomposition."""
+    op = torch.ops.aten.scaled_dot_product_attention.default
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, attn_mask)):
+        if (dropout_p or enable_gqa or query.dim() != 4 or key.dim() != 4 or value.dim() != 4
+                or (attn_mask is not None and attn_mask.requires_grad)):
+            return op.decompose(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        # A boolean mask goes as it is: the daemon's kernel reads it as this op does (True: attend).
+        return _FUSED(query, key, value, attn_mask, 0.0, is_causal, False, scale=scale)[0]
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+_FUSED = torch.ops.aten._scaled_dot_product_fused_attention_overrideable.default
+
+
+def register(lib: torch.library.Library) -> None:
+    for name in WHOLE_WHEN_NO_GRAD:
+        packet, _, overload = name.partition(".")
+        op = getattr(getattr(torch.ops.aten, packet), overload or "default")
+        lib.impl(name, _whole_unless_grad(op), "AutogradPrivateUse1")
+    lib.impl("scaled_dot_product_attention", sdpa_whole, "AutogradPrivateUse1")
