@@ -26,6 +26,7 @@ setup(
     ],
     extras_require={
         "gpu": ["cupy-cuda12x>=13"],
+        "ucx": ["ucxx-cu12>=0.52"],  # the UCX lane (RDMA between nodes; see README)
         "viz": ["matplotlib>=3.7"],
         "test": ["pytest>=8", "pytest-asyncio>=0.23", "pytest-timeout>=2.3", "expecttest>=0.2", "hypothesis>=6",
                  "matplotlib>=3.7"],

@@ -125,13 +125,23 @@ class BulkListener:
                 if known is lane:
                     del self._lanes[token]
 
+    def add_lane(self, token: bytes, lane) -> None:
+        """A lane that reached this daemon another way (a ucx_lane.UcxLane): the client's lane now."""
+        lane.arrivals.on_change = self._arrived
+        lane.on_close = self._forget
+        with self._lock:
+            old = self._lanes.pop(token, None)
+            self._lanes[token] = lane
+        if old is not None:
+            old.close()
+
     def lane(self, identity: bytes) -> bulk.Lane | None:
         with self._lock:
             return self._lanes.get(identity)
 
     def lane_sockets(self) -> list[socket.socket]:
         with self._lock:
-            return [lane.sock for lane in self._lanes.values() if not lane.closed]
+            return [lane.sock for lane in self._lanes.values() if not lane.closed and lane.sock is not None]
 
     def drop(self, identity: bytes) -> None:
         with self._lock:

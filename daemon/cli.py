@@ -10,6 +10,8 @@ import sys
 
 import torch
 
+from genie.transport import ucx_lane
+
 from .bulk_server import BULK_POOL_BYTES
 from .memory_guard import cap_process_memory
 from .server import DaemonServer
@@ -83,6 +85,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    default=os.environ.get("GENIE_SHARED_MEMORY", "1") == "0",
                    help="refuse shared-memory segments for large payloads on ipc:// bulk lanes (they then go "
                         "through the Unix socket); env GENIE_SHARED_MEMORY=0")
+    p.add_argument("--ucx", choices=ucx_lane.MODES, default=os.environ.get("GENIE_UCX", "auto").lower(),
+                   help="bulk payloads over UCX (the ucxx library): auto = on hosts with an RDMA device; "
+                        "on = whenever ucxx is importable (clients need GENIE_UCX=on too); off")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--log-level", default=os.environ.get("GENIE_LOG_LEVEL", "INFO"))
     return p.parse_args(argv)
@@ -128,7 +133,8 @@ async def _run(args: argparse.Namespace) -> None:
                           memory_limit=memory_limit, bulk_lanes=not args.no_bulk_lane,
                           curve=security_from(args), transfer_timeout=args.transfer_timeout,
                           kv_dir=args.kv_dir, spin_s=max(0.0, args.spin_us) / 1e6,
-                          cuda_ipc_allowed=not args.no_cuda_ipc, shared_memory=not args.no_shared_memory)
+                          cuda_ipc_allowed=not args.no_cuda_ipc, shared_memory=not args.no_shared_memory,
+                          ucx=args.ucx)
     endpoint = server.bind()
     server.process_cap = cap_process_memory(devices, memory_limit, BULK_POOL_BYTES if server.bulk else 0)
     loop = asyncio.get_running_loop()

@@ -21,7 +21,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from genie.transport import calibration, cuda_ipc, protocol, stream_framing, tensors
+from genie.transport import calibration, cuda_ipc, protocol, stream_framing, tensors, ucx_lane
 from genie.transport.busy_poll import BusyPoll
 from genie.transport.errors import ProtocolError
 from genie.transport.protocol import BulkTensor
@@ -81,8 +81,10 @@ class DaemonServer:
     def __init__(self, endpoint: str, devices: list[torch.device], client_lease_s: float = 60.0,
                  memory_limit: int = 0, bulk_lanes: bool = True, curve=None, transfer_timeout: float = 120.0,
                  kv_dir: str | None = None, spin_s: float = 0.0, cuda_ipc_allowed: bool = True,
-                 shared_memory: bool = True) -> None:
+                 shared_memory: bool = True, ucx: str = "auto") -> None:
         self.endpoint = endpoint
+        self.ucx_mode = ucx  # the UCX lane (ucx_lane.wanted): auto, on, off
+        self.ucx: ucx_lane.UcxListener | None = None
         self.cuda_ipc_allowed = cuda_ipc_allowed
         self.shared_memory = shared_memory  # shared-memory segments on ipc:// bulk lanes
         self.ipc_offer: dict | None = None  # hello's cuda_ipc: set once bound, where handles are accepted
@@ -172,6 +174,17 @@ class DaemonServer:
         self.bulk.on_arrival = self._wake_threadsafe
         self.bulk.on_direct = self._direct_threadsafe
         log.info("bulk lane listening: %s", " ".join(map(str, self.bulk.advertised)))
+        use, why = ucx_lane.wanted(self.ucx_mode)
+        if not use:
+            log.info("no UCX lane: %s", why)
+            return
+        try:
+            self.ucx = ucx_lane.UcxListener(lambda token: token in self.clients, self.bulk.add_lane,
+                                            self.bulk.pool, self.bulk.max_transfer)
+        except Exception as e:  # noqa: BLE001 - UCX could not start here: the socket lane serves everyone
+            log.warning("no UCX lane (%s): %s", why, e)
+            return
+        log.info("UCX lane listening on port %d: %s", self.ucx.port, why)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -205,6 +218,8 @@ class DaemonServer:
                 pass
             self._close_direct(lane, "daemon stopping")
         self.peers.close()
+        if self.ucx is not None:
+            self.ucx.close()
         if self.bulk is not None:
             self.bulk.close()
         self._socket.close(linger=DRAIN_LINGER_MS)  # let queued replies reach their clients
@@ -398,6 +413,8 @@ class DaemonServer:
             hello = {"version": protocol.VERSION, "devices": self.device_info}
             if self.bulk is not None:
                 hello["bulk"] = self.bulk.advertised
+            if self.ucx is not None:
+                hello["ucx"] = self.ucx.port
             if self.ipc_offer is not None:
                 hello["cuda_ipc"] = self.ipc_offer
             self._reply(identity, rid, hello)

@@ -42,6 +42,13 @@ def _float(name: str, default: float) -> float:
         raise ValueError(f"{name} must be a number, got {raw!r}") from None
 
 
+def _choice(name: str, allowed: tuple[str, ...], default: str) -> str:
+    raw = (os.environ.get(name) or default).strip().lower()
+    if raw not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {raw!r}")
+    return raw
+
+
 @dataclass(frozen=True)
 class Config:
     server_url: str | None
@@ -64,6 +71,7 @@ class Config:
     direct_lane: bool
     shared_memory: bool
     client_spin_us: float
+    ucx: str  # the UCX lane: auto (hosts with an RDMA device), on, off
 
 
 def _cpus() -> int:
@@ -92,4 +100,5 @@ def load() -> Config:
         direct_lane=os.environ.get("GENIE_DIRECT_LANE", "1") != "0",
         shared_memory=os.environ.get("GENIE_SHARED_MEMORY", "1") != "0",
         client_spin_us=_float("GENIE_CLIENT_SPIN_US", 1000.0 if _cpus() >= 2 else 0.0),
+        ucx=_choice("GENIE_UCX", ("auto", "on", "off"), "auto"),
     )

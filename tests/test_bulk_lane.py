@@ -283,9 +283,13 @@ def test_daemon_refuses_a_bulk_connection_from_an_unknown_client(dev):
 
 def test_transport_info_says_what_paths_exist(dev):
     local = genie.transport_info()["local"]
-    assert set(local) >= {"rdma_libraries", "gpudirect_rdma", "cuda", "cupy"}
-    if not local["rdma_libraries"]:
-        assert local["gpudirect_rdma"].startswith("none")
+    assert set(local) >= {"rdma_libraries", "rdma_devices", "ucx_lane", "gpudirect_rdma", "cuda", "cupy"}
+    if "ucxx" not in local["rdma_libraries"]:
+        assert local["ucx_lane"] == "not used: no UCX library (pip install ucxx-cu12 for RDMA between nodes); " \
+                                   "bulk data goes over sockets"
+    elif not local["rdma_devices"]:
+        assert "no RDMA device" in local["ucx_lane"]
+    assert local["gpudirect_rdma"].startswith("no:")
     if not torch.cuda.is_available():
         assert local["cuda"] is False
 

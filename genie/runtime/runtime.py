@@ -12,6 +12,7 @@ import concurrent.futures
 import itertools
 import logging
 import os
+import socket
 import threading
 import time
 
@@ -20,7 +21,7 @@ import zmq.asyncio
 
 from genie import config as config_module
 from genie.errors import GenieConnectionError, GenieError
-from genie.transport import bulk, cuda_ipc, protocol, stream_framing
+from genie.transport import bulk, cuda_ipc, protocol, stream_framing, ucx_lane
 from genie.transport.channel import Channel, ChannelClosed, RemoteError
 from genie.transport.hostmem import HostBufferPool
 
@@ -86,19 +87,34 @@ class DaemonLink:
         self.devices = devices
         if self.runtime.config.cuda_ipc:
             self.cuda_ipc_offer = reply.body.get("cuda_ipc")
-        await self._open_lanes(reply.body.get("bulk"), timeout)
+        await self._open_lanes(reply.body.get("bulk"), reply.body.get("ucx"), timeout)
         await self._probe_link()
         if heartbeat > 0:
             self._heartbeat = asyncio.create_task(self._beat(heartbeat))
 
-    async def _open_lanes(self, advertised, timeout: float) -> None:
-        """The bulk lane and the direct lane, both to the daemon's lane listener (plaintext: not under CURVE)."""
+    async def _open_lanes(self, advertised, ucx_port, timeout: float) -> None:
+        """The bulk lane (UCX where chosen, see ucx_lane) and the direct lane, both to the daemon's
+        lane listeners (plaintext: not under CURVE)."""
         config = self.runtime.config
         address = bulk.connect_address(advertised, self.endpoint)
         if address is None or self.runtime.curve is not None:
             return
         loop = asyncio.get_running_loop()
-        if config.bulk_min_bytes > 0:
+        if config.bulk_min_bytes > 0 and type(ucx_port) is int and 0 < ucx_port < 65536:
+            use, why = ucx_lane.wanted(config.ucx)
+            if use:
+                host = "127.0.0.1" if address[0] == socket.AF_UNIX else address[1][0]
+                try:
+                    self.bulk_lane = await loop.run_in_executor(
+                        None, ucx_lane.open_client_lane, host, ucx_port, self.token, self.runtime.host_pool,
+                        1 << 40, min(timeout, 10.0))
+                    self.bulk_min_bytes = config.bulk_min_bytes
+                    log.info("bulk lane to %s: %s", self.endpoint, why)
+                except ConnectionError as e:
+                    log.warning("no UCX lane to %s (the socket lane carries large payloads): %s", self.endpoint, e)
+            else:
+                log.info("bulk lane to %s: socket, not UCX: %s", self.endpoint, why)
+        if config.bulk_min_bytes > 0 and self.bulk_lane is None:
             try:
                 self.bulk_lane = await loop.run_in_executor(
                     None, bulk.open_client_lane, address, self.token, self.runtime.host_pool, 1 << 40,
@@ -547,7 +563,7 @@ class Runtime:
                 "direct_lane": link.channel is not None and link.channel.direct_stream is not None,
                 "encrypted": self.curve is not None,
             }
-        return {"links": links, "local": local_capabilities()}
+        return {"links": links, "local": local_capabilities(self.config.ucx)}
 
     def shutdown(self) -> None:
         if self._forked_away:  # the parent's runtime, seen from a forked child (e.g. at its exit): not ours to close

@@ -1,10 +1,10 @@
 """Which data paths this process can use, for `genie.transport_info()` and the logs.
 
-Looks for the libraries a GPUDirect RDMA path would need (UCX through `ucxx` or
-`ucp`, NVIDIA's `nixl`) and for CUDA and CuPy, without importing any of them
-(`find_spec` only locates a module). Genie has no RDMA transport of its own
-yet: when such a library is present the report says it was found and not used,
-so nobody mistakes the TCP path for GPUDirect.
+Looks for the libraries an RDMA path would need (UCX through `ucxx` or `ucp`, NVIDIA's
+`nixl`) and for CUDA and CuPy, and says whether Genie's UCX lane (ucx_lane, through
+`ucxx`) is used here and why not when it is not, so nobody mistakes the TCP path for RDMA.
+The UCX lane moves host memory: GPU tensors are staged through pinned host buffers on the
+way (GPUDirect, the NIC reading GPU memory itself, is not used), and NIXL is not used.
 """
 from __future__ import annotations
 
@@ -20,17 +20,18 @@ def _importable(name: str) -> bool:
         return False
 
 
-def local_capabilities() -> dict:
+def local_capabilities(ucx_mode: str = "auto") -> dict:
     import torch
 
+    from .ucx_lane import rdma_devices, wanted
+
     found = [name for name in RDMA_LIBRARIES if _importable(name)]
-    if found:
-        rdma = f"{', '.join(found)} found but not used: Genie has no RDMA transport yet; data goes over sockets"
-    else:
-        rdma = "none: no UCX (ucxx/ucp) or NIXL library is importable; data goes over sockets"
+    use, why = wanted(ucx_mode)
     return {
         "rdma_libraries": found,
-        "gpudirect_rdma": rdma,
+        "rdma_devices": rdma_devices(),
+        "ucx_lane": why if use else f"not used: {why}; bulk data goes over sockets",
+        "gpudirect_rdma": "no: the UCX lane moves host memory (GPU tensors are staged through pinned host buffers)",
         "cuda": torch.cuda.is_available(),
         "cupy": _importable("cupy"),
     }
