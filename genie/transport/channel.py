@@ -126,19 +126,24 @@ class Channel:
         """Report a dropped connection at once: replies to anything in flight are lost with it."""
         from zmq.utils.monitor import parse_monitor_message
 
-        while True:
-            event = parse_monitor_message(await monitor.recv_multipart())
-            if event["event"] & _HANDSHAKE_FAILURES:
-                self._stop_monitor()
-                self.on_disconnect("the CURVE handshake failed: the daemon's key or this client's is not "
-                                   "the expected one" if self.curve else "the ZeroMQ handshake failed")
-                return
-            if event["event"] == zmq.EVENT_CONNECTED:
-                self.connected = True
-            elif event["event"] == zmq.EVENT_DISCONNECTED and self.connected:
-                self._stop_monitor()
-                self.on_disconnect("the connection dropped")
-                return
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] & _HANDSHAKE_FAILURES:
+                    self._stop_monitor()
+                    self.on_disconnect("the CURVE handshake failed: the daemon's key or this client's is not "
+                                       "the expected one" if self.curve else "the ZeroMQ handshake failed")
+                    return
+                if event["event"] == zmq.EVENT_CONNECTED:
+                    self.connected = True
+                elif event["event"] == zmq.EVENT_DISCONNECTED and self.connected:
+                    self._stop_monitor()
+                    self.on_disconnect("the connection dropped")
+                    return
+        finally:
+            # Nobody reads the monitor after this: detach it, or its events would pile up until
+            # libzmq's send blocks (see _stop_monitor). After close() (cancelled) this is a no-op.
+            self._stop_monitor()
 
     def _stop_monitor(self) -> None:
         """Detach the connection watch while the socket is still open, and only then close its
