@@ -102,6 +102,7 @@ def gpt(tokens: int, prompt_len: int, repeats: int) -> dict:
     remote_kv = decode["remote_kv_session"][0]
     (local_static, local_static_first), (remote_replay, replay_first) = decode["local_static"], decode["remote_replay"]
     best_local = max(local_gen, local_static)
+    faster_local = "local" if local_gen >= local_static else "local_static"
     b0 = wire_bytes()
     generate(remote, rprompt, tokens)
     per_token = (wire_bytes() - b0) / tokens
@@ -117,10 +118,15 @@ def gpt(tokens: int, prompt_len: int, repeats: int) -> dict:
                                      "local_static": local_static_first, "remote_replay": replay_first},
         "decode_slowdown": local_gen / remote_gen, "decode_slowdown_kv_session": local_gen / remote_kv,
         # Round by round (the runs of a round are seconds apart; rounds can be a minute apart and
-        # the machine's speed drifts), against the faster local way of that round.
-        "decode_slowdown_replay": median([max(a, b) / r for a, b, r in zip(
-            rounds["local"], rounds["local_static"], rounds["remote_replay"])]),
+        # the machine's speed drifts), against the local way that is faster over all rounds. Not
+        # the faster of the two in each round: the larger of two noisy rates overstates the
+        # local side (e.g. 1.39x that way against 1.14x of medians in one run).
+        "decode_replay_baseline": faster_local,
+        "decode_slowdown_replay": median([a / r for a, r in zip(rounds[faster_local], rounds["remote_replay"])]),
         "decode_slowdown_replay_of_medians": best_local / remote_replay,
+        "decode_slowdown_replay_vs_each_rounds_faster": median([max(a, b) / r for a, b, r in zip(
+            rounds["local"], rounds["local_static"], rounds["remote_replay"])]),
+        "decode_rounds_tokens_per_s": {name: rounds[name] for name in ("local", "local_static", "remote_replay")},
         "wire_bytes_per_token": per_token, "wire_bytes_per_token_replay": per_token_replay,
     }
 
@@ -213,7 +219,7 @@ def main(argv=None) -> int:
          f"{g['decode_slowdown_kv_session']:.1f}x slower"),
         ("GPT decode tokens/s (static cache; genie.graph replay)", f"{g['decode_tokens_per_s']['local_static']:.0f}",
          f"{g['decode_tokens_per_s']['remote_replay']:.0f}",
-         f"{g['decode_slowdown_replay']:.2f}x slower than the faster local, round by round"),
+         f"{g['decode_slowdown_replay']:.2f}x slower than the faster local way, round by round"),
         ("GPT prefill + first decode step ms (static cache; replay records)",
          f"{g['prefill_and_first_step_s']['local_static'] * 1e3:.1f}",
          f"{g['prefill_and_first_step_s']['remote_replay'] * 1e3:.1f}", ""),
