@@ -33,3 +33,18 @@ def test_small_payloads_are_not_pooled():
     pool = HostBufferPool(64 << 20)
     t = pool.take(POOL_MIN_BYTES - 1)
     assert t.nbytes == POOL_MIN_BYTES - 1 and pool.allocations == 0
+
+
+def test_huge_pages_are_asked_for_only_where_a_fault_never_compacts_memory(tmp_path, monkeypatch):
+    from genie.transport import hostmem
+
+    setting = tmp_path / "defrag"
+    monkeypatch.setattr(hostmem, "THP_DEFRAG", str(setting))
+    expected = {"always defer defer+madvise [madvise] never": False, "[always] defer defer+madvise madvise never": False,
+                "always defer [defer+madvise] madvise never": False, "always [defer] defer+madvise madvise never": True,
+                "always defer defer+madvise madvise [never]": True}
+    for line, safe in expected.items():
+        setting.write_text(line + "\n")
+        assert hostmem._huge_pages_without_stalls() is safe, line
+    setting.unlink()
+    assert hostmem._huge_pages_without_stalls() is False  # no THP in this kernel: nothing to ask for
