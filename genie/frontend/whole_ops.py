@@ -40,7 +40,7 @@ def sdpa_whole(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     devices, whose derivative is its own backward op (kernels: daemon/attention.py); where that op
     does not apply (dropout, GQA, a mask that needs a gradient, not 4-D), the math decomposition."""
     op = torch.ops.aten.scaled_dot_product_attention.default
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, attn_mask)):
+    if _needs_grad((query, key, value, attn_mask), {}):
         if (dropout_p or enable_gqa or query.dim() != 4 or key.dim() != 4 or value.dim() != 4
                 or (attn_mask is not None and attn_mask.requires_grad)):
             return op.decompose(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)

@@ -13,7 +13,7 @@ import importlib.util
 RDMA_LIBRARIES = ("ucxx", "ucp", "nixl")
 
 
-def _importable(name: str) -> bool:
+def importable(name: str) -> bool:
     try:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):
@@ -25,7 +25,7 @@ def local_capabilities(ucx_mode: str = "auto") -> dict:
 
     from .ucx_lane import rdma_devices, wanted
 
-    found = [name for name in RDMA_LIBRARIES if _importable(name)]
+    found = [name for name in RDMA_LIBRARIES if importable(name)]
     use, why = wanted(ucx_mode)
     return {
         "rdma_libraries": found,
@@ -33,5 +33,5 @@ def local_capabilities(ucx_mode: str = "auto") -> dict:
         "ucx_lane": why if use else f"not used: {why}; bulk data goes over sockets",
         "gpudirect_rdma": "no: the UCX lane moves host memory (GPU tensors are staged through pinned host buffers)",
         "cuda": torch.cuda.is_available(),
-        "cupy": _importable("cupy"),
+        "cupy": importable("cupy"),
     }

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import importlib.util
 import itertools
 import logging
 import os
@@ -29,6 +28,7 @@ import numpy as np
 from . import bulk
 from .errors import ProtocolError
 from .hostmem import HostBufferPool
+from .paths import importable
 
 log = logging.getLogger("genie.transport")
 
@@ -36,14 +36,6 @@ MAGIC = b"GNU1"  # greeting: MAGIC + the client's token; the daemon answers bulk
 _GREETING_BYTES = len(MAGIC) + bulk.TOKEN_BYTES
 RDMA_DEVICES_DIR = "/sys/class/infiniband"
 MODES = ("auto", "on", "off")
-
-
-def ucxx_installed() -> bool:
-    """Whether ucxx is installed (located, not imported: importing it loads UCX and CUDA libraries)."""
-    try:
-        return importlib.util.find_spec("ucxx") is not None
-    except (ImportError, ValueError):
-        return False
 
 
 def ucxx_version() -> str | None:
@@ -70,7 +62,7 @@ def wanted(mode: str) -> tuple[bool, str]:
         raise ValueError(f"UCX mode must be one of {', '.join(MODES)}, not {mode!r}")
     if mode == "off":
         return False, "UCX lane off (GENIE_UCX=off)"
-    if not ucxx_installed():
+    if not importable("ucxx"):  # located, not imported: importing loads UCX and CUDA libraries
         return False, "no UCX library (pip install ucxx-cu12 for RDMA between nodes)"
     devices = rdma_devices()
     if mode == "auto" and not devices:
@@ -142,7 +134,7 @@ class UcxLane:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.last_streamed = 0.0
-        self._send_lock: asyncio.Lock | None = None  # made on the UCX loop
+        self._send_lock = asyncio.Lock()  # taken on the UCX loop: transfers never interleave
         self._receiver = self._ucx.submit(self._receive_loop())
 
     def next_id(self) -> int:
@@ -152,9 +144,7 @@ class UcxLane:
     # ------------------------------------------------------------ sending
 
     async def _send(self, xfer: int, payload: memoryview, head_out: concurrent.futures.Future | None) -> None:
-        if self._send_lock is None:
-            self._send_lock = asyncio.Lock()
-        async with self._send_lock:  # transfers never interleave: records are read in order
+        async with self._send_lock:  # records are read in order
             if self.closed:
                 raise ConnectionError("UCX lane is closed")
             header = np.frombuffer(bulk._HEADER.pack(bulk.STREAM, xfer, payload.nbytes, 0), dtype=np.uint8).copy()
