@@ -174,6 +174,12 @@ class BulkListener:
         except (TimeoutError, ConnectionError) as e:
             raise ProtocolError(str(e)) from None
 
+    def moves_gpu_memory(self, identity: bytes, device: torch.device) -> bool:
+        """Whether the client's lane sends straight from `device`'s memory (a UCX lane that
+        checked it: see ucx_lane.check_device_memory)."""
+        lane = self.lane(identity)
+        return lane is not None and not lane.closed and device in lane.landing_devices.values()
+
     def claim_download(self, identity: bytes) -> int | None:
         """A transfer id for a download sent later with `send_download`; None: the client has no lane."""
         lane = self.lane(identity)

@@ -24,7 +24,7 @@ import contextlib
 
 import torch
 
-from genie.transport.tensors import dense
+from genie.transport.tensors import dense_bytes
 
 
 class PinnedPool:
@@ -96,12 +96,12 @@ class PinnedStaging:
     def download(self, t: torch.Tensor):
         """The bytes of a GPU tensor in a pinned buffer, as a memoryview valid inside the block
         (the caller sends them synchronously); the buffer goes back to the pool after it."""
-        src = dense(t.detach())
-        nbytes = src.numel() * src.element_size()
+        src = dense_bytes(t.detach())
+        nbytes = src.numel()
         staging = self.pool.take(nbytes)
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream):
-            staging[:nbytes].copy_(src.reshape(-1).view(torch.uint8), non_blocking=True)
+            staging[:nbytes].copy_(src, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.copy_stream)
         done.synchronize()

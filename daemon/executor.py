@@ -17,7 +17,8 @@ from genie.transport import cuda_ipc, protocol
 from genie.transport.cuda_ipc import SharedCudaTensor
 from genie.transport.errors import ProtocolError
 from genie.transport.protocol import BulkTensor, DeviceRef, Exec, HandleRef, InlineTensor, OpCall
-from genie.transport.tensors import bytes_as_tensor, check_shape, dtype_name, frames_to_tensor, tensor_to_buffer, tensor_to_frames
+from genie.transport.tensors import (bytes_as_tensor, check_shape, dense_bytes, dtype_name, frames_to_tensor, tensor_to_buffer,
+                                     tensor_to_frames)
 
 from . import attention
 from . import ops as op_table
@@ -69,6 +70,9 @@ class Executor:
         self.memory_limit = memory_limit  # bytes held through handles; 0 = unlimited
         self.kv_store = kv_store
         self._uploaders: dict = {}  # CUDA device -> pinned staging + copy stream
+        # Transfers that UCX moved straight into and out of GPU memory (see ucx_lane), no staging.
+        self.gpu_memory_uploads = self.gpu_memory_upload_bytes = 0
+        self.gpu_memory_downloads = self.gpu_memory_download_bytes = 0
         self._importer = None  # cuda_ipc.Importer, made at the first CUDA IPC tensor
         self._imported: dict = {}  # id(SharedCudaTensor) -> its copy here, or the error opening it, per request
         self._replayed: list = []  # programs the running request replays (timed with it: see quick_to_start)
@@ -266,13 +270,16 @@ class Executor:
         return released
 
     def gpu_path_stats(self) -> dict:
-        """How received tensors reached the GPUs: through pinned staging, or by CUDA IPC."""
+        """How tensors reached and left the GPUs: through pinned staging, by CUDA IPC, or by UCX
+        straight from and into GPU memory."""
         imp = self._importer
         staged = [u.stats() for u in self._uploaders.values()]
         return {
             "cuda_ipc_imports": {"tensors": imp.imported if imp else 0, "bytes": imp.imported_bytes if imp else 0},
             "pinned_staging": {k: sum(s[k] for s in staged)
                                for k in ("uploads", "bytes", "downloads", "download_bytes", "pinned_bytes")},
+            "ucx_gpu_memory": {"uploads": self.gpu_memory_uploads, "bytes": self.gpu_memory_upload_bytes,
+                               "downloads": self.gpu_memory_downloads, "download_bytes": self.gpu_memory_download_bytes},
         }
 
     def quick_to_start(self, client: ClientState, request) -> bool:
@@ -483,6 +490,14 @@ class Executor:
             return self._uploader(device).upload(t) if device.type == "cuda" else t
         if isinstance(value, BulkTensor):
             t = self._bulk_upload(client, value)
+            if t.device == device:
+                if t.is_cuda:  # landed by the UCX lane's thread: its block must outlive this stream's use
+                    t.record_stream(torch.cuda.current_stream(device))
+                    self.gpu_memory_uploads += 1
+                    self.gpu_memory_upload_bytes += t.nbytes
+                return t
+            if t.is_cuda:  # landed on another GPU than the op's (a client naming devices oddly)
+                return t.to(device)
             return self._uploader(device).upload(t) if device.type == "cuda" else t
         if type(value) is SharedCudaTensor:
             imported = self._imported.get(id(value))
@@ -575,7 +590,14 @@ class Executor:
         nbytes = found.numel() * found.element_size()
         if bulk_min and nbytes >= bulk_min and self.bulk is not None:
             try:
-                if found.device.type == "cuda":
+                if found.device.type == "cuda" and self.bulk.moves_gpu_memory(client.identity, found.device):
+                    src = dense_bytes(found.detach())
+                    # UCX reads the memory with no stream of ours: whatever stream wrote it must be done.
+                    torch.cuda.synchronize(found.device)
+                    xfer = self.bulk.send_download(client.identity, src)
+                    self.gpu_memory_downloads += 1
+                    self.gpu_memory_download_bytes += nbytes
+                elif found.device.type == "cuda":
                     # The lane sends synchronously: the pinned buffer is free again right after.
                     with self._uploader(found.device).download(found) as staged:
                         xfer = self.bulk.send_download(client.identity, staged)

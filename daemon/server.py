@@ -85,6 +85,7 @@ class DaemonServer:
         self.endpoint = endpoint
         self.ucx_mode = ucx  # the UCX lane (ucx_lane.wanted): auto, on, off
         self.ucx: ucx_lane.UcxListener | None = None
+        self.ucx_gpu_memory = "no UCX lane"  # whether its lanes move GPU memory, in words (check_device_memory)
         self.cuda_ipc_allowed = cuda_ipc_allowed
         self.shared_memory = shared_memory  # shared-memory segments on ipc:// bulk lanes
         self.ipc_offer: dict | None = None  # hello's cuda_ipc: set once bound, where handles are accepted
@@ -178,13 +179,15 @@ class DaemonServer:
         if not use:
             log.info("no UCX lane: %s", why)
             return
+        gpus = {i: d for i, d in enumerate(self.executor.devices) if d.type == "cuda"}
         try:
+            landing, self.ucx_gpu_memory = ucx_lane.check_device_memory(gpus)
             self.ucx = ucx_lane.UcxListener(lambda token: token in self.clients, self.bulk.add_lane,
-                                            self.bulk.pool, self.bulk.max_transfer)
+                                            self.bulk.pool, self.bulk.max_transfer, landing_devices=landing)
         except Exception as e:  # noqa: BLE001 - UCX could not start here: the socket lane serves everyone
             log.warning("no UCX lane (%s): %s", why, e)
             return
-        log.info("UCX lane listening on port %d: %s", self.ucx.port, why)
+        log.info("UCX lane listening on port %d: %s; GPU memory over UCX: %s", self.ucx.port, why, self.ucx_gpu_memory)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -415,6 +418,8 @@ class DaemonServer:
                 hello["bulk"] = self.bulk.advertised
             if self.ucx is not None:
                 hello["ucx"] = self.ucx.port
+                hello["ucx_devices"] = sorted(self.ucx.landing_devices)  # uploads for these land in GPU memory
+                hello["ucx_gpu_memory"] = self.ucx_gpu_memory
             if self.ipc_offer is not None:
                 hello["cuda_ipc"] = self.ipc_offer
             self._reply(identity, rid, hello)

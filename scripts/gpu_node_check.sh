@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Check Genie on a GPU node: the CUDA data-path tests (a real genie-daemon on cuda:0), the demo
 # with its embedded daemon on the GPU, and the GPU data-path benchmark. Needs CUDA torch,
-# Genie and its test extras installed (pip install -e ".[test]"). Exit status: 0 when all pass.
+# Genie and its test extras installed (pip install -e ".[test]"); GPU memory over UCX is checked
+# where ucxx is installed (pip install ucxx-cu12), else that test says it is skipped. Exit status:
+# 0 when all pass.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA GPU visible to torch')" || exit 1
 status=0
-timeout 600 python3 -m pytest -q -p no:cacheprovider --timeout 120 -rfE tests/test_cuda_paths.py || status=1
+timeout 600 python3 -m pytest -q -p no:cacheprovider --timeout 120 -rfE tests/test_cuda_paths.py tests/test_cuda_ucx.py || status=1
 timeout 300 python3 -m genie.examples.demo || status=1
 timeout 600 python3 -m bench.gpu_paths --repeats 5 || status=1
 exit $status

@@ -289,7 +289,9 @@ def test_transport_info_says_what_paths_exist(dev):
                                    "bulk data goes over sockets"
     elif not local["rdma_devices"]:
         assert "no RDMA device" in local["ucx_lane"]
-    assert local["gpudirect_rdma"].startswith("no:")
+    assert local["gpudirect_rdma"].startswith("not on this side:")
+    link = genie.transport_info()["links"][genie.get_runtime().links[0].endpoint]
+    assert link["gpu_memory_over_ucx"].startswith("no:")  # a socket lane: no UCX at all
     if not torch.cuda.is_available():
         assert local["cuda"] is False
 

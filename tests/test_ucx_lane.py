@@ -5,6 +5,7 @@ transports."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 
 import numpy as np
@@ -14,6 +15,7 @@ import torch
 import genie
 from daemons import DaemonProcess
 from genie.transport import ucx_lane
+from genie.transport.hostmem import HostBufferPool
 
 ucxx = pytest.importorskip("ucxx", reason="needs ucxx (pip install ucxx-cu12)")
 
@@ -45,6 +47,9 @@ def test_large_tensors_go_both_ways_over_the_ucx_lane(ucx_daemon):
     for x, r in zip(xs, remote):
         assert torch.equal(r.cpu(), x)
     assert lane.bytes_sent >= 3 * BIG * 4 and lane.bytes_received >= 4 * BIG * 4
+    # A CPU daemon has no GPU memory for UCX to move: uploads land in host memory, and it says so.
+    assert lane.peer_devices == frozenset() and lane.device_bytes_sent == 0
+    assert genie.transport_info()["links"][ucx_daemon.endpoint]["gpu_memory_over_ucx"] == "no GPU on this daemon"
 
 
 @pytest.mark.timeout(120)
@@ -87,3 +92,69 @@ def test_without_an_rdma_device_auto_keeps_the_socket_lane_and_says_why(monkeypa
             assert torch.equal(x.to("remote_accelerator:0").cpu(), x)
         finally:
             genie.shutdown()
+
+
+# ---------------------------------------------------------------- TO_DEVICE records, lane to lane
+# Both ends in this process, over a loopback UCX listener. The landing device here is the CPU:
+# the records, their checks and the tensors they land in are the same code a GPU daemon runs
+# (only the allocation's device differs; tests/test_cuda_paths.py runs it on a GPU).
+
+
+@pytest.fixture
+def lane_pair():
+    pool = HostBufferPool(0)
+    accepted: concurrent.futures.Future = concurrent.futures.Future()
+    listener = ucx_lane.UcxListener(lambda token: True, lambda token, lane: accepted.set_result(lane), pool,
+                                    1 << 30, landing_devices={0: torch.device("cpu")})
+    client = ucx_lane.open_client_lane("127.0.0.1", listener.port, b"t" * 16, pool, 1 << 30, 10.0)
+    daemon_side = accepted.result(10)
+    client.peer_devices = frozenset({0})
+    try:
+        yield client, daemon_side
+    finally:
+        client.close()
+        daemon_side.close()
+        listener.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_upload_for_a_landing_device_arrives_as_a_tensor_on_it(lane_pair):
+    client, daemon_side = lane_pair
+    payload = np.arange(5 << 20, dtype=np.uint8) * 7
+    client.send(1, memoryview(payload), device=0)
+    client.send(2, memoryview(payload[:1000]))  # a plain STREAM record: host pool, as before
+    landed = daemon_side.arrivals.take(1, 10)
+    assert isinstance(landed, torch.Tensor) and landed.device.type == "cpu"
+    assert np.array_equal(landed.numpy(), payload)
+    assert np.array_equal(daemon_side.arrivals.take(2, 10).numpy(), payload[:1000])
+    assert daemon_side.device_bytes_received == payload.nbytes
+
+
+@pytest.mark.timeout(60)
+def test_a_result_is_sent_from_a_tensor_as_it_is(lane_pair):
+    client, daemon_side = lane_pair
+    result = torch.arange(3 << 20, dtype=torch.int32)
+    daemon_side.send(7, result.view(torch.uint8))
+    assert torch.equal(client.arrivals.take(7, 10).view(torch.int32), result)
+    assert daemon_side.device_bytes_sent == result.nbytes
+    with pytest.raises(ValueError, match="contiguous bytes"):
+        daemon_side.send(8, result.view(torch.uint8)[::2])
+
+
+@pytest.mark.timeout(60)
+def test_a_device_the_receiver_lands_nothing_on_is_refused(lane_pair):
+    client, daemon_side = lane_pair
+    with pytest.raises(ValueError, match="device 3"):
+        client.send(1, memoryview(b"x" * 64), device=3)  # refused before anything is sent
+    client.peer_devices = frozenset({0, 3})  # a client that names a device the daemon never offered
+    client.send(2, memoryview(b"x" * 64), device=3)
+    with pytest.raises(ConnectionError, match="device 3, on which this end lands none"):
+        daemon_side.arrivals.take(2, 10)
+    assert daemon_side.closed
+
+
+@pytest.mark.timeout(60)
+def test_the_device_memory_check_round_trips_bytes_through_each_device():
+    working, how = ucx_lane.check_device_memory({0: torch.device("cpu"), 2: torch.device("cpu")})
+    assert working == {0: torch.device("cpu"), 2: torch.device("cpu")} and how.startswith("yes:")
+    assert ucx_lane.check_device_memory({}) == ({}, "no GPU on this daemon")

@@ -56,6 +56,7 @@ class DaemonLink:
         self.bulk_lane: bulk.Lane | None = None
         self.bulk_min_bytes = 0  # payloads at least this big take the bulk lane (set with the lane)
         self.cuda_ipc_offer: dict | None = None  # hello's cuda_ipc: the daemon takes handles from this host
+        self.ucx_gpu_memory = "no: no UCX lane to this daemon"  # whether its UCX lane moves GPU memory, in words
         self._cuda_ipc_ok: dict[int, bool] = {}  # client GPU index -> whether its tensors go by CUDA IPC
 
     async def connect(self, timeout: float, heartbeat: float) -> None:
@@ -88,6 +89,8 @@ class DaemonLink:
         if self.runtime.config.cuda_ipc:
             self.cuda_ipc_offer = reply.body.get("cuda_ipc")
         await self._open_lanes(reply.body.get("bulk"), reply.body.get("ucx"), timeout)
+        if isinstance(self.bulk_lane, ucx_lane.UcxLane):
+            self._take_gpu_memory_offer(reply.body.get("ucx_devices"), reply.body.get("ucx_gpu_memory"))
         await self._probe_link()
         if heartbeat > 0:
             self._heartbeat = asyncio.create_task(self._beat(heartbeat))
@@ -131,6 +134,14 @@ class DaemonLink:
                 self.channel.loss_grace_s = config.heartbeat_timeout + 2 * config.heartbeat
             except (OSError, ConnectionError) as e:
                 log.warning("no direct lane to %s (blocking requests go over ZeroMQ): %s", self.endpoint, e)
+
+    def _take_gpu_memory_offer(self, devices, how) -> None:
+        """The daemon's GPUs that uploads on the UCX lane may land in directly (see ucx_lane)."""
+        if isinstance(devices, list) and all(type(i) is int and 0 <= i < len(self.devices) for i in devices):
+            self.bulk_lane.peer_devices = frozenset(devices)
+        if isinstance(how, str):
+            self.ucx_gpu_memory = how[:500]
+        log.info("GPU memory over UCX at %s: %s", self.endpoint, self.ucx_gpu_memory)
 
     def cuda_ipc_for(self, device) -> bool:
         """Whether a CUDA tensor on this process's `device` goes to this daemon as a CUDA IPC handle
@@ -560,6 +571,7 @@ class Runtime:
                 "cuda_ipc": ("CUDA tensors of this process go by CUDA IPC handle (same host)"
                              if link.cuda_ipc_offer else "no: CUDA tensors travel as bytes"),
                 "bulk_min_bytes": link.bulk_min_bytes if lane is not None else None,
+                "gpu_memory_over_ucx": link.ucx_gpu_memory,
                 "direct_lane": link.channel is not None and link.channel.direct_stream is not None,
                 "encrypted": self.curve is not None,
             }

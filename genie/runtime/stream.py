@@ -107,7 +107,8 @@ class DeviceStream:
         self.exec_log: collections.deque[tuple[float, float]] = collections.deque(maxlen=4096)
         # While a genie.graph records this stream: the [ops, frees] of each batch taken (see graphs).
         self.recording: list | None = None
-        self.pending_bulk: list = []  # (transfer id, bytes) claimed by the op being queued; the bytes hold the tensor
+        # (transfer id, bytes, device or None) claimed by the op being queued; the bytes hold the tensor.
+        self.pending_bulk: list = []
         # The daemon keeps an adopted upload as received, reading it only for later ops (a CPU
         # device; a GPU copies it in at once): such payloads may be copied in behind their record.
         self.adopts_in_place = link.devices[local_index].get("type") == "cpu"
@@ -156,7 +157,9 @@ class DeviceStream:
         if lane is None or lane.closed or nbytes < self.link.bulk_min_bytes:
             return None
         xfer = lane.next_id()
-        self.pending_bulk.append((xfer, tensor_bytes(value)))
+        # A daemon GPU that the UCX lane fills directly: the bytes land there, not in host memory.
+        to_device = self.local_index if self.local_index in lane.peer_devices else None
+        self.pending_bulk.append((xfer, tensor_bytes(value), to_device))
         return xfer
 
     def discard_pending_bulk(self) -> None:
@@ -168,9 +171,12 @@ class DeviceStream:
         transfer's head is out (see `bulk.Lane.send`, also for `write_behind` and `records`)."""
         pending, self.pending_bulk = self.pending_bulk, []
         lane = self.link.bulk_lane
-        for xfer, payload in pending:
+        for xfer, payload, to_device in pending:
             try:
-                lane.send(xfer, payload, after_head=post, write_behind=write_behind, records=records)
+                if to_device is None:
+                    lane.send(xfer, payload, after_head=post, write_behind=write_behind, records=records)
+                else:  # a UCX lane (see ucx_lane.UcxLane.send)
+                    lane.send(xfer, payload, after_head=post, device=to_device)
             except ConnectionError as e:
                 # The batch naming this transfer is out (or never will be): the daemon fails it.
                 raise GenieConnectionError(f"genie-daemon at {self.link.endpoint}: {e}") from None

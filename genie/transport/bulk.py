@@ -36,7 +36,8 @@ import socket
 import struct
 import threading
 import time
-from typing import Callable
+import types
+from typing import Callable, Mapping
 
 import numpy as np
 import torch
@@ -57,6 +58,7 @@ SEGMENT = 2    # the payload is in the sender's segment (whose fd rides along th
 HAND_BACK = 3  # the receiver no longer uses the sender's segment
 FORGET = 4     # the sender dropped one of its (idle) segments: the receiver unmaps it
 WRITING = 5    # SEGMENT, sent before the payload is in: complete before the sender's next message
+TO_DEVICE = 6  # (UCX lanes only) STREAM landing in the receiver's GPU memory: segment = its device index
 UNIX_BUFFER_BYTES = 4 << 20
 _SEND_SLICE = 64 << 20  # sendall in slices: bounded time per call, and the GIL is let go between
 HEAD_BYTES = 64 << 10  # sent before the `after_head` callback of `Lane.send`
@@ -155,6 +157,10 @@ class Lane:
     `shared_segments`; Unix sockets, same user). Then a payload goes in a segment when one is free
     or can be made within `segments`' bounds, else through the socket.
     """
+
+    # GPU memory never travels on a socket lane (see ucx_lane.UcxLane, which shares this surface).
+    landing_devices: Mapping[int, torch.device] = types.MappingProxyType({})
+    peer_devices: frozenset[int] = frozenset()
 
     def __init__(self, sock: socket.socket, pool: HostBufferPool, max_transfer: int, name: str,
                  on_close: Callable[["Lane"], None] | None = None, shared: bool = False,

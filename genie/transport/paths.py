@@ -3,8 +3,9 @@
 Looks for the libraries an RDMA path would need (UCX through `ucxx` or `ucp`, NVIDIA's
 `nixl`) and for CUDA and CuPy, and says whether Genie's UCX lane (ucx_lane, through
 `ucxx`) is used here and why not when it is not, so nobody mistakes the TCP path for RDMA.
-The UCX lane moves host memory: GPU tensors are staged through pinned host buffers on the
-way (GPUDirect, the NIC reading GPU memory itself, is not used), and NIXL is not used.
+This process's side of the UCX lane moves host memory; a daemon with GPUs moves GPU memory
+over it itself where its UCX can (see ucx_lane; transport_info's links say so per daemon).
+NIXL is not used.
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def local_capabilities(ucx_mode: str = "auto") -> dict:
         "rdma_libraries": found,
         "rdma_devices": rdma_devices(),
         "ucx_lane": why if use else f"not used: {why}; bulk data goes over sockets",
-        "gpudirect_rdma": "no: the UCX lane moves host memory (GPU tensors are staged through pinned host buffers)",
+        "gpudirect_rdma": ("not on this side: this process's lanes move host memory; a daemon's UCX lane moves its "
+                           "GPU memory directly where it can (each link's gpu_memory_over_ucx says)"),
         "cuda": torch.cuda.is_available(),
         "cupy": importable("cupy"),
     }

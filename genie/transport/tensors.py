@@ -56,6 +56,11 @@ def dense(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def dense_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of `t` as a flat uint8 tensor on its device (a view when `t` is dense)."""
+    return dense(t).reshape(-1).view(torch.uint8)
+
+
 def tensor_to_buffer(t: torch.Tensor) -> memoryview:
     """A memoryview over the bytes of `t` (made contiguous on the CPU if it is not)."""
     if t.device.type != "cpu":

@@ -11,6 +11,14 @@ It carries the socket lane's STREAM records (transfer id and byte count, then th
 and offers `bulk.Lane`'s surface minus shared memory, so the rest of Genie uses either.
 ucxx is asyncio-based: every UCX call of the process runs on one event loop thread of its
 own; a sender blocks until its transfer is out, as on the socket lane.
+
+GPU memory (GPUDirect): UCX moves CUDA memory itself (`__cuda_array_interface__` buffers),
+with the NIC reading and writing GPU memory where the driver allows it (nvidia_peermem or
+dma-buf), else through its own staging. A daemon whose UCX can do so (checked at start by a
+loopback round through each GPU, `check_device_memory`) names those devices in its hello;
+the client then sends uploads for them as TO_DEVICE records, which the daemon's lane
+receives straight into a new tensor on that GPU, and the daemon sends results from GPU
+memory as they are (`send` takes a CUDA tensor): no pinned staging and no host copy on it.
 """
 from __future__ import annotations
 
@@ -21,9 +29,10 @@ import logging
 import os
 import threading
 import time
-from typing import Callable
+from typing import Callable, Mapping
 
 import numpy as np
+import torch
 
 from . import bulk
 from .errors import ProtocolError
@@ -85,6 +94,7 @@ class _UcxLoop:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self._pid = os.getpid()
+        self._landing_streams: dict[torch.device, object] = {}  # used on the loop's thread only
         threading.Thread(target=self._run, name="genie-ucx", daemon=True).start()
 
     def _run(self) -> None:
@@ -101,6 +111,20 @@ class _UcxLoop:
     def submit(self, coro) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
+    def empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A new byte tensor on `device` for UCX to fill (on the loop's thread). On a GPU it comes
+        from a stream on which no kernel runs, so the caching allocator hands it only a block
+        whose earlier users are done (the users of a landed tensor record their streams on it):
+        a block freed on a compute stream may still be read by that stream's queued kernels, and
+        UCX's writes are ordered with no stream of ours."""
+        if device.type != "cuda":
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        stream = self._landing_streams.get(device)
+        if stream is None:
+            stream = self._landing_streams[device] = torch.cuda.Stream(device)
+        with torch.cuda.stream(stream):
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
     def on_loop(self) -> bool:
         try:
             return asyncio.get_running_loop() is self.loop
@@ -108,8 +132,16 @@ class _UcxLoop:
             return False
 
 
-def _as_array(payload: memoryview) -> np.ndarray:
-    return np.frombuffer(payload, dtype=np.uint8)
+def _ucx_buffer(payload) -> tuple[object, int]:
+    """What ucxx sends or fills for a payload (flat bytes of host memory, or a contiguous uint8
+    tensor, whose CUDA memory UCX reads itself), and its length."""
+    if isinstance(payload, torch.Tensor):
+        flat = payload.reshape(-1)
+        if flat.dtype != torch.uint8 or not flat.is_contiguous():
+            raise ValueError("a tensor payload must be contiguous bytes (uint8)")
+        return (flat.numpy() if flat.device.type == "cpu" else flat), flat.numel()
+    flat = bulk._flat_bytes(payload)
+    return np.frombuffer(flat, dtype=np.uint8), flat.nbytes
 
 
 class UcxLane:
@@ -120,12 +152,19 @@ class UcxLane:
     path = "ucx"
 
     def __init__(self, endpoint, pool: HostBufferPool, max_transfer: int, name: str,
-                 on_close: Callable[["UcxLane"], None] | None = None) -> None:
+                 on_close: Callable[["UcxLane"], None] | None = None,
+                 landing_devices: Mapping[int, torch.device] | None = None) -> None:
         self._ucx = _UcxLoop.get()
         self._endpoint = endpoint
         self.pool = pool
         self.max_transfer = max_transfer
         self.name = name
+        # This end's devices (by the index the peer names) that TO_DEVICE payloads land on (a
+        # daemon's checked GPUs), and the peer's that this end's uploads may name (a client's).
+        self.landing_devices = dict(landing_devices or {})
+        self.peer_devices: frozenset[int] = frozenset()
+        self.device_bytes_received = 0  # payloads landed on landing_devices
+        self.device_bytes_sent = 0  # payloads sent from tensors as they are (GPU memory, on a daemon)
         self.arrivals = bulk.Arrivals()
         self._ids = itertools.count(1)
         self._ids_lock = threading.Lock()
@@ -143,23 +182,29 @@ class UcxLane:
 
     # ------------------------------------------------------------ sending
 
-    async def _send(self, xfer: int, payload: memoryview, head_out: concurrent.futures.Future | None) -> None:
+    async def _send(self, xfer: int, buffer, nbytes: int, device: int | None, from_tensor: bool,
+                    head_out: concurrent.futures.Future | None) -> None:
         async with self._send_lock:  # records are read in order
             if self.closed:
                 raise ConnectionError("UCX lane is closed")
-            header = np.frombuffer(bulk._HEADER.pack(bulk.STREAM, xfer, payload.nbytes, 0), dtype=np.uint8).copy()
-            await self._endpoint.send(header)
+            record = (bulk.STREAM, xfer, nbytes, 0) if device is None else (bulk.TO_DEVICE, xfer, nbytes, device)
+            await self._endpoint.send(np.frombuffer(bulk._HEADER.pack(*record), dtype=np.uint8).copy())
             if head_out is not None:
                 head_out.set_result(None)
-            if payload.nbytes:
-                await self._endpoint.send(_as_array(payload))
-            self.bytes_sent += payload.nbytes + bulk._HEADER.size
+            if nbytes:
+                await self._endpoint.send(buffer)
+            self.bytes_sent += nbytes + bulk._HEADER.size
+            if from_tensor:
+                self.device_bytes_sent += nbytes
             self.last_streamed = time.monotonic()
 
-    def _start(self, xfer: int, payload: memoryview, head_out=None) -> concurrent.futures.Future:
+    def _start(self, xfer: int, payload, head_out=None, device: int | None = None) -> concurrent.futures.Future:
         if self.closed:
             raise ConnectionError("UCX lane is closed")
-        return self._ucx.submit(self._send(xfer, bulk._flat_bytes(payload), head_out))
+        if device is not None and device not in self.peer_devices:
+            raise ValueError(f"the peer's UCX lane lands no payloads on its device {device}")
+        buffer, nbytes = _ucx_buffer(payload)
+        return self._ucx.submit(self._send(xfer, buffer, nbytes, device, isinstance(payload, torch.Tensor), head_out))
 
     def _wait(self, done: concurrent.futures.Future) -> None:
         try:
@@ -170,13 +215,15 @@ class UcxLane:
             self.close(e)
             raise ConnectionError(f"UCX lane send failed: {e}") from e
 
-    def send(self, xfer: int, payload: memoryview, after_head: Callable[[], None] | None = None,
-             write_behind: bool = False, records: list | None = None) -> None:
+    def send(self, xfer: int, payload, after_head: Callable[[], None] | None = None,
+             write_behind: bool = False, records: list | None = None, device: int | None = None) -> None:
         """Send transfer `xfer` and wait until it is out. `after_head` runs on this thread once
         the record's header is out (the ZeroMQ message naming the transfer goes then, so the
-        receiver is already taking the payload when it is handled)."""
+        receiver is already taking the payload when it is handled). `payload` is host memory,
+        or a contiguous uint8 CUDA tensor whose producing work is done (UCX reads it on streams
+        of its own). With `device` (one of `peer_devices`) the payload lands in that GPU's memory."""
         head_out = concurrent.futures.Future() if after_head is not None else None
-        done = self._start(xfer, payload, head_out)
+        done = self._start(xfer, payload, head_out, device)
         deferred = None
         if head_out is not None:
             concurrent.futures.wait([head_out, done], return_when=concurrent.futures.FIRST_COMPLETED)
@@ -186,7 +233,7 @@ class UcxLane:
         if deferred is not None:
             raise deferred
 
-    def start_send(self, xfer: int, payload: memoryview, first_bytes: int) -> Callable[[], None]:
+    def start_send(self, xfer: int, payload, first_bytes: int) -> Callable[[], None]:
         """Begin transfer `xfer` without waiting; the call returned waits for it to be out."""
         done = self._start(xfer, payload)
         return lambda: self._wait(done)
@@ -198,15 +245,23 @@ class UcxLane:
         try:
             while True:
                 await self._endpoint.recv(header)
-                kind, xfer, nbytes, _ = bulk._HEADER.unpack(header.tobytes())
-                if kind != bulk.STREAM:
+                kind, xfer, nbytes, device = bulk._HEADER.unpack(header.tobytes())
+                if kind not in (bulk.STREAM, bulk.TO_DEVICE):
                     raise ProtocolError(f"unexpected UCX lane record of kind {kind}")
                 if nbytes > self.max_transfer:
                     raise ProtocolError(f"bulk transfer of {nbytes} bytes exceeds the limit of {self.max_transfer}")
-                data = self.pool.take(nbytes)
+                if kind == bulk.STREAM:
+                    data = self.pool.take(nbytes)
+                else:
+                    landing = self.landing_devices.get(device)
+                    if landing is None:
+                        raise ProtocolError(f"a UCX lane payload for device {device}, on which this end lands none")
+                    data = self._ucx.empty(nbytes, landing)  # its users record their streams on it
                 if nbytes:
-                    await self._endpoint.recv(data.numpy())
+                    await self._endpoint.recv(_ucx_buffer(data)[0])
                 self.bytes_received += nbytes + bulk._HEADER.size
+                if kind == bulk.TO_DEVICE:
+                    self.device_bytes_received += nbytes
                 self.last_streamed = time.monotonic()
                 self.arrivals.put(xfer, data)
         except asyncio.CancelledError:
@@ -288,9 +343,11 @@ class UcxListener:
     """The daemon's UCX listener: greeted connections from known clients become their lanes."""
 
     def __init__(self, is_known_client: Callable[[bytes], bool], on_lane: Callable[[bytes, UcxLane], None],
-                 pool: HostBufferPool, max_transfer: int, greeting_timeout: float = 10.0) -> None:
+                 pool: HostBufferPool, max_transfer: int, greeting_timeout: float = 10.0,
+                 landing_devices: Mapping[int, torch.device] | None = None) -> None:
         import ucxx
 
+        self.landing_devices = dict(landing_devices or {})  # see UcxLane
         self._is_known = is_known_client
         self._on_lane = on_lane
         self.pool = pool
@@ -320,7 +377,8 @@ class UcxListener:
             except Exception:  # noqa: BLE001
                 pass
             return
-        self._on_lane(token, UcxLane(endpoint, self.pool, self.max_transfer, name=token.hex()[:8]))
+        self._on_lane(token, UcxLane(endpoint, self.pool, self.max_transfer, name=token.hex()[:8],
+                                     landing_devices=self.landing_devices))
 
     def close(self) -> None:
         async def stop():
@@ -330,3 +388,67 @@ class UcxListener:
             _UcxLoop.get().submit(stop()).result(5)
         except Exception:  # noqa: BLE001 - closing anyway
             pass
+
+
+# ---------------------------------------------------------------- GPU memory
+
+
+PROBE_BYTES = 1 << 20
+NVIDIA_PEERMEM = "/sys/module/nvidia_peermem"
+
+
+def check_device_memory(devices: Mapping[int, torch.device], timeout: float = 20.0) -> tuple[dict, str]:
+    """Which of `devices` (index -> device) UCX moves bytes into and out of here, and how, in
+    words. Each device's check is a round through a loopback endpoint of this process: host
+    bytes received straight into a new tensor on the device, then sent back from it and
+    compared, which is what the lane does with uploads and results."""
+    if not devices:
+        return {}, "no GPU on this daemon"
+    import ucxx
+
+    pattern = (np.arange(PROBE_BYTES, dtype=np.uint64) * 2654435761 >> 7).astype(np.uint8)
+
+    async def echo(endpoint) -> None:
+        try:
+            for device in devices.values():
+                landed = _UcxLoop.get().empty(PROBE_BYTES, device)
+                await endpoint.recv(_ucx_buffer(landed)[0])
+                if landed.is_cuda:
+                    torch.cuda.synchronize(landed.device)
+                await endpoint.send(_ucx_buffer(landed)[0])
+        except Exception as e:  # noqa: BLE001 - closing makes the checking side's round fail at once
+            log.info("UCX device-memory check (receiving end): %s", e)
+            await endpoint.close()
+
+    async def check() -> dict:
+        listener = ucxx.create_listener(echo)
+        endpoint = None
+        working = {}
+        try:
+            endpoint = await ucxx.create_endpoint("127.0.0.1", listener.port)
+            for index, device in devices.items():
+                await endpoint.send(pattern)
+                back = np.empty_like(pattern)
+                await endpoint.recv(back)
+                if not np.array_equal(back, pattern):
+                    raise RuntimeError(f"bytes changed on a round through {device}")
+                working[index] = device
+        finally:
+            if endpoint is not None:
+                await endpoint.close()
+            listener.close()
+        return working
+
+    try:
+        working = _UcxLoop.get().submit(asyncio.wait_for(check(), timeout)).result(timeout + 1)
+    except Exception as e:  # noqa: BLE001 - UCX without its CUDA transports, or no CUDA: host memory then
+        return {}, f"no: UCX could not move this daemon's GPU memory ({type(e).__name__}: {e}); bulk data is staged through pinned host buffers"
+    if not rdma_devices():
+        how = "no RDMA device here: UCX copies GPU memory through buffers of its own to other hosts"
+    elif os.path.isdir(NVIDIA_PEERMEM):
+        how = "GPUDirect RDMA: the NIC reads and writes GPU memory itself (nvidia_peermem is loaded)"
+    else:
+        how = ("nvidia_peermem is not loaded: the NIC reads GPU memory by dma-buf where the kernel and driver "
+               "support it, else UCX copies through buffers of its own")
+    names = ", ".join(str(d) for d in working.values())
+    return working, f"yes: uploads land in and results leave from GPU memory ({names}) over UCX; {how}"
