@@ -32,7 +32,7 @@ import zmq
 from bench.common import machine, median, print_table, write_json
 from genie.transport.bulk import widen_buffers
 
-ROUNDS = 10  # the methods take turns this many times per size (fewer for the largest payloads)
+ROUNDS = 10  # the methods take turns at most this many times per size (at least --repeats)
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30]
 
 
@@ -186,7 +186,9 @@ def interleaved_times(kind: str, endpoint: str, sizes: list[int], repeats: int) 
             host = torch.empty(n // 4, dtype=torch.float32).fill_(1.0)
             times: dict[str, list[float]] = {k: [] for k in out}
             reps = repetitions(n, repeats)
-            rounds = max(1, min(ROUNDS, reps // 3))
+            # At least `repeats` rounds, even of the largest payloads (one transfer each after its
+            # warm-up): one round of three there left a ratio to a single moment of the machine.
+            rounds = min(ROUNDS, max(repeats, reps // 3))
             for _ in range(rounds):
                 block = -(-reps // rounds)
                 for name, transfer in (("raw", raw.transfer), ("zmq", plain.transfer)):
