@@ -85,7 +85,7 @@ class DaemonServer:
         self.endpoint = endpoint
         self.ucx_mode = ucx  # the UCX lane (ucx_lane.wanted): auto, on, off
         self.ucx: ucx_lane.UcxListener | None = None
-        self.ucx_gpu_memory = "no UCX lane"  # whether its lanes move GPU memory, in words (check_device_memory)
+        self.ucx_gpu_memory = "no: no UCX lane"  # whether its lanes move GPU memory, in words (check_device_memory)
         self.cuda_ipc_allowed = cuda_ipc_allowed
         self.shared_memory = shared_memory  # shared-memory segments on ipc:// bulk lanes
         self.ipc_offer: dict | None = None  # hello's cuda_ipc: set once bound, where handles are accepted

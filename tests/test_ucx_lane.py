@@ -49,7 +49,7 @@ def test_large_tensors_go_both_ways_over_the_ucx_lane(ucx_daemon):
     assert lane.bytes_sent >= 3 * BIG * 4 and lane.bytes_received >= 4 * BIG * 4
     # A CPU daemon has no GPU memory for UCX to move: uploads land in host memory, and it says so.
     assert lane.peer_devices == frozenset() and lane.device_bytes_sent == 0
-    assert genie.transport_info()["links"][ucx_daemon.endpoint]["gpu_memory_over_ucx"] == "no GPU on this daemon"
+    assert genie.transport_info()["links"][ucx_daemon.endpoint]["gpu_memory_over_ucx"] == "no: this daemon has no GPU"
 
 
 @pytest.mark.timeout(120)
@@ -157,4 +157,4 @@ def test_a_device_the_receiver_lands_nothing_on_is_refused(lane_pair):
 def test_the_device_memory_check_round_trips_bytes_through_each_device():
     working, how = ucx_lane.check_device_memory({0: torch.device("cpu"), 2: torch.device("cpu")})
     assert working == {0: torch.device("cpu"), 2: torch.device("cpu")} and how.startswith("yes:")
-    assert ucx_lane.check_device_memory({}) == ({}, "no GPU on this daemon")
+    assert ucx_lane.check_device_memory({}) == ({}, "no: this daemon has no GPU")

@@ -403,7 +403,7 @@ def check_device_memory(devices: Mapping[int, torch.device], timeout: float = 20
     bytes received straight into a new tensor on the device, then sent back from it and
     compared, which is what the lane does with uploads and results."""
     if not devices:
-        return {}, "no GPU on this daemon"
+        return {}, "no: this daemon has no GPU"
     import ucxx
 
     pattern = (np.arange(PROBE_BYTES, dtype=np.uint64) * 2654435761 >> 7).astype(np.uint8)
