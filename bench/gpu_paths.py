@@ -8,7 +8,10 @@ In one run, for each size, against a genie-daemon on cuda:0 listening on an ipc:
 - Genie upload of a CUDA tensor: by CUDA IPC handle (one device-to-device copy on the daemon),
   and the same with IPC off (bytes: GPU -> host -> socket -> host -> GPU);
 - Genie download to the CPU (`.cpu()`: device-to-host into the daemon's pinned staging, then
-  the bulk lane), and to a CUDA tensor (`.to("cuda")`) by CUDA IPC and with IPC off.
+  the bulk lane), and to a CUDA tensor (`.to("cuda")`) by CUDA IPC and with IPC off;
+- where ucxx is installed, upload and download of a CPU tensor over the UCX lane, which lands
+  uploads in GPU memory and sends results from it (no pinned staging; a second daemon, on tcp
+  with its UCX lane on at both ends).
 Each figure: payload bytes / median time of several repetitions, each timed to completion
 (`synchronize` on both sides).
 
@@ -39,6 +42,47 @@ def _time(fn, repeats: int) -> float:
         torch.cuda.synchronize()  # local copies are asynchronous: time them to completion
         times.append(time.perf_counter() - t0)
     return median(times)
+
+
+def _ucx_gpu_memory(sizes: list[int], repeats: int, device: str = "cuda:0") -> dict[int, dict[str, float]]:
+    """Seconds per upload and download of a CPU tensor over the UCX lane, for each size, with a
+    daemon on `device` whose UCX moves its GPU memory; {} (and why, printed) where it cannot."""
+    import dataclasses
+
+    import genie
+    from genie.runtime.embedded import LocalDaemon
+    from genie.transport.paths import importable
+
+    if not importable("ucxx"):
+        print("gpu_paths: no UCX rows, needs ucxx (pip install ucxx-cu12)")
+        return {}
+    rt = genie.get_runtime()
+    config, rt.config = rt.config, dataclasses.replace(rt.config, ucx="on")
+    daemon = LocalDaemon(listen="tcp://127.0.0.1:0", extra_args=["--device", device, "--ucx", "on"])
+    genie.init(daemon.start())
+    rows: dict[int, dict[str, float]] = {}
+    try:
+        info = genie.transport_info()["links"][genie.get_runtime().links[0].endpoint]
+        if info["path"] != "zmq+bulk-ucx" or not info["gpu_memory_over_ucx"].startswith("yes:"):
+            print(f"gpu_paths: no UCX rows: lane {info['path']}, GPU memory over UCX: {info['gpu_memory_over_ucx']}")
+            return {}
+        for n in sizes:
+            reps = repeats if n < 1 << 30 else max(2, repeats // 2)
+            cpu = torch.randn(n // 4)
+
+            def up():
+                x = cpu.to("remote_accelerator:0")
+                torch.remote_accelerator.synchronize()
+                del x
+
+            resident = cpu.to("remote_accelerator:0")
+            rows[n] = {"genie_up_cpu_ucx": _time(up, reps), "genie_down_cpu_ucx": _time(lambda: resident.cpu(), reps)}
+            resident = cpu = None
+    finally:
+        genie.shutdown()
+        daemon.stop()
+        rt.config = config
+    return rows
 
 
 def main(argv=None) -> int:
@@ -105,6 +149,11 @@ def main(argv=None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     cols = ["local_pageable_h2d", "local_pinned_h2d", "local_d2d", "genie_up_cpu", "genie_up_cuda_ipc",
             "genie_up_cuda_bytes", "genie_down_cpu", "genie_down_cuda_ipc", "genie_down_cuda_bytes"]
+    over_ucx = _ucx_gpu_memory(sizes, args.repeats)
+    for n, row in over_ucx.items():
+        results[n].update({k: n / v / 1e6 for k, v in row.items()})
+    if over_ucx:
+        cols += ["genie_up_cpu_ucx", "genie_down_cpu_ucx"]
     print_table([(f"{n >> 20} MiB", *(f"{results[n][c]:,.0f}" for c in cols)) for n in results], ("MB/s", *cols))
     print("wrote", write_json("gpu_paths", {"device": torch.cuda.get_device_name(), "results_MBps": results}))
     return 0
