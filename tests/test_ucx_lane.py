@@ -97,7 +97,7 @@ def test_without_an_rdma_device_auto_keeps_the_socket_lane_and_says_why(monkeypa
 # ---------------------------------------------------------------- TO_DEVICE records, lane to lane
 # Both ends in this process, over a loopback UCX listener. The landing device here is the CPU:
 # the records, their checks and the tensors they land in are the same code a GPU daemon runs
-# (only the allocation's device differs; tests/test_cuda_paths.py runs it on a GPU).
+# (only the allocation's device differs; tests/test_cuda_ucx.py runs it on a GPU).
 
 
 @pytest.fixture
