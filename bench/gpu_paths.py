@@ -59,9 +59,9 @@ def _ucx_gpu_memory(sizes: list[int], repeats: int, device: str = "cuda:0") -> d
     rt = genie.get_runtime()
     config, rt.config = rt.config, dataclasses.replace(rt.config, ucx="on")
     daemon = LocalDaemon(listen="tcp://127.0.0.1:0", extra_args=["--device", device, "--ucx", "on"])
-    genie.init(daemon.start())
     rows: dict[int, dict[str, float]] = {}
     try:
+        genie.init(daemon.start())
         info = genie.transport_info()["links"][genie.get_runtime().links[0].endpoint]
         if info["path"] != "zmq+bulk-ucx" or not info["gpu_memory_over_ucx"].startswith("yes:"):
             print(f"gpu_paths: no UCX rows: lane {info['path']}, GPU memory over UCX: {info['gpu_memory_over_ucx']}")

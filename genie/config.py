@@ -31,6 +31,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from genie.transport.ucx_lane import MODES as UCX_MODES
+
 
 def _float(name: str, default: float) -> float:
     raw = os.environ.get(name)
@@ -100,5 +102,5 @@ def load() -> Config:
         direct_lane=os.environ.get("GENIE_DIRECT_LANE", "1") != "0",
         shared_memory=os.environ.get("GENIE_SHARED_MEMORY", "1") != "0",
         client_spin_us=_float("GENIE_CLIENT_SPIN_US", 1000.0 if _cpus() >= 2 else 0.0),
-        ucx=_choice("GENIE_UCX", ("auto", "on", "off"), "auto"),
+        ucx=_choice("GENIE_UCX", UCX_MODES, "auto"),
     )
