@@ -179,4 +179,21 @@ def _like_query(query, shape) -> torch.Tensor:
     return torch.empty_strided(shape, strides, dtype=query.dtype, device=query.device)
 
 
-_BY_NAME = {f"aten::{FORWARD}": forward, f"aten::{BACKWARD}": backward}
+def sdpa_contiguous(*args, **kwargs) -> torch.Tensor:
+    """aten::scaled_dot_product_attention, its result laid out as the op's meta kernel (the math
+    decomposition) lays it out, row-major, which is what clients plan with
+    (genie/frontend/shape_rules.py). A fused kernel may lay the same values out otherwise (the CPU
+    flash kernel follows the query's layout: a query made by view + transpose, as in most models,
+    gave a result that a `.view` the client's metadata allows could not take)."""
+    return _contiguous(aten.scaled_dot_product_attention.default(*args, **kwargs))
+
+
+# Ops this daemon runs through its own function rather than the dispatcher's kernel.
+REPLACED = {"aten::scaled_dot_product_attention": sdpa_contiguous}
+
+
+def replacement(name: str):
+    return REPLACED.get(name)
+
+
+_BY_NAME = {f"aten::{FORWARD}": forward, f"aten::{BACKWARD}": backward, **REPLACED}

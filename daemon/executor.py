@@ -98,7 +98,9 @@ class Executor:
             SEND_OP: lambda c, call, f, d: self._send(c, call),
             RECV_OP: lambda c, call, f, d: self._recv(c, call, d),
         }
-        self._aten_ops: dict[str, tuple] = {}  # name -> (op, its unsafe flags, takes a generator, seeded without one)
+        # name -> (op, what runs it (attention.replacement or op), its unsafe flags, takes a
+        # generator, seeded without one)
+        self._aten_ops: dict[str, tuple] = {}
 
     # ------------------------------------------------------------ exec
 
@@ -158,9 +160,10 @@ class Executor:
             aten = self._aten_ops.get(call.name)
             if aten is None:
                 op = op_table.resolve(call.name)
-                aten = self._aten_ops[call.name] = (op, op_table.unsafe_flags(op), op_table.takes_generator(op),
+                aten = self._aten_ops[call.name] = (op, attention.replacement(call.name) or op,
+                                                    op_table.unsafe_flags(op), op_table.takes_generator(op),
                                                     op_table.seeded_without_generator(op))
-            op, unsafe, takes_generator, seeded_without_generator = aten
+            op, kernel, unsafe, takes_generator, seeded_without_generator = aten
             if unsafe:
                 op_table.check_call(op, call.args, call.kwargs)
             resolve = self._resolve
@@ -170,9 +173,9 @@ class Executor:
                 kwargs["generator"] = client.generator(device)
             if seeded_without_generator:
                 with _drawing_from(client.generator(device), device):
-                    result = op(*args, **kwargs)
+                    result = kernel(*args, **kwargs)
             else:
-                result = op(*args, **kwargs)
+                result = kernel(*args, **kwargs)
             outs = call.outs
             if type(outs) is int and type(result) is torch.Tensor:  # _store's common case
                 client.put(outs, result)

@@ -66,6 +66,29 @@ def test_nn_functionals(dev):
     check(dev, lambda x, t: F.cross_entropy(x, t), torch.randn(4, 5), torch.tensor([0, 1, 4, 2]))
 
 
+def test_attention_result_has_the_layout_the_client_plans(dev):
+    """A query made by view + transpose (as models make it): the CPU's fused kernel lays its
+    result out like the query, torch's meta kernel (and so the client) row-major. The daemon
+    gives the planned layout, so a view the client's metadata allows runs there too (it failed)."""
+    x = torch.randn(1, 64, 4, 48)
+    r = x.to(dev)
+    q, rq = x.transpose(1, 2), r.transpose(1, 2)
+    with torch.no_grad():
+        expected = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        got = F.scaled_dot_product_attention(rq, rq, rq, is_causal=True)
+        assert got.is_contiguous()
+        torch.testing.assert_close(got.view(1, 4, 64 * 48).cpu(), expected.reshape(1, 4, 64 * 48))
+        # Decoding: one query position against a cache grown by torch.cat, shapes new every step.
+        cache, rcache = torch.randn(1, 4, 8, 48), None
+        rcache = cache.to(dev)
+        for _ in range(3):
+            step = torch.randn(1, 1, 4, 48).transpose(1, 2)
+            cache, rcache = torch.cat([cache, step], dim=2), torch.cat([rcache, step.to(dev)], dim=2)
+            out = F.scaled_dot_product_attention(step, cache, cache)
+            rout = F.scaled_dot_product_attention(step.to(dev), rcache, rcache)
+            torch.testing.assert_close(rout.cpu(), out)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
                                    torch.bool, torch.uint8])
 def test_dtype_casts(dev, dtype):
