@@ -20,7 +20,7 @@ from genie.runtime.stream import thread_streams
 from genie.transport import cuda_ipc, protocol
 from genie.transport.tensors import DTYPE_NAMES, parse_dtype, tensor_to_frames
 
-from . import meta
+from . import meta, shape_rules
 from .lazy_tensor import LazyTensor
 
 log = logging.getLogger("genie.capture")
@@ -335,10 +335,13 @@ def _capture_general(func, args: tuple, kwargs: dict, walked: tuple | None = Non
     else:
         if sizes is None:
             sizes = [t._genie.storage_nbytes for t in tensors]
-        try:
-            plan = meta.plan_op(func, args, kwargs, tensors, sizes)
-        except meta.NeedsRemoteExecution:
-            plan = meta.REMOTE  # remembered: the next identical call skips meta execution
+        rule = shape_rules.RULES.get(id(func))
+        plan = rule(args, kwargs) if rule is not None else None
+        if plan is None:
+            try:
+                plan = meta.plan_op(func, args, kwargs, tensors, sizes)
+            except meta.NeedsRemoteExecution:
+                plan = meta.REMOTE  # remembered: the next identical call skips meta execution
         if key is not None:
             meta_cache.put(key, plan)
     if plan is _REMOTE:

@@ -1,0 +1,220 @@
+"""Output metadata of hot ops worked out directly, where meta execution is slow.
+
+A plan that misses the cache runs the op on meta tensors, and PyTorch's meta kernels for many
+ops are Python (torch/_meta_registrations.py overrides the C++ ones): measured here per call,
+scaled_dot_product_attention ~1 ms (its math decomposition), layer_norm ~0.7 ms, linear with a
+bias on 3-D input ~0.8 ms, gelu ~0.45 ms, add ~0.15 ms, cat ~0.13 ms. Every new shape misses:
+decoding with a growing KV cache (torch.cat, as Hugging Face's DynamicCache does) gives cat and
+attention a new shape at every token (planning took ~3 ms of a ~4.5 ms decode step of the demo
+GPT), and a prompt of a new length gives every op of the model one (~9 ms of a ~13 ms capture).
+Each rule answers only inputs whose result it knows for certain (plainly contiguous tensors,
+matching shapes, one dtype) and returns None for anything else, which meta execution plans as
+before; tests/unit/test_shape_rules.py checks every rule against meta execution and the CPU
+kernels on randomized inputs of many layouts.
+
+scaled_dot_product_attention: its meta result is the math decomposition's, a contiguous tensor,
+while a daemon's fused kernel may lay the same values out otherwise (the CPU flash kernel
+follows the query's layout); the daemon makes its result contiguous (daemon/attention.py), so
+both sides agree on strides by construction, as they must for views taken of it.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .meta import NewTensor, Plan, contiguous_strides
+
+
+def _dense_output(dtype: torch.dtype, shape: tuple) -> Plan:
+    return Plan(NewTensor(dtype, shape, contiguous_strides(shape), 0, math.prod(shape) * dtype.itemsize), ())
+
+
+def _plain_dense(t) -> bool:
+    """Row-major strides exactly, size-1 dimensions' too (is_contiguous() ignores those, and
+    meta kernels pass them on to results), and not also channels-last contiguous (where torch's
+    memory-format suggestion may pick either)."""
+    if (not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.storage_offset() < 0
+            or tuple(t.stride()) != contiguous_strides(t.shape)):
+        return False
+    if t.dim() == 4:
+        return not t.is_contiguous(memory_format=torch.channels_last)
+    if t.dim() == 5:
+        return not t.is_contiguous(memory_format=torch.channels_last_3d)
+    return True
+
+
+def _bind(names: tuple, args: tuple, kwargs: dict) -> dict | None:
+    """Arguments by schema name; None where the call has more or other arguments than `names`."""
+    if len(args) > len(names) or any(k not in names for k in kwargs):
+        return None
+    return dict(zip(names, args), **kwargs)
+
+
+def plan_cat(args: tuple, kwargs: dict) -> Plan | None:
+    """aten::cat(Tensor[] tensors, int dim=0): same dtype, same rank, every size but `dim`'s equal,
+    no empty tensor (cat skips legacy empty ones), all plainly contiguous: a contiguous result."""
+    bound = _bind(("tensors", "dim"), args, kwargs)
+    if bound is None:
+        return None
+    tensors, dim = bound.get("tensors"), bound.get("dim", 0)
+    if not isinstance(tensors, (list, tuple)) or not tensors or type(dim) is not int:
+        return None
+    first = tensors[0]
+    if not isinstance(first, torch.Tensor):
+        return None
+    rank, dtype, shape = first.dim(), first.dtype, tuple(first.shape)
+    if rank == 0 or not -rank <= dim < rank:
+        return None
+    dim %= rank
+    total = 0
+    for t in tensors:
+        if not _plain_dense(t) or t.dtype != dtype or t.dim() != rank or t.numel() == 0:
+            return None
+        size = tuple(t.shape)
+        if size[:dim] != shape[:dim] or size[dim + 1:] != shape[dim + 1:]:
+            return None
+        total += size[dim]
+    return _dense_output(dtype, shape[:dim] + (total,) + shape[dim + 1:])
+
+
+def _floating_dense(t) -> bool:
+    return _plain_dense(t) and t.dtype.is_floating_point and t.numel() > 0
+
+
+def plan_unary(args: tuple, kwargs: dict, names: tuple = ("self",)) -> Plan | None:
+    """An elementwise op of one floating tensor (gelu, silu, relu, tanh, ...): a plainly
+    contiguous input gives a contiguous result of its shape and dtype."""
+    bound = _bind(names, args, kwargs)
+    if bound is None or not _floating_dense(bound.get("self")):
+        return None
+    t = bound["self"]
+    return _dense_output(t.dtype, tuple(t.shape))
+
+
+def plan_gelu(args: tuple, kwargs: dict) -> Plan | None:
+    return plan_unary(args, kwargs, ("self", "approximate"))
+
+
+def plan_binary(args: tuple, kwargs: dict, names: tuple = ("self", "other")) -> Plan | None:
+    """add / sub / mul / div of a floating tensor and a tensor of the same dtype (both plainly
+    contiguous, shapes broadcasting) or a Python int or float: a contiguous result of the
+    broadcast shape and that dtype."""
+    bound = _bind(names, args, kwargs)
+    if bound is None or not _floating_dense(bound.get("self")):
+        return None
+    t, other = bound["self"], bound.get("other")
+    alpha = bound.get("alpha", 1)
+    if type(alpha) not in (int, float):
+        return None
+    if type(other) in (int, float):
+        return _dense_output(t.dtype, tuple(t.shape))
+    if not _floating_dense(other) or other.dtype != t.dtype:
+        return None
+    try:
+        shape = tuple(torch.broadcast_shapes(t.shape, other.shape))
+    except RuntimeError:
+        return None
+    return _dense_output(t.dtype, shape)
+
+
+def plan_add_sub(args: tuple, kwargs: dict) -> Plan | None:
+    return plan_binary(args, kwargs, ("self", "other", "alpha"))
+
+
+def plan_linear(args: tuple, kwargs: dict) -> Plan | None:
+    """aten::linear(input, weight, bias=None): input of 2 or more dimensions, a 2-D weight and a
+    1-D bias (or none) that fit it, one floating dtype, all plainly contiguous: a contiguous
+    (..., out_features) result."""
+    bound = _bind(("input", "weight", "bias"), args, kwargs)
+    if bound is None:
+        return None
+    x, w, b = bound.get("input"), bound.get("weight"), bound.get("bias")
+    if not (_floating_dense(x) and _floating_dense(w)) or x.dim() < 2 or w.dim() != 2:
+        return None
+    if w.dtype != x.dtype or w.shape[1] != x.shape[-1]:
+        return None
+    if b is not None and not (_floating_dense(b) and b.dtype == x.dtype and tuple(b.shape) == (w.shape[0],)):
+        return None
+    return _dense_output(x.dtype, tuple(x.shape[:-1]) + (w.shape[0],))
+
+
+def plan_layer_norm(args: tuple, kwargs: dict) -> Plan | None:
+    """aten::layer_norm over the input's trailing dimensions, with weight and bias (or none) of
+    exactly those sizes, one floating dtype, all plainly contiguous: a contiguous result of the
+    input's shape."""
+    bound = _bind(("input", "normalized_shape", "weight", "bias", "eps", "cudnn_enable"), args, kwargs)
+    if bound is None:
+        return None
+    x, normalized = bound.get("input"), bound.get("normalized_shape")
+    if not _floating_dense(x) or not isinstance(normalized, (list, tuple)) or not normalized:
+        return None
+    normalized = tuple(normalized)
+    if len(normalized) > x.dim() or tuple(x.shape[x.dim() - len(normalized):]) != normalized:
+        return None
+    for p in (bound.get("weight"), bound.get("bias")):
+        if p is not None and not (_floating_dense(p) and p.dtype == x.dtype and tuple(p.shape) == normalized):
+            return None
+    return _dense_output(x.dtype, tuple(x.shape))
+
+
+def plan_embedding(args: tuple, kwargs: dict) -> Plan | None:
+    """aten::embedding(weight, indices, ...): a plainly contiguous 2-D floating weight and int64 or
+    int32 indices: a contiguous indices.shape + (embedding_dim,) result."""
+    bound = _bind(("weight", "indices", "padding_idx", "scale_grad_by_freq", "sparse"), args, kwargs)
+    if bound is None or bound.get("sparse"):
+        return None
+    w, idx = bound.get("weight"), bound.get("indices")
+    if not _floating_dense(w) or w.dim() != 2 or not _plain_dense(idx) or idx.dtype not in (torch.int64, torch.int32):
+        return None
+    return _dense_output(w.dtype, tuple(idx.shape) + (w.shape[1],))
+
+
+_SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def plan_sdpa(args: tuple, kwargs: dict) -> Plan | None:
+    """aten::scaled_dot_product_attention on 4-D (batch, heads, length, dim) inputs of one
+    floating dtype with equal batch and head counts (no GQA broadcast), an optional mask of 2 to
+    4 dimensions that broadcasts to (batch, heads, L, S) without growing it (the CPU kernel
+    refuses a 1-D one that meta execution takes), and not both a mask and is_causal: a
+    contiguous (batch, heads, L, value dim) result."""
+    bound = _bind(_SDPA_NAMES, args, kwargs)
+    if bound is None:
+        return None
+    q, k, v, mask = bound.get("query"), bound.get("key"), bound.get("value"), bound.get("attn_mask")
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.layout == torch.strided for t in (q, k, v)):
+        return None
+    dtype = q.dtype
+    if not dtype.is_floating_point or k.dtype != dtype or v.dtype != dtype:
+        return None
+    (b, h, length, e), (kb, kh, s, ke), (vb, vh, vs, ev) = q.shape, k.shape, v.shape
+    if not (b == kb == vb and h == kh == vh and s == vs and e == ke) or 0 in (b, h, length, e, s, ev):
+        return None
+    if mask is not None:
+        if (not isinstance(mask, torch.Tensor) or mask.layout != torch.strided or bound.get("is_causal")
+                or (mask.dtype != torch.bool and mask.dtype != dtype) or not 2 <= mask.dim() <= 4):
+            return None
+        try:
+            if tuple(torch.broadcast_shapes(mask.shape, (b, h, length, s))) != (b, h, length, s):
+                return None
+        except RuntimeError:
+            return None
+    return _dense_output(dtype, (b, h, length, ev))
+
+
+_aten = torch.ops.aten
+RULES = {
+    id(_aten.cat.default): plan_cat,
+    id(_aten.scaled_dot_product_attention.default): plan_sdpa,
+    id(_aten.linear.default): plan_linear,
+    id(_aten.layer_norm.default): plan_layer_norm,
+    id(_aten.embedding.default): plan_embedding,
+    id(_aten.gelu.default): plan_gelu,
+    id(_aten.add.Tensor): plan_add_sub,
+    id(_aten.sub.Tensor): plan_add_sub,
+    id(_aten.mul.Tensor): plan_binary,
+    id(_aten.div.Tensor): plan_binary,
+    **{id(getattr(_aten, name).default): plan_unary
+       for name in ("silu", "relu", "tanh", "sigmoid", "exp", "neg", "rsqrt", "sqrt", "abs")},
+}
