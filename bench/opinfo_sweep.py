@@ -48,11 +48,27 @@ def to_cpu(tree):
     return pytree.tree_unflatten(leaves, spec)
 
 
-def run_sample(op, sample, dev):
+def layout_differs(expected, got) -> bool:
+    """Whether a remote result's metadata (what the client planned) lays out any output otherwise
+    than the CPU did, which here is what the daemon holds: strides compared over dimensions of
+    more than one element (the others address nothing)."""
+    for e, g in zip(pytree.tree_leaves(expected), pytree.tree_leaves(got)):
+        if (isinstance(e, torch.Tensor) and isinstance(g, genie.LazyTensor) and e.layout == torch.strided
+                and e.shape == g.shape
+                and [st for n, st in zip(e.shape, e.stride()) if n > 1]
+                != [st for n, st in zip(g.shape, g.stride()) if n > 1]):
+            return True
+    return False
+
+
+def run_sample(op, sample, dev) -> bool:
+    """Checks the remote result's values against the CPU's; returns whether its layout differs."""
     args = (sample.input, *sample.args)
     expected = op(*args, **sample.kwargs)
-    got = to_cpu(op(*to_device(args, dev), **to_device(sample.kwargs, dev)))
-    torch.testing.assert_close(got, expected, equal_nan=True, check_device=False)
+    remote = op(*to_device(args, dev), **to_device(sample.kwargs, dev))
+    differs = layout_differs(expected, remote)
+    torch.testing.assert_close(to_cpu(remote), expected, equal_nan=True, check_device=False)
+    return differs
 
 
 def sweep(only: set[str] | None = None, max_samples: int | None = None, dev: str = "remote_accelerator:0",
@@ -61,6 +77,7 @@ def sweep(only: set[str] | None = None, max_samples: int | None = None, dev: str
 
     passed = failed = skipped = 0
     failures: dict[str, list[str]] = collections.defaultdict(list)
+    layouts: collections.Counter = collections.Counter()  # op -> samples whose planned layout differs
     per_op: dict[str, list[int]] = {}
     t0 = time.perf_counter()
     for opinfo in op_db:
@@ -89,7 +106,8 @@ def sweep(only: set[str] | None = None, max_samples: int | None = None, dev: str
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    run_sample(opinfo.op, sample, dev)
+                    if run_sample(opinfo.op, sample, dev):
+                        layouts[opinfo.name] += 1
                 passed += 1
                 counts[0] += 1
             except Exception as e:
@@ -106,6 +124,7 @@ def sweep(only: set[str] | None = None, max_samples: int | None = None, dev: str
         "ops": len(per_op), "ops_all_pass": sum(1 for p, f in per_op.values() if f == 0 and p > 0),
         "seconds": time.perf_counter() - t0,
         "failures": {k: v[:3] for k, v in failures.items()},
+        "layout_differs": dict(layouts),
     }
 
 
