@@ -184,8 +184,11 @@ def sdpa_contiguous(*args, **kwargs) -> torch.Tensor:
     decomposition) lays it out, row-major, which is what clients plan with
     (genie/frontend/shape_rules.py). A fused kernel may lay the same values out otherwise (the CPU
     flash kernel follows the query's layout: a query made by view + transpose, as in most models,
-    gave a result that a `.view` the client's metadata allows could not take)."""
-    return _contiguous(aten.scaled_dot_product_attention.default(*args, **kwargs))
+    gave a result that a `.view` the client's metadata allows could not take). Strides of size-1
+    dimensions may stay as the kernel left them: they address nothing (decoding, one query
+    position, the CPU kernel's result differs from row-major only there, and was copied)."""
+    out = aten.scaled_dot_product_attention.default(*args, **kwargs)
+    return out if out.is_contiguous() else out.contiguous()
 
 
 # Ops this daemon runs through its own function rather than the dispatcher's kernel.
