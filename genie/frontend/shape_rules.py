@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from .meta import NewTensor, Plan, contiguous_strides
+from .meta import NewTensor, Plan, SameAsInput, contiguous_strides
 
 
 def _dense_output(dtype: torch.dtype, shape: tuple) -> Plan:
@@ -122,6 +122,48 @@ def plan_add_sub(args: tuple, kwargs: dict) -> Plan | None:
     return plan_binary(args, kwargs, ("self", "other", "alpha"))
 
 
+_IN_PLACE = Plan(SameAsInput(0), ())
+
+
+def plan_in_place(args: tuple, kwargs: dict, names: tuple) -> Plan | None:
+    """add_ / sub_ / mul_ / div_ / addcdiv_ / addcmul_ on a plainly contiguous floating tensor,
+    whose other tensors (plainly contiguous, same dtype) broadcast to its shape and whose other
+    arguments are Python numbers: the result is `self`, its metadata unchanged. (Optimizers' and
+    training loops' step-dependent scalars make every step's call a new cache key.)"""
+    bound = _bind(names, args, kwargs)
+    if bound is None or not _floating_dense(bound.get("self")):
+        return None
+    t = bound["self"]
+    shapes = [t.shape]
+    for name, value in bound.items():
+        if name == "self":
+            continue
+        if isinstance(value, torch.Tensor):
+            if not _floating_dense(value) or value.dtype != t.dtype:
+                return None
+            shapes.append(value.shape)
+        elif type(value) not in (int, float):
+            return None
+    try:
+        if tuple(torch.broadcast_shapes(*shapes)) != tuple(t.shape):
+            return None
+    except RuntimeError:
+        return None
+    return _IN_PLACE
+
+
+def plan_add_sub_(args: tuple, kwargs: dict) -> Plan | None:
+    return plan_in_place(args, kwargs, ("self", "other", "alpha"))
+
+
+def plan_mul_div_(args: tuple, kwargs: dict) -> Plan | None:
+    return plan_in_place(args, kwargs, ("self", "other"))
+
+
+def plan_addc_(args: tuple, kwargs: dict) -> Plan | None:
+    return plan_in_place(args, kwargs, ("self", "tensor1", "tensor2", "value"))
+
+
 def plan_linear(args: tuple, kwargs: dict) -> Plan | None:
     """aten::linear(input, weight, bias=None): input of 2 or more dimensions, a 2-D weight and a
     1-D bias (or none) that fit it, one floating dtype, all plainly contiguous: a contiguous
@@ -215,6 +257,12 @@ RULES = {
     id(_aten.sub.Tensor): plan_add_sub,
     id(_aten.mul.Tensor): plan_binary,
     id(_aten.div.Tensor): plan_binary,
+    id(_aten.add_.Tensor): plan_add_sub_,
+    id(_aten.sub_.Tensor): plan_add_sub_,
+    id(_aten.mul_.Tensor): plan_mul_div_,
+    id(_aten.div_.Tensor): plan_mul_div_,
+    id(_aten.addcdiv_.default): plan_addc_,
+    id(_aten.addcmul_.default): plan_addc_,
     **{id(getattr(_aten, name).default): plan_unary
        for name in ("silu", "relu", "tanh", "sigmoid", "exp", "neg", "rsqrt", "sqrt", "abs")},
 }

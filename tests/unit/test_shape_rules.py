@@ -234,3 +234,43 @@ def test_embedding_rule_matches_meta_execution():
         indices = laid_out(rng, random_shape(rng, 0, 3)).abs().mul(rows).floor().clamp(max=rows - 1).to(index_dtype)
         answered += check(op, shape_rules.plan_embedding, (weight, indices), {})
     assert answered > 30
+
+
+@pytest.mark.parametrize("name", ["add_.Tensor", "sub_.Tensor", "mul_.Tensor", "div_.Tensor", "addcdiv_.default",
+                                  "addcmul_.default"])
+def test_in_place_rules_match_meta_execution(name):
+    rng = random.Random(name)
+    packet, overload = name.split(".")
+    op = getattr(getattr(torch.ops.aten, packet), overload)
+    rule = shape_rules.RULES[id(op)]
+    answered = 0
+    for _ in range(150):
+        shape = random_shape(rng)
+        x = tensor_of(rng, shape, random_dtype(rng))
+
+        def operand():
+            if rng.random() < 0.2:
+                return rng.choice([2, 0.5, -1.5])
+            oshape = tuple(rng.choice([1, n]) for n in shape)[rng.randint(0, len(shape)):]
+            if rng.random() < 0.1:
+                oshape = (2,) + oshape  # grows the result: an in-place op refuses it
+            return tensor_of(rng, oshape, x.dtype if rng.random() < 0.9 else random_dtype(rng)).abs() + 1
+
+        if packet.startswith("addc"):
+            args, kwargs = (x, operand(), operand()), ({"value": rng.choice([0.5, -2])} if rng.random() < 0.5 else {})
+            if not all(isinstance(a, torch.Tensor) for a in args):
+                continue
+        else:
+            args, kwargs = (x, operand()), ({"alpha": 3} if "add" in name and rng.random() < 0.2 else {})
+        try:
+            expected = meta_plan(op, args, kwargs)
+        except (RuntimeError, IndexError, ValueError, TypeError, meta.NeedsRemoteExecution):
+            expected = None
+        got = rule(args, kwargs)
+        if got is None:
+            continue
+        assert got == expected
+        with torch.no_grad():
+            assert op(*args, **kwargs) is x  # the CPU kernel takes these inputs too
+        answered += 1
+    assert answered > 20
