@@ -452,6 +452,14 @@ class Runtime:
                 endpoints = [self.local_daemon.start(self.config.connect_timeout, while_waiting=self._warm_up)]
             links = [DaemonLink(self, ep) for ep in endpoints]
             futures = [self.loop.submit(l.connect(self.config.connect_timeout, self.config.heartbeat)) for l in links]
+            if self.local_daemon is None:
+                # Meanwhile (an embedded daemon's start already did it), what PyTorch loads on the
+                # first ops on a subclass tensor: paid here, not by the first remote op (a client
+                # of a running daemon had its first `(x * i).sum().item()` take 0.5 s).
+                try:
+                    self._warm_up()
+                except Exception as e:  # noqa: BLE001 - optional work: the ops load it themselves
+                    log.debug("warm-up while connecting failed: %s", e)
             try:
                 for f in futures:
                     f.result(self.config.connect_timeout + 5)
