@@ -3,16 +3,11 @@ import pytest
 import torch
 
 from genie.frontend import meta
+from meta_planning import meta_plan
 
 
 def plan(func, *args, **kwargs):
-    tensors, seen = [], set()
-    for a in list(args) + list(kwargs.values()):
-        for t in (a if isinstance(a, (list, tuple)) else [a]):
-            if isinstance(t, torch.Tensor) and id(t) not in seen:
-                seen.add(id(t))
-                tensors.append(t)
-    return meta.plan_op(func, args, kwargs, tensors, [t.untyped_storage().nbytes() for t in tensors])
+    return meta_plan(func, args, kwargs)
 
 
 def test_new_tensor_plan_has_metadata():

@@ -11,19 +11,10 @@ import torch
 
 from daemon import attention
 from genie.frontend import meta, shape_rules
+from meta_planning import meta_plan
 
 CAT = torch.ops.aten.cat.default
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
-
-
-def meta_plan(func, args, kwargs):
-    tensors, seen = [], set()
-    for a in list(args) + list(kwargs.values()):
-        for t in (a if isinstance(a, (list, tuple)) else [a]):
-            if isinstance(t, torch.Tensor) and id(t) not in seen:
-                seen.add(id(t))
-                tensors.append(t)
-    return meta.plan_op(func, args, kwargs, tensors, [t.untyped_storage().nbytes() for t in tensors])
 
 
 def laid_out(rng: random.Random, shape: tuple, dtype=torch.float32) -> torch.Tensor:
