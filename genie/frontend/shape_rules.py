@@ -34,8 +34,7 @@ def _plain_dense(t) -> bool:
     """Row-major strides exactly, size-1 dimensions' too (is_contiguous() ignores those, and
     meta kernels pass them on to results), and not also channels-last contiguous (where torch's
     memory-format suggestion may pick either)."""
-    if (not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.storage_offset() < 0
-            or tuple(t.stride()) != contiguous_strides(t.shape)):
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided or tuple(t.stride()) != contiguous_strides(t.shape):
         return False
     if t.dim() == 4:
         return not t.is_contiguous(memory_format=torch.channels_last)
