@@ -25,6 +25,11 @@ import torch
 
 from .meta import NewTensor, Plan, SameAsInput, contiguous_strides
 
+try:  # torch's Python twin of Tensor.suggest_memory_format, as its cat meta kernel uses it
+    from torch._prims_common import suggest_memory_format as _suggest_memory_format
+except ImportError:  # another torch's layout: cat of 4-D and 5-D tensors then goes to meta execution
+    _suggest_memory_format = None
+
 
 def _dense_output(dtype: torch.dtype, shape: tuple) -> Plan:
     return Plan(NewTensor(dtype, shape, contiguous_strides(shape), 0, math.prod(shape) * dtype.itemsize), ())
@@ -50,9 +55,21 @@ def _bind(names: tuple, args: tuple, kwargs: dict) -> dict | None:
     return dict(zip(names, args), **kwargs)
 
 
+def _suggests_row_major(t) -> bool:
+    """Whether torch's memory-format suggestion for `t` (Tensor.suggest_memory_format, which cat
+    consults) is contiguous_format: always below 4 dimensions; for 4-D and 5-D by torch's own
+    test of strides (where it cannot be imported, assumed not)."""
+    if t.dim() not in (4, 5):
+        return True
+    return _suggest_memory_format is not None and _suggest_memory_format(t) == torch.contiguous_format
+
+
 def plan_cat(args: tuple, kwargs: dict) -> Plan | None:
     """aten::cat(Tensor[] tensors, int dim=0): same dtype, same rank, every size but `dim`'s equal,
-    no empty tensor (cat skips legacy empty ones), all plainly contiguous: a contiguous result."""
+    no empty tensor (cat skips legacy empty ones), and one tensor at least whose suggested memory
+    format is row-major: then the result is row-major whatever the tensors' layouts (cat copies;
+    a decoding step's new key, a transposed view, has strides of its own in its size-1
+    dimensions)."""
     bound = _bind(("tensors", "dim"), args, kwargs)
     if bound is None:
         return None
@@ -66,14 +83,18 @@ def plan_cat(args: tuple, kwargs: dict) -> Plan | None:
     if rank == 0 or not -rank <= dim < rank:
         return None
     dim %= rank
-    total = 0
+    total, row_major = 0, False
     for t in tensors:
-        if not _plain_dense(t) or t.dtype != dtype or t.dim() != rank or t.numel() == 0:
+        if (not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.dtype != dtype or t.dim() != rank
+                or t.numel() == 0):
             return None
         size = tuple(t.shape)
         if size[:dim] != shape[:dim] or size[dim + 1:] != shape[dim + 1:]:
             return None
         total += size[dim]
+        row_major = row_major or _suggests_row_major(t)
+    if not row_major:
+        return None
     return _dense_output(dtype, shape[:dim] + (total,) + shape[dim + 1:])
 
 

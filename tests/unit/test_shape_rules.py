@@ -82,6 +82,10 @@ def test_cat_rule_answers_a_growing_kv_cache():
     past, new = torch.randn(1, 4, 64, 48), torch.randn(1, 4, 1, 48)
     assert check(CAT, shape_rules.plan_cat, ([past, new], -2), {})
     assert check(CAT, shape_rules.plan_cat, ([past, new], 2), {})
+    # The new key as models make it: split, view, transpose (strides (192, 48, 192, 1)).
+    key = torch.randn(1, 1, 576).split(192, dim=-1)[1].view(1, 1, 4, 48).transpose(1, 2)
+    assert check(CAT, shape_rules.plan_cat, ([past, key], 2), {})
+    assert check(CAT, shape_rules.plan_cat, ([key, key], 2), {})
 
 
 def test_sdpa_rule_matches_meta_execution_and_the_daemon_kernel():
