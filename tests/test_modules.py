@@ -175,3 +175,35 @@ def test_composite_ops_go_whole_without_autograd_and_decompose_with_it(dev, sent
     for c, r in zip(cpu_leaves, remote_leaves):
         torch.testing.assert_close(r.grad.cpu(), c.grad, atol=1e-5, rtol=1e-4)
     assert "aten::linear" not in sent_ops and "aten::addmm" in sent_ops  # decomposed: autograd has formulas
+
+
+def test_decode_steps_with_new_cache_lengths_need_no_meta_execution(dev, monkeypatch):
+    """Each token of a torch.cat KV cache gives cat and attention new shapes, which miss the
+    metadata cache; their plans come from genie/frontend/shape_rules.py, not from meta execution
+    (Python meta kernels: ~3 ms per step of this model). A rule that stops answering the shapes a
+    model really produces (a transposed key view, ...) fails this."""
+    from genie.frontend import capture, meta
+
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig()).eval().to(dev)
+    planned: list[str] = []
+    plan_op = meta.plan_op
+
+    def counting(func, *args):
+        planned.append(capture.op_name(func))
+        return plan_op(func, *args)
+
+    with torch.no_grad():
+        prompt = torch.randint(0, model.cfg.vocab_size, (1, 37), device=dev)  # a length no other test uses
+        pos = torch.arange(37, device=dev)
+        logits, past = model(prompt, pos)
+        for step in range(5):
+            if step == 2:  # the first steps plan the one-token shapes that do not change
+                monkeypatch.setattr(meta, "plan_op", counting)
+            token = logits[:, -1].argmax(dim=-1, keepdim=True)
+            pos = pos[-1:] + 1
+            logits, past = model(token, pos, past)
+        in_steps = list(planned)
+        logits.sum().item()  # runs them (values: test_gpt_generation_matches_cpu)
+    assert past[0][0].shape[2] == 42  # layer 0 keys: 37 + 5 positions
+    assert in_steps == []
