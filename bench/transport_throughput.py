@@ -155,8 +155,8 @@ class GenieTransfers:
         genie.init(endpoint)
         self.genie = genie
         self.remote = None
-        # The first op on a remote tensor imports what PyTorch loads lazily for tensor subclasses
-        # (about a second here): not a cost of any transfer size.
+        # One-time costs of a process's first remote ops (planning `.to()`'s ops; PyTorch's lazy
+        # imports, which genie.init now does): not a cost of any transfer size.
         self.upload(torch.ones(256))
         self.download()
 
