@@ -366,14 +366,24 @@ def test_a_refused_direct_post_is_reported_by_the_next_sync(dev):
 
 def test_only_fetches_of_big_tensors_ask_for_the_bulk_lane(dev):
     # A request without bulk_min may be answered on the daemon's event loop (no worker hop).
+    import gc
+
     stream = genie.get_runtime().stream(0)
     threshold = genie.get_runtime().links[0].bulk_min_bytes
-    torch.remote_accelerator.synchronize()  # nothing queued: the _take calls below drop no ops
-    with stream.lock:
-        assert not stream.ops and not stream.frees
-        assert "bulk_min" not in stream._take(fetch=[1], report=False, largest=threshold - 1)[0]
-        assert stream._take(fetch=[1], report=False, largest=threshold)[0]["bulk_min"] == threshold
-        assert stream._take(fetch=[1], report=False)[0]["bulk_min"] == threshold  # size unknown
+    # Nothing queued, so the _take calls below drop no ops and no frees: earlier tests' garbage
+    # collected first (once, a collection right after synchronize queued two frees), and no
+    # collection meanwhile.
+    gc.collect()
+    torch.remote_accelerator.synchronize()
+    gc.disable()
+    try:
+        with stream.lock:
+            assert not stream.ops and not stream.frees
+            assert "bulk_min" not in stream._take(fetch=[1], report=False, largest=threshold - 1)[0]
+            assert stream._take(fetch=[1], report=False, largest=threshold)[0]["bulk_min"] == threshold
+            assert stream._take(fetch=[1], report=False)[0]["bulk_min"] == threshold  # size unknown
+    finally:
+        gc.enable()
     small, big = torch.randn(1000), torch.randn(BIG)
     assert torch.equal(small.to(dev).cpu(), small) and torch.equal(big.to(dev).cpu(), big)
 
