@@ -60,10 +60,7 @@ class LocalDaemon:
         reader = threading.Thread(target=read_ready, daemon=True)
         reader.start()
         if while_waiting is not None:
-            try:
-                while_waiting()
-            except Exception as e:  # noqa: BLE001 - optional work: the daemon still starts without it
-                log.debug("work while the daemon starts failed: %s", e)
+            while_waiting()
         reader.join(max(deadline - time.monotonic(), 0))
         if not result:
             self.stop()

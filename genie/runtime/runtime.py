@@ -422,7 +422,7 @@ class Runtime:
         self.current_device = 0
         self._atexit_registered = False
         self.on_start: list = []  # callbacks run after each (re)connection, e.g. to replay a seed
-        self.warm_ups: list = []  # work for the wait while an embedded daemon starts (e.g. imports)
+        self.warm_ups: list = []  # work for the wait while daemons start or connect (e.g. imports)
         self.host_pool = HostBufferPool(self.config.host_pool_bytes)  # receive buffers of bulk downloads
         self.curve = None  # security.ClientKeys when connections use CURVE
         self.inherited_endpoints: list[str] | None = None  # in a forked child: the daemons the parent used
@@ -456,10 +456,7 @@ class Runtime:
                 # Meanwhile (an embedded daemon's start already did it), what PyTorch loads on the
                 # first ops on a subclass tensor: paid here, not by the first remote op (a client
                 # of a running daemon had its first `(x * i).sum().item()` take 0.5 s).
-                try:
-                    self._warm_up()
-                except Exception as e:  # noqa: BLE001 - optional work: the ops load it themselves
-                    log.debug("warm-up while connecting failed: %s", e)
+                self._warm_up()
             try:
                 for f in futures:
                     f.result(self.config.connect_timeout + 5)
@@ -488,8 +485,13 @@ class Runtime:
                      ", ".join(f"{link.endpoint} {link.transport_path()}" for link in links))
 
     def _warm_up(self) -> None:
+        """Optional work while this process waits for daemons anyway; a failure only means the
+        first ops do it themselves."""
         for fn in self.warm_ups:
-            fn()
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001
+                log.debug("warm-up %s failed: %s", getattr(fn, "__name__", fn), e)
 
     def ensure_started(self) -> None:
         if not self._started:
