@@ -48,11 +48,18 @@ def _plain_dense(t) -> bool:
     return True
 
 
-def _bind(names: tuple, args: tuple, kwargs: dict) -> dict | None:
-    """Arguments by schema name; None where the call has more or other arguments than `names`."""
-    if len(args) > len(names) or any(k not in names for k in kwargs):
-        return None
-    return dict(zip(names, args), **kwargs)
+def _by_schema_names(op, rule):
+    """`rule` (which reads the call's arguments by their schema names) as RULES calls it, with a
+    call's positional and keyword arguments; a call with others than the schema's gets None."""
+    names = tuple(a.name for a in op._schema.arguments)
+
+    def planned(args: tuple, kwargs: dict) -> Plan | None:
+        if len(args) > len(names) or any(k not in names for k in kwargs):
+            return None
+        return rule(dict(zip(names, args), **kwargs))
+
+    planned.__name__ = rule.__name__
+    return planned
 
 
 def _suggests_row_major(t) -> bool:
@@ -64,15 +71,12 @@ def _suggests_row_major(t) -> bool:
     return _suggest_memory_format is not None and _suggest_memory_format(t) == torch.contiguous_format
 
 
-def plan_cat(args: tuple, kwargs: dict) -> Plan | None:
+def plan_cat(bound: dict) -> Plan | None:
     """aten::cat(Tensor[] tensors, int dim=0): same dtype, same rank, every size but `dim`'s equal,
     no empty tensor (cat skips legacy empty ones), and one tensor at least whose suggested memory
     format is row-major: then the result is row-major whatever the tensors' layouts (cat copies;
     a decoding step's new key, a transposed view, has strides of its own in its size-1
     dimensions)."""
-    bound = _bind(("tensors", "dim"), args, kwargs)
-    if bound is None:
-        return None
     tensors, dim = bound.get("tensors"), bound.get("dim", 0)
     if not isinstance(tensors, (list, tuple)) or not tensors or type(dim) is not int:
         return None
@@ -102,26 +106,20 @@ def _floating_dense(t) -> bool:
     return _plain_dense(t) and t.dtype.is_floating_point and t.numel() > 0
 
 
-def plan_unary(args: tuple, kwargs: dict, names: tuple = ("self",)) -> Plan | None:
+def plan_unary(bound: dict) -> Plan | None:
     """An elementwise op of one floating tensor (gelu, silu, relu, tanh, ...): a plainly
     contiguous input gives a contiguous result of its shape and dtype."""
-    bound = _bind(names, args, kwargs)
-    if bound is None or not _floating_dense(bound.get("self")):
+    if not _floating_dense(bound.get("self")):
         return None
     t = bound["self"]
     return _dense_output(t.dtype, tuple(t.shape))
 
 
-def plan_gelu(args: tuple, kwargs: dict) -> Plan | None:
-    return plan_unary(args, kwargs, ("self", "approximate"))
-
-
-def plan_binary(args: tuple, kwargs: dict, names: tuple = ("self", "other")) -> Plan | None:
+def plan_binary(bound: dict) -> Plan | None:
     """add / sub / mul / div of a floating tensor and a tensor of the same dtype (both plainly
     contiguous, shapes broadcasting) or a Python int or float: a contiguous result of the
     broadcast shape and that dtype."""
-    bound = _bind(names, args, kwargs)
-    if bound is None or not _floating_dense(bound.get("self")):
+    if not _floating_dense(bound.get("self")):
         return None
     t, other = bound["self"], bound.get("other")
     alpha = bound.get("alpha", 1)
@@ -138,20 +136,15 @@ def plan_binary(args: tuple, kwargs: dict, names: tuple = ("self", "other")) -> 
     return _dense_output(t.dtype, shape)
 
 
-def plan_add_sub(args: tuple, kwargs: dict) -> Plan | None:
-    return plan_binary(args, kwargs, ("self", "other", "alpha"))
-
-
 _IN_PLACE = Plan(SameAsInput(0), ())
 
 
-def plan_in_place(args: tuple, kwargs: dict, names: tuple) -> Plan | None:
+def plan_in_place(bound: dict) -> Plan | None:
     """add_ / sub_ / mul_ / div_ / addcdiv_ / addcmul_ on a plainly contiguous floating tensor,
     whose other tensors (plainly contiguous, same dtype) broadcast to its shape and whose other
     arguments are Python numbers: the result is `self`, its metadata unchanged. (Optimizers' and
     training loops' step-dependent scalars make every step's call a new cache key.)"""
-    bound = _bind(names, args, kwargs)
-    if bound is None or not _floating_dense(bound.get("self")):
+    if not _floating_dense(bound.get("self")):
         return None
     t = bound["self"]
     shapes = [t.shape]
@@ -172,25 +165,10 @@ def plan_in_place(args: tuple, kwargs: dict, names: tuple) -> Plan | None:
     return _IN_PLACE
 
 
-def plan_add_sub_(args: tuple, kwargs: dict) -> Plan | None:
-    return plan_in_place(args, kwargs, ("self", "other", "alpha"))
-
-
-def plan_mul_div_(args: tuple, kwargs: dict) -> Plan | None:
-    return plan_in_place(args, kwargs, ("self", "other"))
-
-
-def plan_addc_(args: tuple, kwargs: dict) -> Plan | None:
-    return plan_in_place(args, kwargs, ("self", "tensor1", "tensor2", "value"))
-
-
-def plan_linear(args: tuple, kwargs: dict) -> Plan | None:
+def plan_linear(bound: dict) -> Plan | None:
     """aten::linear(input, weight, bias=None): input of 2 or more dimensions, a 2-D weight and a
     1-D bias (or none) that fit it, one floating dtype, all plainly contiguous: a contiguous
     (..., out_features) result."""
-    bound = _bind(("input", "weight", "bias"), args, kwargs)
-    if bound is None:
-        return None
     x, w, b = bound.get("input"), bound.get("weight"), bound.get("bias")
     if not (_floating_dense(x) and _floating_dense(w)) or x.dim() < 2 or w.dim() != 2:
         return None
@@ -201,13 +179,10 @@ def plan_linear(args: tuple, kwargs: dict) -> Plan | None:
     return _dense_output(x.dtype, tuple(x.shape[:-1]) + (w.shape[0],))
 
 
-def plan_layer_norm(args: tuple, kwargs: dict) -> Plan | None:
+def plan_layer_norm(bound: dict) -> Plan | None:
     """aten::layer_norm over the input's trailing dimensions, with weight and bias (or none) of
     exactly those sizes, one floating dtype, all plainly contiguous: a contiguous result of the
     input's shape."""
-    bound = _bind(("input", "normalized_shape", "weight", "bias", "eps", "cudnn_enable"), args, kwargs)
-    if bound is None:
-        return None
     x, normalized = bound.get("input"), bound.get("normalized_shape")
     if not _floating_dense(x) or not isinstance(normalized, (list, tuple)) or not normalized:
         return None
@@ -220,11 +195,10 @@ def plan_layer_norm(args: tuple, kwargs: dict) -> Plan | None:
     return _dense_output(x.dtype, tuple(x.shape))
 
 
-def plan_embedding(args: tuple, kwargs: dict) -> Plan | None:
+def plan_embedding(bound: dict) -> Plan | None:
     """aten::embedding(weight, indices, ...): a plainly contiguous 2-D floating weight and int64 or
     int32 indices: a contiguous indices.shape + (embedding_dim,) result."""
-    bound = _bind(("weight", "indices", "padding_idx", "scale_grad_by_freq", "sparse"), args, kwargs)
-    if bound is None or bound.get("sparse"):
+    if bound.get("sparse"):
         return None
     w, idx = bound.get("weight"), bound.get("indices")
     if not _floating_dense(w) or w.dim() != 2 or not _plain_dense(idx) or idx.dtype not in (torch.int64, torch.int32):
@@ -232,18 +206,12 @@ def plan_embedding(args: tuple, kwargs: dict) -> Plan | None:
     return _dense_output(w.dtype, tuple(idx.shape) + (w.shape[1],))
 
 
-_SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-
-
-def plan_sdpa(args: tuple, kwargs: dict) -> Plan | None:
+def plan_sdpa(bound: dict) -> Plan | None:
     """aten::scaled_dot_product_attention on 4-D (batch, heads, length, dim) inputs of one
     floating dtype with equal batch and head counts (no GQA broadcast), an optional mask of 2 to
     4 dimensions that broadcasts to (batch, heads, L, S) without growing it (the CPU kernel
     refuses a 1-D one that meta execution takes), and not both a mask and is_causal: a
     contiguous (batch, heads, L, value dim) result."""
-    bound = _bind(_SDPA_NAMES, args, kwargs)
-    if bound is None:
-        return None
     q, k, v, mask = bound.get("query"), bound.get("key"), bound.get("value"), bound.get("attn_mask")
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.layout == torch.strided for t in (q, k, v)):
         return None
@@ -266,23 +234,22 @@ def plan_sdpa(args: tuple, kwargs: dict) -> Plan | None:
 
 
 _aten = torch.ops.aten
-RULES = {
-    id(_aten.cat.default): plan_cat,
-    id(_aten.scaled_dot_product_attention.default): plan_sdpa,
-    id(_aten.linear.default): plan_linear,
-    id(_aten.layer_norm.default): plan_layer_norm,
-    id(_aten.embedding.default): plan_embedding,
-    id(_aten.gelu.default): plan_gelu,
-    id(_aten.add.Tensor): plan_add_sub,
-    id(_aten.sub.Tensor): plan_add_sub,
-    id(_aten.mul.Tensor): plan_binary,
-    id(_aten.div.Tensor): plan_binary,
-    id(_aten.add_.Tensor): plan_add_sub_,
-    id(_aten.sub_.Tensor): plan_add_sub_,
-    id(_aten.mul_.Tensor): plan_mul_div_,
-    id(_aten.div_.Tensor): plan_mul_div_,
-    id(_aten.addcdiv_.default): plan_addc_,
-    id(_aten.addcmul_.default): plan_addc_,
-    **{id(getattr(_aten, name).default): plan_unary
-       for name in ("silu", "relu", "tanh", "sigmoid", "exp", "neg", "rsqrt", "sqrt", "abs")},
-}
+RULES = {id(op): _by_schema_names(op, rule) for op, rule in (
+    (_aten.cat.default, plan_cat),
+    (_aten.scaled_dot_product_attention.default, plan_sdpa),
+    (_aten.linear.default, plan_linear),
+    (_aten.layer_norm.default, plan_layer_norm),
+    (_aten.embedding.default, plan_embedding),
+    (_aten.add.Tensor, plan_binary),
+    (_aten.sub.Tensor, plan_binary),
+    (_aten.mul.Tensor, plan_binary),
+    (_aten.div.Tensor, plan_binary),
+    (_aten.add_.Tensor, plan_in_place),
+    (_aten.sub_.Tensor, plan_in_place),
+    (_aten.mul_.Tensor, plan_in_place),
+    (_aten.div_.Tensor, plan_in_place),
+    (_aten.addcdiv_.default, plan_in_place),
+    (_aten.addcmul_.default, plan_in_place),
+    *((getattr(_aten, name).default, plan_unary)
+      for name in ("gelu", "silu", "relu", "tanh", "sigmoid", "exp", "neg", "rsqrt", "sqrt", "abs")),
+)}
