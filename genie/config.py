@@ -6,7 +6,7 @@ GENIE_CONNECT_TIMEOUT seconds to wait for a daemon's hello (default 60: an embed
                       daemon has to import torch first).
 GENIE_REQUEST_TIMEOUT seconds a blocking materialization may wait (default 600).
 GENIE_BATCH_OPS       ops queued per device before a batch is sent without waiting
-                      for a materialization (default 256).
+                      for a materialization (default 32).
 GENIE_BATCH_BYTES     inline payload bytes queued before such a send (default 8 MiB).
 GENIE_MAX_INFLIGHT_MB payload MiB sent to one daemon and not yet acknowledged before
                       further sends wait (backpressure; default 256).
@@ -85,7 +85,7 @@ def load() -> Config:
         server_url=os.environ.get("GENIE_SERVER_URL") or None,
         connect_timeout=_float("GENIE_CONNECT_TIMEOUT", 60.0),
         request_timeout=_float("GENIE_REQUEST_TIMEOUT", 600.0),
-        batch_ops=int(_float("GENIE_BATCH_OPS", 256)),
+        batch_ops=int(_float("GENIE_BATCH_OPS", 32)),
         batch_bytes=int(_float("GENIE_BATCH_BYTES", 8 << 20)),
         max_inflight_bytes=int(_float("GENIE_MAX_INFLIGHT_MB", 256) * (1 << 20)),
         max_frame_bytes=int(_float("GENIE_FRAME_MB", 1024) * (1 << 20)),

@@ -144,3 +144,58 @@ def test_a_client_gone_before_its_answer_does_not_disturb_the_daemon(dev):
         stream_framing.send_message(fake.sock, [protocol.pack(["exec", 70004, body])])
         fake.close()  # before the 4 MiB answer (bulk-sized, but this client has no bulk lane: inline)
     assert (torch.ones(5, device=dev) * 2).sum().item() == 10.0
+
+
+def test_full_batches_go_ahead_on_the_direct_lane_and_are_read_in_order(dev, monkeypatch):
+    # A batch that fills up is posted on the direct socket (the daemon runs it while the client
+    # captures the next), answers read later in order, at most MAX_OPS_AHEAD ops of them unread.
+    from genie.runtime import runtime
+
+    link, stream = _link(), genie.get_runtime().stream(0)
+    torch.remote_accelerator.synchronize()
+    monkeypatch.setattr(stream, "batch_ops", 4)
+    monkeypatch.setattr(runtime, "MAX_OPS_AHEAD", 16)
+    sent, unread_seen = [], []
+    send_direct, post_threadsafe = link.channel.send_direct, link.channel.post_threadsafe
+
+    def spy_send(kind, body, frames):
+        sent.append(len(body["ops"]))
+        unread_seen.append(link._direct_unread_ops)
+        return send_direct(kind, body, frames)
+
+    def spy_post(loop, kind, body, *rest):
+        if kind == "exec":
+            sent.append("loop")
+        return post_threadsafe(loop, kind, body, *rest)
+
+    monkeypatch.setattr(link.channel, "send_direct", spy_send)
+    monkeypatch.setattr(link.channel, "post_threadsafe", spy_post)
+    x = torch.zeros(3, device=dev)
+    for _ in range(60):
+        x = x + 1
+    assert x.sum().item() == 180.0
+    assert "loop" not in sent
+    assert len(sent) >= 15  # 60 ops in batches of 4, then the read
+    assert max(unread_seen) == 16  # bounded: the oldest answers are read first
+    assert not link._direct_unread and link._direct_unread_ops == 0
+
+
+def test_a_failed_posted_batch_is_reported_once_by_the_next_sync(dev, monkeypatch):
+    # The daemon refuses a malformed batch at once, ahead of the answers to batches posted before
+    # it: the client keeps that answer until it reads its turn.
+    from genie.errors import RemoteExecutionError
+    from genie.runtime import runtime
+
+    link, stream = _link(), genie.get_runtime().stream(0)
+    torch.remote_accelerator.synchronize()
+    monkeypatch.setattr(runtime, "MAX_OPS_AHEAD", 4)
+    good = {"dev": 0, "stream": 0, "ops": [], "frees": [], "fetch": [], "report": False}
+    bad = dict(good, stream=-1)  # a bad stream id: the daemon refuses the batch
+    for body in [good, good, bad] + [good] * 6:
+        assert link.post_direct(dict(body), [], stream)
+        assert link._direct_unread_ops <= 4
+    with pytest.raises(RemoteExecutionError, match="stream"):
+        torch.remote_accelerator.synchronize()
+    assert not link._direct_unread
+    torch.remote_accelerator.synchronize()  # said once
+    assert (torch.ones(3, device=dev) * 2).cpu().tolist() == [2.0, 2.0, 2.0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
 import concurrent.futures
 import itertools
 import logging
@@ -32,6 +33,12 @@ from .stream import DeviceStream, remote_error
 log = logging.getLogger("genie.runtime")
 
 
+# How many ops a client may post on the direct socket ahead of reading their answers (see
+# DaemonLink.post_direct): like a CUDA device's launch queue, about a thousand deep, past which
+# launching waits for the device.
+MAX_OPS_AHEAD = 1024
+
+
 class DaemonLink:
     """One connected daemon: its channel, its devices, and this client's handle ids on it."""
 
@@ -48,9 +55,10 @@ class DaemonLink:
         self.inflight_bytes = 0
         self._inflight = threading.Condition()
         self._outstanding = 0  # exec requests posted through the loop and not yet answered
-        self._direct_busy = False  # a caller thread is in a direct request (see `direct_exec`)
-        self._direct_unread: tuple[int, DeviceStream] | None = None  # see `post_direct`
-        self._collect_lock = threading.Lock()
+        self._direct_busy = False  # a caller thread is using the direct socket (see `direct_exec`)
+        # Batches posted on the direct socket whose answers are not read yet, oldest first (see `post_direct`).
+        self._direct_unread: collections.deque[tuple[int, DeviceStream, int]] = collections.deque()
+        self._direct_unread_ops = 0  # the ops in those batches
         self.lost: str | None = None  # why this daemon was declared lost, once it is
         self.token = bulk.new_token()  # this client's routing id on the daemon; also opens its bulk lane
         self.bulk_lane: bulk.Lane | None = None
@@ -228,8 +236,8 @@ class DaemonLink:
         parent's sockets."""
         self.lost = reason
         self._inflight = threading.Condition()
-        self._collect_lock = threading.Lock()
-        self._direct_unread = None
+        self._direct_unread = collections.deque()
+        self._direct_unread_ops = 0
         self._direct_busy = False
         self._outstanding = 0
         self.inflight_bytes = 0
@@ -283,15 +291,18 @@ class DaemonLink:
     def direct_exec(self, body: dict, frames: list, stream: DeviceStream) -> concurrent.futures.Future | None:
         """Run an exec as a direct request on the calling thread when nothing else is in flight.
 
-        Returns a finished future, or None when the loop path must be used (requests in flight,
-        another direct request running, or called on the loop thread).
+        Returns a finished future, or None when the loop path must be used (requests in flight
+        on it, another thread on the direct socket, or called on the loop thread). Answers to
+        batches posted before it on the direct socket are read first (the daemon answers that
+        socket in order): the request goes out without waiting for them.
         """
         if not self._claim_direct():
             return None
         future: concurrent.futures.Future = concurrent.futures.Future()
         try:
-            reply = self.channel.request_sync("exec", body, frames, self.runtime.config.request_timeout,
-                                              alive=self._alive)
+            rid = self.channel.send_direct("exec", body, frames)
+            self._read_posted(ops_ahead=0)
+            reply = self.channel.receive_direct(rid, self.runtime.config.request_timeout, alive=self._alive)
             self._log_timing(reply, stream)
             future.set_result(reply)
         except Exception as e:  # noqa: BLE001 - handed to the waiter like a loop-path failure
@@ -301,48 +312,70 @@ class DaemonLink:
         return future
 
     def post_direct(self, body: dict, frames: list, stream: DeviceStream) -> bool:
-        """Send an exec nobody waits for yet on the direct socket, its answer read later by
-        `collect_direct` (a sync, or the next request on this link, on whatever thread).
+        """Send an exec nobody waits for yet on the direct socket; its answer is read later, in
+        order, by the next direct request, a sync, or a post through the loop (`collect_direct`).
 
-        For a batch whose bulk bytes follow it: the caller sends them, and a later sync reads
-        the answer off the socket itself, without the loop thread's two hops. False when the
-        loop path must be used (as for `direct_exec`).
+        For a full batch, this lets the daemon run it while this thread captures the next one,
+        with neither side's thread hops of the loop path; for a batch whose bulk bytes follow
+        it, the caller sends them, and the sync reads the answer off the socket itself. At most
+        MAX_OPS_AHEAD ops stay unread: past that, this waits for the oldest answers (a client that
+        never syncs runs at most that far ahead of its daemon, as CUDA launches do). False when
+        the loop path must be used (as for `direct_exec`).
         """
         if not self._claim_direct():
             return False
         try:
             rid = self.channel.send_direct("exec", body, frames)
-        except Exception:
+            ops = max(1, len(body["ops"]))
+            self._direct_unread.append((rid, stream, ops))
+            self._direct_unread_ops += ops
+            self._read_posted(ops_ahead=MAX_OPS_AHEAD)
+        except Exception as e:  # noqa: BLE001 - a lost connection, said to this caller
+            raise self._direct_failure(e) from None
+        finally:
             self._release_direct()
-            raise
-        self._direct_unread = (rid, stream)
         return True
 
     def collect_direct(self) -> None:
-        """Read the answer to a `post_direct` exec, if one is unread: a failure of its ops is kept
-        on its stream (nobody waited for it); a lost connection raises here."""
-        if self._direct_unread is None:
+        """Read the answers to `post_direct` execs, if any are unread (any thread may): failures
+        of their ops are kept on their streams (nobody waited for them); a lost connection raises."""
+        if not self._direct_unread:
             return
-        with self._collect_lock:
-            if self._direct_unread is None:
-                return  # another thread read it
-            rid, stream = self._direct_unread
+        with self._inflight:
+            self._inflight.wait_for(lambda: not self._direct_busy or self.lost is not None,
+                                    timeout=self.runtime.config.request_timeout)
+            if self._direct_busy:
+                raise GenieConnectionError(self.lost or f"genie-daemon at {self.endpoint}: the direct socket "
+                                           f"stayed busy for {self.runtime.config.request_timeout:.0f}s")
+            self._direct_busy = True
+        try:
+            self._read_posted(ops_ahead=0)
+        except Exception as e:  # noqa: BLE001 - the connection failed: said to this caller
+            raise self._direct_failure(e) from None
+        finally:
+            self._release_direct()
+
+    def _read_posted(self, ops_ahead: int) -> None:
+        """Read posted answers, oldest first, until at most `ops_ahead` ops are left unread
+        (the caller has claimed the direct socket)."""
+        while self._direct_unread and self._direct_unread_ops > ops_ahead:
+            rid, stream, ops = self._direct_unread[0]
             try:
                 reply = self.channel.receive_direct(rid, self.runtime.config.request_timeout, alive=self._alive)
                 self._log_timing(reply, stream)
                 stream.note_failure(reply)
             except RemoteError as e:
                 stream.record_async_error(to_genie_error(e, self.endpoint))
-            except Exception as e:  # noqa: BLE001 - the connection failed: said to this caller
-                raise self._direct_failure(e) from None
-            finally:
-                self._direct_unread = None
-                self._release_direct()
+            except BaseException:
+                self._direct_unread.clear()  # the connection is gone: nothing more will be read
+                self._direct_unread_ops = 0
+                raise
+            self._direct_unread.popleft()
+            self._direct_unread_ops -= ops
 
     def _claim_direct(self) -> bool:
         if self.runtime.loop.in_loop_thread() or self.channel is None or self.channel.closed:
             return False
-        self.collect_direct()
         with self._inflight:
             if self._outstanding or self._direct_busy:
                 return False
@@ -371,6 +404,7 @@ class DaemonLink:
             stream.exec_log.append(tuple(timing))
 
     def request(self, kind: str, body: dict, timeout: float | None = None):
+        self.collect_direct()  # answers to batches posted before it first: it may be about their work
         return self.wait(self.channel.post_threadsafe(self.runtime.loop.loop, kind, body), timeout)
 
     def wait(self, future: concurrent.futures.Future, timeout: float | None = None):

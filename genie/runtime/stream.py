@@ -212,7 +212,7 @@ class DeviceStream:
                 self._send_pending_bulk(post, write_behind=entry[0] == protocol.ADOPT_OP and self.adopts_in_place,
                                         records=named)
         elif len(self.ops) >= self.batch_ops or self.inline_bytes >= self.batch_bytes:
-            self._post(self._take(fetch=[], report=False), wait=False)
+            self._post_unwaited(self._take(fetch=[], report=False))
 
     def _take(self, fetch: list[int], report: bool, largest: int | None = None) -> tuple[dict, list]:
         if self.dropped_programs and self.recording is None:
@@ -251,6 +251,12 @@ class DeviceStream:
         except BaseException:
             self._on_settled()  # never posted
             raise
+
+    def _post_unwaited(self, batch: tuple[dict, list]) -> None:
+        """Send a batch nobody waits for: on the direct socket when it is free (the daemon runs it
+        while this thread captures the next, and no thread hop on either side), else through the loop."""
+        if not self.link.post_direct(*batch, self):
+            self._post(batch, wait=False)
 
     def _on_settled(self) -> None:
         """A posted batch's answer was handled (a failure nobody waited for is recorded by now)."""

@@ -93,11 +93,14 @@ class Channel:
         # The direct lane (stream_framing): a plain socket that `request_sync` uses instead of
         # `_direct` once attached; dropped for `_direct` if it fails.
         self.direct_stream: socket.socket | None = None
-        self._direct_sent_on: socket.socket | None = None  # where the last direct request went
+        # Direct requests sent and not yet answered: where each went and when. The daemon may answer
+        # them out of order (a malformed one at once, ahead of earlier execs), so an answer read
+        # while waiting for another is kept in `_direct_early` for its own reader.
+        self._direct_awaiting: dict[int, tuple[socket.socket | None, float]] = {}
+        self._direct_early: dict[int, tuple[bool, object, list]] = {}
         self.loss_grace_s = 5.0  # after the direct lane breaks, how long to wait for the link's verdict
         self.busy_poll = BusyPoll(0.0)  # a direct request polls for its answer before blocking (_spin_for_reply)
         self._typical_wait = 0.0  # moving average of how long direct requests waited for their answer
-        self._direct_sent_at = 0.0
         self._sync_ctx: zmq.Context | None = None
         self._direct_lock = threading.Lock()
         self.last_heard = 0.0  # time.monotonic() of the last reply from the daemon
@@ -260,15 +263,17 @@ class Channel:
         if stream is not None:
             try:
                 stream_framing.send_message(stream, [header, *frames])
-            except OSError as e:  # nothing usable went out: this request goes by ZeroMQ
+            except OSError as e:
                 self._drop_direct_stream(e)
-                stream = None
+                if self._direct_awaiting:  # their answers were to come on that lane: lost with it
+                    raise ChannelClosed(f"direct lane to {self.endpoint} failed with "
+                                        f"{len(self._direct_awaiting)} answers unread: {e}") from None
+                stream = None  # nothing usable went out: this request goes by ZeroMQ
         if stream is None:
             self._direct_socket().send_multipart([header, *frames], copy=all(n < COPY_THRESHOLD for n in sizes))
         self.bytes_sent += len(header) + sum(sizes)
         self.messages_sent += 1
-        self._direct_sent_on = stream
-        self._direct_sent_at = time.perf_counter()
+        self._direct_awaiting[rid] = (stream, time.perf_counter())
         return rid
 
     def _drop_direct_stream(self, why) -> None:
@@ -280,11 +285,21 @@ class Channel:
         self.direct_stream = None
 
     def _receive_direct(self, rid, timeout, alive, poll_s) -> Reply:
-        if self.closed:
-            raise ChannelClosed(f"connection to {self.endpoint} is closed")
-        stream = self._direct_sent_on
-        if stream is None:
-            return self._receive_zmq_direct(rid, timeout, alive, poll_s)
+        try:
+            if self.closed:
+                raise ChannelClosed(f"connection to {self.endpoint} is closed")
+            early = self._direct_early.pop(rid, None)
+            if early is not None:
+                return self._settle(*early)
+            stream, sent_at = self._direct_awaiting[rid]
+            reply = (self._receive_zmq_direct(rid, timeout, alive, poll_s) if stream is None
+                     else self._receive_stream_direct(stream, rid, timeout, alive, poll_s))
+            self._typical_wait += WAIT_AVERAGING * (time.perf_counter() - sent_at - self._typical_wait)
+            return reply
+        finally:
+            self._direct_awaiting.pop(rid, None)  # answered, failed, or timed out: a late answer is dropped
+
+    def _receive_stream_direct(self, stream, rid, timeout, alive, poll_s) -> Reply:
         poller = select.poll()
         poller.register(stream, select.POLLIN)
         self._spin_for_reply(poller)
@@ -306,8 +321,6 @@ class Channel:
                 raise ChannelClosed(f"direct lane to {self.endpoint} failed: {e}") from None
             reply = self._reply_for(rid, parts)
             if reply is not None:
-                elapsed = time.perf_counter() - self._direct_sent_at
-                self._typical_wait += WAIT_AVERAGING * (elapsed - self._typical_wait)
                 return reply
 
     def _wait_readable(self, poll, timeout: float, alive, poll_s: float, waited: float) -> float:
@@ -332,7 +345,8 @@ class Channel:
             self.busy_poll.run(lambda: poller.poll(0))
 
     def _reply_for(self, rid: int, parts: list) -> Reply | None:
-        """The reply in `parts` if it answers `rid` (None: a late answer, or malformed and dropped)."""
+        """The reply in `parts` if it answers `rid`. None: the answer to another direct request
+        still awaited (kept for its reader), a late answer, or malformed (both dropped)."""
         self.last_heard = time.monotonic()
         self.bytes_received += sum(len(p) for p in parts)
         try:
@@ -341,10 +355,16 @@ class Channel:
             log.warning("dropping a malformed reply from %s: %s", self.endpoint, e)
             return None
         if got_rid != rid:
-            return None  # the late answer to a request that timed out
+            if got_rid in self._direct_awaiting:
+                self._direct_early[got_rid] = (ok, reply_body, parts[1:])
+            return None
+        return self._settle(ok, reply_body, parts[1:])
+
+    @staticmethod
+    def _settle(ok: bool, body, frames: list) -> Reply:
         if ok:
-            return Reply(reply_body, parts[1:])
-        raise RemoteError(reply_body)
+            return Reply(body, frames)
+        raise RemoteError(body)
 
     def _receive_zmq_direct(self, rid, timeout, alive, poll_s) -> Reply:
         sock = self._direct_socket()
@@ -385,7 +405,8 @@ class Channel:
         if self.direct_stream is not None:
             self.direct_stream.close()
             self.direct_stream = None
-        self._direct_sent_on = None
+        self._direct_awaiting = {}
+        self._direct_early = {}
 
     async def close(self) -> None:
         if self.closed:
