@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import struct
+import threading
 import time
 
 import pytest
@@ -199,3 +200,30 @@ def test_a_failed_posted_batch_is_reported_once_by_the_next_sync(dev, monkeypatc
     assert not link._direct_unread
     torch.remote_accelerator.synchronize()  # said once
     assert (torch.ones(3, device=dev) * 2).cpu().tolist() == [2.0, 2.0, 2.0]
+
+
+async def test_an_awaited_materialization_does_not_block_its_event_loop_on_posted_batches(dev, monkeypatch):
+    # Its fetch goes behind the posted batches on the direct socket, and a thread of Genie's reads
+    # their answers: the caller's event loop never blocks on them.
+    link, stream = _link(), genie.get_runtime().stream(0)
+    torch.remote_accelerator.synchronize()
+    monkeypatch.setattr(stream, "batch_ops", 4)
+    caller, reads_on_caller = threading.get_ident(), []
+    read_posted = link._read_posted
+
+    def spy(ops_ahead):
+        if threading.get_ident() == caller and link._direct_unread_ops > ops_ahead:
+            reads_on_caller.append(len(link._direct_unread))
+        return read_posted(ops_ahead)
+
+    monkeypatch.setattr(link, "_read_posted", spy)
+    x = torch.zeros(64, 64, device=dev)
+    adds = 0
+    while adds < 40 or not stream.ops:
+        x, adds = x + 1, adds + 1
+    assert len(link._direct_unread) >= 9  # posted, not read yet
+    assert stream.flush() is not None  # a post that nobody waits for goes behind them too
+    assert (await genie.materialize(x)).sum().item() == adds * 64 * 64
+    assert reads_on_caller == []
+    torch.remote_accelerator.synchronize()
+    assert not link._direct_unread and link._direct_unread_ops == 0

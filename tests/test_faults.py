@@ -1,6 +1,7 @@
 """Faults: a daemon killed or frozen mid-run fails waiting work fast, and the client reconnects."""
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -67,6 +68,23 @@ def test_kill_9_fails_the_materialization_within_5s_and_the_client_reconnects():
         genie.shutdown()
         first.stop()
         second.stop()
+
+
+async def test_kill_9_fails_an_awaited_materialization_behind_posted_batches():
+    # Its fetch waits behind batches posted on the direct lane, read by a thread of Genie's: that
+    # thread learns of the loss and hands it to the awaiting caller.
+    with DaemonProcess() as d:
+        genie.init(d.endpoint)
+        try:
+            _, y = _long_work()
+            assert genie.get_runtime().links[0]._direct_unread, "no batch posted ahead: the test needs some"
+            killed: list = []
+            _signal_later(d.proc, signal.SIGKILL, 0.5, killed)
+            with pytest.raises(GenieConnectionError, match="lost"):
+                await asyncio.wait_for(genie.materialize(y.sum()), 30)
+            assert killed and time.monotonic() - killed[0] < 5.0
+        finally:
+            genie.shutdown()
 
 
 def test_a_frozen_daemon_is_detected_by_heartbeats():

@@ -39,6 +39,36 @@ log = logging.getLogger("genie.runtime")
 MAX_OPS_AHEAD = 1024
 
 
+class _Posted:
+    """A batch sent on the direct socket whose answer is read later (see DaemonLink.post_direct)."""
+
+    __slots__ = ("rid", "stream", "ops", "future", "waited", "on_settled")
+
+    def __init__(self, rid: int | None, stream: DeviceStream, ops: int, future: concurrent.futures.Future | None = None,
+                 waited: bool = False, on_settled=None) -> None:
+        self.rid, self.stream, self.ops = rid, stream, ops
+        self.future = future  # set with the answer, when somebody holds it (see `_post_behind_direct`)
+        self.waited = waited  # somebody waits on `future`: failures go there, not to the stream
+        self.on_settled = on_settled
+
+    def settle(self, reply=None, error: BaseException | None = None) -> None:
+        """Hand over the answer (or the failure): to the future's waiter, else kept on the stream."""
+        try:
+            if not self.waited:
+                if error is None:
+                    self.stream.note_failure(reply)
+                else:
+                    self.stream.record_async_error(error)
+            if self.future is not None:
+                if error is None:
+                    self.future.set_result(reply)
+                else:
+                    self.future.set_exception(error)
+        finally:
+            if self.on_settled is not None:
+                self.on_settled()
+
+
 class DaemonLink:
     """One connected daemon: its channel, its devices, and this client's handle ids on it."""
 
@@ -57,8 +87,9 @@ class DaemonLink:
         self._outstanding = 0  # exec requests posted through the loop and not yet answered
         self._direct_busy = False  # a caller thread is using the direct socket (see `direct_exec`)
         # Batches posted on the direct socket whose answers are not read yet, oldest first (see `post_direct`).
-        self._direct_unread: collections.deque[tuple[int, DeviceStream, int]] = collections.deque()
+        self._direct_unread: collections.deque[_Posted] = collections.deque()
         self._direct_unread_ops = 0  # the ops in those batches
+        self._collector_running = False  # a thread reads posted answers for waiters (`_collect_in_background`)
         self.lost: str | None = None  # why this daemon was declared lost, once it is
         self.token = bulk.new_token()  # this client's routing id on the daemon; also opens its bulk lane
         self.bulk_lane: bulk.Lane | None = None
@@ -238,6 +269,7 @@ class DaemonLink:
         self._inflight = threading.Condition()
         self._direct_unread = collections.deque()
         self._direct_unread_ops = 0
+        self._collector_running = False
         self._direct_busy = False
         self._outstanding = 0
         self.inflight_bytes = 0
@@ -251,6 +283,10 @@ class DaemonLink:
                     on_settled=None) -> concurrent.futures.Future:
         """Post an exec in order. When nobody waits for it, failures are kept on the stream.
         `on_settled` is called once its answer is handled, failures recorded included."""
+        if self._direct_unread:  # it must go after batches posted on the direct socket: there too
+            future = self._post_behind_direct(body, frames, stream, waited, on_settled)
+            if future is not None:
+                return future
         nbytes = sum(memoryview(f).nbytes for f in frames)
         limit = self.runtime.config.max_inflight_bytes
         self.collect_direct()  # an unread direct answer goes first: program order, and it frees the direct socket
@@ -324,17 +360,60 @@ class DaemonLink:
         """
         if not self._claim_direct():
             return False
+        self._send_posted(body, frames, stream)
+        return True
+
+    def _post_behind_direct(self, body: dict, frames: list, stream: DeviceStream, waited: bool,
+                            on_settled) -> concurrent.futures.Future | None:
+        """`submit_exec` while batches posted on the direct socket are unread: post it there too,
+        behind them, and have a thread read the answers, rather than block this caller until
+        they are in (an asyncio caller of `genie.materialize` must not wait). None: the direct
+        socket is in use by another thread (then `submit_exec` waits for it)."""
+        if not self._claim_direct():
+            return None
+        posted = _Posted(None, stream, 0, concurrent.futures.Future(), waited, on_settled)
         try:
-            rid = self.channel.send_direct("exec", body, frames)
-            ops = max(1, len(body["ops"]))
-            self._direct_unread.append((rid, stream, ops))
-            self._direct_unread_ops += ops
+            self._send_posted(body, frames, stream, posted)
+        except Exception:
+            if posted.rid is None:
+                raise  # never sent: the caller settles it
+            return posted.future  # sent, and failed with the connection (settled by `_read_posted`)
+        self._collect_in_background()
+        return posted.future
+
+    def _send_posted(self, body: dict, frames: list, stream: DeviceStream, posted: _Posted | None = None) -> None:
+        """Send a posted batch on the claimed direct socket, then release it (see `post_direct`)."""
+        try:
+            posted = posted or _Posted(None, stream, 0)
+            posted.rid = self.channel.send_direct("exec", body, frames)
+            posted.ops = max(1, len(body["ops"]))
+            self._direct_unread.append(posted)
+            self._direct_unread_ops += posted.ops
             self._read_posted(ops_ahead=MAX_OPS_AHEAD)
         except Exception as e:  # noqa: BLE001 - a lost connection, said to this caller
             raise self._direct_failure(e) from None
         finally:
             self._release_direct()
-        return True
+
+    def _collect_in_background(self) -> None:
+        """Read posted answers on a thread of their own until none is left."""
+        with self._inflight:
+            if self._collector_running:
+                return  # it looks at the queue again before it stops
+            self._collector_running = True
+
+        def collect() -> None:
+            while True:
+                try:
+                    self.collect_direct()
+                except Exception as e:  # noqa: BLE001 - the waiters got it; nobody else to tell
+                    log.debug("reading posted answers from %s: %s", self.endpoint, e)
+                with self._inflight:
+                    if not self._direct_unread or self.lost is not None:
+                        self._collector_running = False
+                        return
+
+        threading.Thread(target=collect, name="genie-collect", daemon=True).start()
 
     def collect_direct(self) -> None:
         """Read the answers to `post_direct` execs, if any are unread (any thread may): failures
@@ -359,19 +438,26 @@ class DaemonLink:
         """Read posted answers, oldest first, until at most `ops_ahead` ops are left unread
         (the caller has claimed the direct socket)."""
         while self._direct_unread and self._direct_unread_ops > ops_ahead:
-            rid, stream, ops = self._direct_unread[0]
+            posted = self._direct_unread[0]
             try:
-                reply = self.channel.receive_direct(rid, self.runtime.config.request_timeout, alive=self._alive)
-                self._log_timing(reply, stream)
-                stream.note_failure(reply)
+                reply = self.channel.receive_direct(posted.rid, self.runtime.config.request_timeout, alive=self._alive)
             except RemoteError as e:
-                stream.record_async_error(to_genie_error(e, self.endpoint))
-            except BaseException:
-                self._direct_unread.clear()  # the connection is gone: nothing more will be read
-                self._direct_unread_ops = 0
+                self._direct_unread.popleft()
+                self._direct_unread_ops -= posted.ops
+                posted.settle(error=to_genie_error(e, self.endpoint))
+                continue
+            except BaseException as e:
+                # The connection is gone: no answer will come. Each batch's waiter, or its
+                # stream's next sync, learns it too (this caller may be the collector thread).
+                error = self._direct_failure(e) if isinstance(e, Exception) else GenieConnectionError(repr(e))
+                unread, self._direct_unread, self._direct_unread_ops = self._direct_unread, collections.deque(), 0
+                for lost in unread:
+                    lost.settle(error=error)
                 raise
             self._direct_unread.popleft()
-            self._direct_unread_ops -= ops
+            self._direct_unread_ops -= posted.ops
+            self._log_timing(reply, posted.stream)
+            posted.settle(reply)
 
     def _claim_direct(self) -> bool:
         if self.runtime.loop.in_loop_thread() or self.channel is None or self.channel.closed:
