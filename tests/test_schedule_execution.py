@@ -75,5 +75,6 @@ def test_analyze_reports_and_draws(dev, tmp_path, capsys):
     remote = net.by_name("remote_accelerator:0")
     assert remote.flops > 1e6 and remote.link.bandwidth > 1e6 and remote.link.latency > 0
     png, svg = result.to_png(str(tmp_path / "g.png")), result.to_svg(str(tmp_path / "g.svg"))
+    assert (png, svg) == (str(tmp_path / "g.png"), str(tmp_path / "g.svg"))
     assert (tmp_path / "g.png").read_bytes()[:4] == b"\x89PNG"
     assert b"<svg" in (tmp_path / "g.svg").read_bytes()[:400]

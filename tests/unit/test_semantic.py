@@ -145,6 +145,22 @@ def test_third_party_plugin():
     assert "tanh_squash" not in a.pattern_counts()
 
 
+def test_matches_below_the_report_threshold_are_not_reported():
+    class UnsureTanh(PatternPlugin):
+        name = "unsure_tanh"
+        expected_ops = frozenset({"aten::tanh"})
+
+        def match(self, graph):
+            return [PatternMatch(self.name, REPORT_THRESHOLD - 0.01, (n.id,)) for n in graph.nodes if n.op == "aten::tanh"]
+
+    register_pattern(UnsureTanh())
+    try:
+        a, _ = analyse(TinyBERT(layers=1).eval(), (torch.randint(0, 1000, (1, 4)),))
+        assert "unsure_tanh" not in a.pattern_counts()
+    finally:
+        unregister_pattern("unsure_tanh")
+
+
 def test_costs_count_matmul_flops_and_network_bytes():
     w = torch.randn(32, 16)
     with Capture() as cap:
