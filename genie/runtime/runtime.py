@@ -42,11 +42,13 @@ MAX_OPS_AHEAD = 1024
 class _Posted:
     """A batch sent on the direct socket whose answer is read later (see DaemonLink.post_direct)."""
 
-    __slots__ = ("rid", "stream", "ops", "future", "waited", "on_settled")
+    __slots__ = ("rid", "stream", "ops", "nbytes", "future", "waited", "on_settled")
 
-    def __init__(self, rid: int | None, stream: DeviceStream, ops: int, future: concurrent.futures.Future | None = None,
+    def __init__(self, stream: DeviceStream, future: concurrent.futures.Future | None = None,
                  waited: bool = False, on_settled=None) -> None:
-        self.rid, self.stream, self.ops = rid, stream, ops
+        self.rid: int | None = None  # set once sent
+        self.stream = stream
+        self.ops = self.nbytes = 0  # its size, for the bound on what is posted ahead
         self.future = future  # set with the answer, when somebody holds it (see `_post_behind_direct`)
         self.waited = waited  # somebody waits on `future`: failures go there, not to the stream
         self.on_settled = on_settled
@@ -88,7 +90,8 @@ class DaemonLink:
         self._direct_busy = False  # a caller thread is using the direct socket (see `direct_exec`)
         # Batches posted on the direct socket whose answers are not read yet, oldest first (see `post_direct`).
         self._direct_unread: collections.deque[_Posted] = collections.deque()
-        self._direct_unread_ops = 0  # the ops in those batches
+        self._direct_unread_ops = 0  # the ops in those batches, and their payload bytes
+        self._direct_unread_bytes = 0
         self._collector_running = False  # a thread reads posted answers for waiters (`_collect_in_background`)
         self.lost: str | None = None  # why this daemon was declared lost, once it is
         self.token = bulk.new_token()  # this client's routing id on the daemon; also opens its bulk lane
@@ -268,7 +271,7 @@ class DaemonLink:
         self.lost = reason
         self._inflight = threading.Condition()
         self._direct_unread = collections.deque()
-        self._direct_unread_ops = 0
+        self._direct_unread_ops = self._direct_unread_bytes = 0
         self._collector_running = False
         self._direct_busy = False
         self._outstanding = 0
@@ -337,7 +340,7 @@ class DaemonLink:
         future: concurrent.futures.Future = concurrent.futures.Future()
         try:
             rid = self.channel.send_direct("exec", body, frames)
-            self._read_posted(ops_ahead=0)
+            self._read_posted(everything=True)
             reply = self.channel.receive_direct(rid, self.runtime.config.request_timeout, alive=self._alive)
             self._log_timing(reply, stream)
             future.set_result(reply)
@@ -354,9 +357,10 @@ class DaemonLink:
         For a full batch, this lets the daemon run it while this thread captures the next one,
         with neither side's thread hops of the loop path; for a batch whose bulk bytes follow
         it, the caller sends them, and the sync reads the answer off the socket itself. At most
-        MAX_OPS_AHEAD ops stay unread: past that, this waits for the oldest answers (a client that
-        never syncs runs at most that far ahead of its daemon, as CUDA launches do). False when
-        the loop path must be used (as for `direct_exec`).
+        MAX_OPS_AHEAD ops, and max_inflight_bytes of payload, stay unread: past that, this waits
+        for the oldest answers (a client that never syncs runs at most that far ahead of its
+        daemon, as CUDA launches do; a single batch larger than that still goes alone). False
+        when the loop path must be used (as for `direct_exec`).
         """
         if not self._claim_direct():
             return False
@@ -371,7 +375,7 @@ class DaemonLink:
         socket is in use by another thread (then `submit_exec` waits for it)."""
         if not self._claim_direct():
             return None
-        posted = _Posted(None, stream, 0, concurrent.futures.Future(), waited, on_settled)
+        posted = _Posted(stream, concurrent.futures.Future(), waited, on_settled)
         try:
             self._send_posted(body, frames, stream, posted)
         except Exception:
@@ -384,12 +388,13 @@ class DaemonLink:
     def _send_posted(self, body: dict, frames: list, stream: DeviceStream, posted: _Posted | None = None) -> None:
         """Send a posted batch on the claimed direct socket, then release it (see `post_direct`)."""
         try:
-            posted = posted or _Posted(None, stream, 0)
+            posted = posted or _Posted(stream)
             posted.rid = self.channel.send_direct("exec", body, frames)
-            posted.ops = max(1, len(body["ops"]))
+            posted.ops, posted.nbytes = max(1, len(body["ops"])), sum(memoryview(f).nbytes for f in frames)
             self._direct_unread.append(posted)
             self._direct_unread_ops += posted.ops
-            self._read_posted(ops_ahead=MAX_OPS_AHEAD)
+            self._direct_unread_bytes += posted.nbytes
+            self._read_posted(everything=False)
         except Exception as e:  # noqa: BLE001 - a lost connection, said to this caller
             raise self._direct_failure(e) from None
         finally:
@@ -428,36 +433,42 @@ class DaemonLink:
                                            f"stayed busy for {self.runtime.config.request_timeout:.0f}s")
             self._direct_busy = True
         try:
-            self._read_posted(ops_ahead=0)
+            self._read_posted(everything=True)
         except Exception as e:  # noqa: BLE001 - the connection failed: said to this caller
             raise self._direct_failure(e) from None
         finally:
             self._release_direct()
 
-    def _read_posted(self, ops_ahead: int) -> None:
-        """Read posted answers, oldest first, until at most `ops_ahead` ops are left unread
-        (the caller has claimed the direct socket)."""
-        while self._direct_unread and self._direct_unread_ops > ops_ahead:
+    def _read_posted(self, everything: bool) -> None:
+        """Read posted answers, oldest first: all of them, or until what is left unread is within
+        the bounds of `post_direct` (the caller has claimed the direct socket)."""
+        while self._direct_unread and (everything or len(self._direct_unread) > 1 and (
+                self._direct_unread_ops > MAX_OPS_AHEAD
+                or self._direct_unread_bytes > self.runtime.config.max_inflight_bytes)):
             posted = self._direct_unread[0]
             try:
                 reply = self.channel.receive_direct(posted.rid, self.runtime.config.request_timeout, alive=self._alive)
             except RemoteError as e:
-                self._direct_unread.popleft()
-                self._direct_unread_ops -= posted.ops
+                self._forget_oldest_posted()
                 posted.settle(error=to_genie_error(e, self.endpoint))
                 continue
             except BaseException as e:
                 # The connection is gone: no answer will come. Each batch's waiter, or its
                 # stream's next sync, learns it too (this caller may be the collector thread).
                 error = self._direct_failure(e) if isinstance(e, Exception) else GenieConnectionError(repr(e))
-                unread, self._direct_unread, self._direct_unread_ops = self._direct_unread, collections.deque(), 0
+                unread, self._direct_unread = self._direct_unread, collections.deque()
+                self._direct_unread_ops = self._direct_unread_bytes = 0
                 for lost in unread:
                     lost.settle(error=error)
                 raise
-            self._direct_unread.popleft()
-            self._direct_unread_ops -= posted.ops
+            self._forget_oldest_posted()
             self._log_timing(reply, posted.stream)
             posted.settle(reply)
+
+    def _forget_oldest_posted(self) -> None:
+        posted = self._direct_unread.popleft()
+        self._direct_unread_ops -= posted.ops
+        self._direct_unread_bytes -= posted.nbytes
 
     def _claim_direct(self) -> bool:
         if self.runtime.loop.in_loop_thread() or self.channel is None or self.channel.closed:

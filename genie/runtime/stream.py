@@ -191,7 +191,7 @@ class DeviceStream:
             # A batch runs on one daemon-side stream: switching streams closes the batch.
             if self.ops:
                 pending, self.pending_bulk = self.pending_bulk, []  # they belong to `entry`
-                self._post(self._take(fetch=[], report=False), wait=False)
+                self._post_unwaited(self._take(fetch=[], report=False))
                 self.pending_bulk = pending
             self.batch_stream = sid
         self.ops.append(entry)
@@ -292,12 +292,11 @@ class DeviceStream:
 
     # ------------------------------------------------------------ synchronisation points
 
-    def flush(self) -> concurrent.futures.Future | None:
+    def flush(self) -> None:
+        """Send what is queued without waiting; a failure of the batch is kept for the next sync."""
         with self.lock:
-            if not self.ops and not self.frees:
-                return None
-            # Nobody waits on it: a failure of the whole batch is kept for the next sync.
-            return self._post(self._take(fetch=[], report=False), wait=False)
+            if self.ops or self.frees:
+                self._post_unwaited(self._take(fetch=[], report=False))
 
     def synchronize(self) -> None:
         """Wait until every op queued so far has run on the daemon.
