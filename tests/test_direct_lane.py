@@ -229,3 +229,25 @@ async def test_an_awaited_materialization_does_not_block_its_event_loop_on_poste
     assert reads_on_caller == []
     torch.remote_accelerator.synchronize()
     assert not link._direct_unread and link._direct_unread_ops == 0
+
+
+def test_shutdown_says_bye_behind_posted_batches(dev, monkeypatch):
+    # The bye goes on the direct lane behind them (the daemon frees this client's tensors after
+    # they ran, not before), and the daemon reads it even though the client closes right after.
+    link, stream = _link(), genie.get_runtime().stream(0)
+    torch.remote_accelerator.synchronize()
+    before = torch.remote_accelerator.memory_allocated()
+    monkeypatch.setattr(stream, "batch_ops", 2)
+    kept = [torch.ones(256, 1024, device=dev) * i for i in range(8)]  # 1 MiB each, posted and unanswered
+    assert link._direct_unread
+    sent, send_direct = [], link.channel.send_direct
+    monkeypatch.setattr(link.channel, "send_direct", lambda kind, body, frames: sent.append(kind) or
+                        send_direct(kind, body, frames))
+    genie.shutdown()
+    assert sent[-1] == "bye"
+    genie.init(link.endpoint)
+    deadline = time.monotonic() + 10
+    while torch.remote_accelerator.memory_allocated() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert torch.remote_accelerator.memory_allocated() <= before
+    del kept

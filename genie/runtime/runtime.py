@@ -531,7 +531,12 @@ class DaemonLink:
             return
         if say_bye and not self.channel.closed:
             try:
-                await asyncio.wait_for(self.channel.post("bye", {}), 2.0)
+                if self._direct_unread:
+                    # Batches posted on the direct socket are unanswered: the bye goes behind them
+                    # there, so the daemon frees this client's tensors after they ran, not before.
+                    self.channel.send_direct("bye", {}, None)
+                else:
+                    await asyncio.wait_for(self.channel.post("bye", {}), 2.0)
             except Exception:
                 pass
         await self.channel.close()

@@ -116,6 +116,7 @@ class MessageReader:
         self.max_frames = max_frames
         self.max_frame = max_frame
         self.max_bytes = max_bytes
+        self._closed = False  # the peer closed after the messages the last read() returned
         self._reset()
 
     def _reset(self) -> None:
@@ -126,7 +127,10 @@ class MessageReader:
         self._in_count = True
 
     def read(self) -> list[list[Frame]]:
-        """Complete messages; raises ConnectionError when the peer closed, ProtocolError on a bad one."""
+        """Complete messages; raises ConnectionError when the peer closed (once the messages it sent
+        before closing are returned), ProtocolError on a bad one."""
+        if self._closed:
+            raise ConnectionError("direct lane closed")
         done = []
         while True:
             view = memoryview(self._target).cast("B")
@@ -136,6 +140,9 @@ class MessageReader:
                 except (BlockingIOError, InterruptedError):
                     return done
                 if n == 0:
+                    if done:  # a client that sent and closed (say, "bye"): its last messages count
+                        self._closed = True
+                        return done
                     raise ConnectionError("direct lane closed")
                 self._filled += n
                 if self._filled < view.nbytes:

@@ -62,6 +62,18 @@ def test_a_closed_peer_is_reported():
     b.close()
 
 
+def test_messages_sent_just_before_the_peer_closed_are_returned_first():
+    a, b = _pair()
+    reader = sf.MessageReader(b, 16, 1 << 20, 1 << 20)
+    for m in ([b"exec"], [b"bye", b"x" * 10]):
+        a.sendall(b"".join(bytes(x) for x in sf.encode(m)))
+    a.close()
+    assert [[f.bytes for f in m] for m in reader.read()] == [[b"exec"], [b"bye", b"x" * 10]]
+    with pytest.raises(ConnectionError):
+        reader.read()
+    b.close()
+
+
 def test_the_writer_never_blocks_and_keeps_order():
     a, b = _pair()
     writer = sf.MessageWriter(b)
