@@ -6,7 +6,8 @@ GENIE_CONNECT_TIMEOUT seconds to wait for a daemon's hello (default 60: an embed
                       daemon has to import torch first).
 GENIE_REQUEST_TIMEOUT seconds a blocking materialization may wait (default 600).
 GENIE_BATCH_OPS       ops queued per device before a batch is sent without waiting
-                      for a materialization (default 32).
+                      for a materialization (default 32; up to 8x that while many
+                      sent batches are unanswered).
 GENIE_BATCH_BYTES     inline payload bytes queued before such a send (default 8 MiB).
 GENIE_MAX_INFLIGHT_MB payload MiB sent to one daemon and not yet acknowledged before
                       further sends wait (backpressure; default 256).

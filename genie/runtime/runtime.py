@@ -93,6 +93,7 @@ class DaemonLink:
         self._direct_unread_ops = 0  # the ops in those batches, and their payload bytes
         self._direct_unread_bytes = 0
         self._collector_running = False  # a thread reads posted answers for waiters (`_collect_in_background`)
+        self.said_bye = False  # see `say_bye_behind_posted`
         self.lost: str | None = None  # why this daemon was declared lost, once it is
         self.token = bulk.new_token()  # this client's routing id on the daemon; also opens its bulk lane
         self.bulk_lane: bulk.Lane | None = None
@@ -455,15 +456,20 @@ class DaemonLink:
             except BaseException as e:
                 # The connection is gone: no answer will come. Each batch's waiter, or its
                 # stream's next sync, learns it too (this caller may be the collector thread).
-                error = self._direct_failure(e) if isinstance(e, Exception) else GenieConnectionError(repr(e))
-                unread, self._direct_unread = self._direct_unread, collections.deque()
-                self._direct_unread_ops = self._direct_unread_bytes = 0
-                for lost in unread:
-                    lost.settle(error=error)
+                self._drop_posted(self._direct_failure(e) if isinstance(e, Exception)
+                                  else GenieConnectionError(repr(e)))
                 raise
             self._forget_oldest_posted()
             self._log_timing(reply, posted.stream)
             posted.settle(reply)
+
+    def _drop_posted(self, error: BaseException) -> None:
+        """No answer will come to the unread posted batches: each one's waiter, or its stream's
+        next sync, gets `error`."""
+        unread, self._direct_unread = self._direct_unread, collections.deque()
+        self._direct_unread_ops = self._direct_unread_bytes = 0
+        for lost in unread:
+            lost.settle(error=error)
 
     def _forget_oldest_posted(self) -> None:
         posted = self._direct_unread.popleft()
@@ -529,17 +535,31 @@ class DaemonLink:
         if self.lost is not None:
             await self.channel.close()
             return
-        if say_bye and not self.channel.closed:
+        if say_bye and not self.said_bye and not self.channel.closed:
             try:
-                if self._direct_unread:
-                    # Batches posted on the direct socket are unanswered: the bye goes behind them
-                    # there, so the daemon frees this client's tensors after they ran, not before.
-                    self.channel.send_direct("bye", {}, None)
-                else:
-                    await asyncio.wait_for(self.channel.post("bye", {}), 2.0)
+                await asyncio.wait_for(self.channel.post("bye", {}), 2.0)
             except Exception:
                 pass
         await self.channel.close()
+
+    def say_bye_behind_posted(self, timeout: float = 2.0) -> None:
+        """At shutdown, with batches posted on the direct socket unanswered: the bye goes there,
+        behind them (through ZeroMQ it could reach the daemon first, which would free this
+        client's tensors before they ran), and their answers are read, `timeout` at most: a
+        socket closed with answers unread resets the connection, and the daemon loses what it
+        had not read yet (seen: the bye, and the client's tensors kept until its lease ran out)."""
+        if not self._direct_unread or self.lost is not None or not self._claim_direct():
+            return
+        try:
+            rid = self.channel.send_direct("bye", {}, None)
+            self.said_bye = True
+            self.channel.receive_direct(rid, timeout, alive=self._alive)  # keeps earlier answers aside
+            self._read_posted(everything=True)  # all in by now
+        except Exception as e:  # noqa: BLE001 - shutting down: what is unread fails
+            self._drop_posted(GenieConnectionError(f"genie-daemon at {self.endpoint}: shut down before "
+                                                   f"its answer came ({e})"))
+        finally:
+            self._release_direct()
 
 
 class Runtime:
@@ -733,6 +753,8 @@ class Runtime:
                         stream.flush()
                     except Exception:
                         pass
+                for link in self.links:
+                    link.say_bye_behind_posted()
                 closes = [self._loop.submit(link.close(say_bye=True)) for link in self.links]
                 for f in closes:
                     try:

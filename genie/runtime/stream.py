@@ -211,8 +211,15 @@ class DeviceStream:
                 # copy: on a daemon that keeps it as received, nothing reads it before then.
                 self._send_pending_bulk(post, write_behind=entry[0] == protocol.ADOPT_OP and self.adopts_in_place,
                                         records=named)
-        elif len(self.ops) >= self.batch_ops or self.inline_bytes >= self.batch_bytes:
+        elif (len(self.ops) >= self.batch_ops and len(self.ops) >= self._batch_limit()
+              or self.inline_bytes >= self.batch_bytes):
             self._post_unwaited(self._take(fetch=[], report=False))
+
+    def _batch_limit(self) -> int:
+        """Ops in a batch sent unasked: batch_ops, doubled for every 4 posted batches whose answers
+        are unread, up to 8x. Small batches let the daemon start early; when many are unread, the
+        program is running far ahead, and fewer, larger messages cost both sides less."""
+        return self.batch_ops << min(3, len(self.link._direct_unread) >> 2)
 
     def _take(self, fetch: list[int], report: bool, largest: int | None = None) -> tuple[dict, list]:
         if self.dropped_programs and self.recording is None:
