@@ -548,8 +548,14 @@ class DaemonLink:
         client's tensors before they ran), and their answers are read, `timeout` at most: a
         socket closed with answers unread resets the connection, and the daemon loses what it
         had not read yet (seen: the bye, and the client's tensors kept until its lease ran out)."""
-        if not self._direct_unread or self.lost is not None or not self._claim_direct():
+        if not self._direct_unread or self.lost is not None or self.channel is None or self.channel.closed:
             return
+        with self._inflight:  # the collector thread may hold the socket for a while: wait for it
+            self._inflight.wait_for(lambda: not (self._direct_busy or self._outstanding) or self.lost is not None,
+                                    timeout)
+            if self._direct_busy or self._outstanding or self.lost is not None or not self._direct_unread:
+                return  # all read meanwhile (nothing unread: the bye may go through ZeroMQ)
+            self._direct_busy = True
         try:
             rid = self.channel.send_direct("bye", {}, None)
             self.said_bye = True
