@@ -365,7 +365,7 @@ class DaemonLink:
         """
         if not self._claim_direct():
             return False
-        self._send_posted(body, frames, stream)
+        self._send_posted(body, frames, _Posted(stream))
         return True
 
     def _post_behind_direct(self, body: dict, frames: list, stream: DeviceStream, waited: bool,
@@ -378,7 +378,7 @@ class DaemonLink:
             return None
         posted = _Posted(stream, concurrent.futures.Future(), waited, on_settled)
         try:
-            self._send_posted(body, frames, stream, posted)
+            self._send_posted(body, frames, posted)
         except Exception:
             if posted.rid is None:
                 raise  # never sent: the caller settles it
@@ -386,10 +386,9 @@ class DaemonLink:
         self._collect_in_background()
         return posted.future
 
-    def _send_posted(self, body: dict, frames: list, stream: DeviceStream, posted: _Posted | None = None) -> None:
+    def _send_posted(self, body: dict, frames: list, posted: _Posted) -> None:
         """Send a posted batch on the claimed direct socket, then release it (see `post_direct`)."""
         try:
-            posted = posted or _Posted(stream)
             posted.rid = self.channel.send_direct("exec", body, frames)
             posted.ops, posted.nbytes = max(1, len(body["ops"])), sum(memoryview(f).nbytes for f in frames)
             self._direct_unread.append(posted)
@@ -426,13 +425,9 @@ class DaemonLink:
         of their ops are kept on their streams (nobody waited for them); a lost connection raises."""
         if not self._direct_unread:
             return
-        with self._inflight:
-            self._inflight.wait_for(lambda: not self._direct_busy or self.lost is not None,
-                                    timeout=self.runtime.config.request_timeout)
-            if self._direct_busy:
-                raise GenieConnectionError(self.lost or f"genie-daemon at {self.endpoint}: the direct socket "
-                                           f"stayed busy for {self.runtime.config.request_timeout:.0f}s")
-            self._direct_busy = True
+        if not self._claim_direct_when_free(self.runtime.config.request_timeout):
+            raise GenieConnectionError(self.lost or f"genie-daemon at {self.endpoint}: the direct socket "
+                                       f"stayed busy for {self.runtime.config.request_timeout:.0f}s")
         try:
             self._read_posted(everything=True)
         except Exception as e:  # noqa: BLE001 - the connection failed: said to this caller
@@ -475,6 +470,19 @@ class DaemonLink:
         posted = self._direct_unread.popleft()
         self._direct_unread_ops -= posted.ops
         self._direct_unread_bytes -= posted.nbytes
+
+    def _claim_direct_when_free(self, timeout: float, loop_idle: bool = False) -> bool:
+        """Claim the direct socket once no other thread uses it (and, with `loop_idle`, nothing
+        posted through the loop is unanswered), `timeout` at most; False if it stayed in use."""
+        def in_use() -> bool:
+            return self._direct_busy or loop_idle and self._outstanding > 0
+
+        with self._inflight:
+            self._inflight.wait_for(lambda: not in_use() or self.lost is not None, timeout)
+            if in_use():
+                return False
+            self._direct_busy = True
+        return True
 
     def _claim_direct(self) -> bool:
         if self.runtime.loop.in_loop_thread() or self.channel is None or self.channel.closed:
@@ -550,13 +558,12 @@ class DaemonLink:
         had not read yet (seen: the bye, and the client's tensors kept until its lease ran out)."""
         if not self._direct_unread or self.lost is not None or self.channel is None or self.channel.closed:
             return
-        with self._inflight:  # the collector thread may hold the socket for a while: wait for it
-            self._inflight.wait_for(lambda: not (self._direct_busy or self._outstanding) or self.lost is not None,
-                                    timeout)
-            if self._direct_busy or self._outstanding or self.lost is not None or not self._direct_unread:
-                return  # all read meanwhile (nothing unread: the bye may go through ZeroMQ)
-            self._direct_busy = True
+        # The collector thread may hold the socket for a while: wait for it.
+        if not self._claim_direct_when_free(timeout, loop_idle=True):
+            return
         try:
+            if self.lost is not None or not self._direct_unread:
+                return  # all read meanwhile (nothing unread: the bye may go through ZeroMQ)
             rid = self.channel.send_direct("bye", {}, None)
             self.said_bye = True
             self.channel.receive_direct(rid, timeout, alive=self._alive)  # keeps earlier answers aside

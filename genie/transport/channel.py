@@ -89,8 +89,8 @@ class Channel:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.messages_sent = 0
-        self._direct: zmq.Socket | None = None  # the caller-thread socket of `request_sync`
-        # The direct lane (stream_framing): a plain socket that `request_sync` uses instead of
+        self._direct: zmq.Socket | None = None  # the caller-thread socket of `send_direct`
+        # The direct lane (stream_framing): a plain socket that `send_direct` uses instead of
         # `_direct` once attached; dropped for `_direct` if it fails.
         self.direct_stream: socket.socket | None = None
         # Direct requests sent and not yet answered: where each went and when. The daemon may answer
@@ -229,26 +229,20 @@ class Channel:
 
     # ------------------------------------------------------------ direct requests (caller's thread)
 
-    def request_sync(self, kind: str, body: dict, frames: list | None, timeout: float,
-                     alive=lambda: True, poll_s: float = 0.5) -> Reply:
-        """Send one request and wait for its reply on the calling thread, on a second socket.
+    def send_direct(self, kind: str, body: dict, frames: list | None) -> int:
+        """Send a request from the calling thread on a second socket; its reply is read there by
+        `receive_direct(id)`, the id returned.
 
         This skips both thread hops of `post_threadsafe` (the round trip a blocking read waits
         for drops from ~270 to ~100 us here). The daemon treats the second socket as the same
-        client. The caller guarantees one direct request at a time and that nothing posted on
-        the loop is still unanswered, so program order holds across the two sockets.
-        Raises TimeoutError, ChannelClosed, or RemoteError.
-        """
-        with self._direct_lock:
-            return self._receive_direct(self._send_direct(kind, body, frames), timeout, alive, poll_s)
-
-    def send_direct(self, kind: str, body: dict, frames: list | None) -> int:
-        """The first half of `request_sync`: send, and return the id `receive_direct` waits for.
-        Until then the caller makes no other direct request (same guarantees as `request_sync`)."""
+        client. The caller guarantees that nothing posted on the loop is still unanswered and
+        that one thread at a time sends and reads here, so program order holds across the two
+        sockets; several requests may be sent before their replies are read."""
         with self._direct_lock:
             return self._send_direct(kind, body, frames)
 
     def receive_direct(self, rid: int, timeout: float, alive=lambda: True, poll_s: float = 0.5) -> Reply:
+        """The reply to `send_direct`'s request `rid`. Raises TimeoutError, ChannelClosed, or RemoteError."""
         with self._direct_lock:
             return self._receive_direct(rid, timeout, alive, poll_s)
 
@@ -418,7 +412,7 @@ class Channel:
         if self._socket is not None:
             self._stop_monitor()
             self._socket.close(linger=0)
-        # A thread may be inside request_sync: it sees `closed` within one poll and gives up.
+        # A thread may be inside receive_direct: it sees `closed` within one poll and gives up.
         if (self._direct is not None or self.direct_stream is not None) and self._direct_lock.acquire(timeout=1.0):
             try:
                 if self._direct is not None:
