@@ -451,7 +451,9 @@ class DaemonServer:
         elif request.kind == "reset_peak":
             self._submit_in_order(key, identity, rid, self._reset_peak)
         elif request.kind == "bye":
-            self._submit_in_order(key, identity, rid, self._drop_client, key)
+            # The client's direct lane stays open for this answer (the client closes it after
+            # reading): closed here first, the client met the end of the stream where the answer was due.
+            self._submit_in_order(key, identity, rid, self._drop_client, key, False)
 
     def _run_exec(self, identity: bytes, rid: int, client: ClientState, parsed, payload: list) -> None:
         """Run an exec whose transfers are in: here when that is quicker, else on the worker."""
@@ -679,14 +681,14 @@ class DaemonServer:
             released += self.bulk.pool.release_idle()
         return {"released": released}
 
-    def _drop_client(self, identity: bytes) -> dict:
+    def _drop_client(self, identity: bytes, close_direct_lane: bool = True) -> dict:
         client = self.clients.pop(identity, None)
         if client is not None:
             client.free_all()
             log.info("client %s left", identity.hex())
         if self.bulk is not None:
             self.bulk.drop(identity)
-        if self._loop is not None:
+        if close_direct_lane and self._loop is not None:
             self._loop.call_soon_threadsafe(self._drop_direct, identity + DIRECT_SUFFIX)
         return {}
 
