@@ -285,6 +285,23 @@ class Executor:
                                "downloads": self.gpu_memory_downloads, "download_bytes": self.gpu_memory_download_bytes},
         }
 
+    def moves_memory_only(self, client: ClientState, request: Exec) -> bool:
+        """Whether the request runs no kernel at all on a CPU device: adopts of bulk uploads (kept
+        as received), frees, and reads of tensors whose bytes go out as they are. Such a request
+        starts no OpenMP team, so it may run on the event loop even where torch uses several
+        threads (see DaemonServer.inline_ok), and its time does not grow with its bytes."""
+        if request.device >= len(self.devices) or self.devices[request.device].type != "cpu" or request.shared:
+            return False
+        for call in request.ops:
+            if call.name != ADOPT_OP or len(call.args) != 1 or not isinstance(call.args[0], BulkTensor):
+                return False
+        for handle in request.fetch:
+            found = client.tensors.get(handle)
+            if isinstance(found, torch.Tensor) and (found.device.type != "cpu" or not found.is_contiguous()
+                                                   or found.is_conj() or found.is_neg()):
+                return False  # made dense (a copy kernel) or read back from a GPU first
+        return True
+
     def quick_to_start(self, client: ClientState, request) -> bool:
         """Whether the request can run on the daemon's event loop without stalling it: no GPU work
         of this client still running (a read-back would wait for it), no op this daemon has not run

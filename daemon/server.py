@@ -457,9 +457,10 @@ class DaemonServer:
 
     def _run_exec(self, identity: bytes, rid: int, client: ClientState, parsed, payload: list) -> None:
         """Run an exec whose transfers are in: here when that is quicker, else on the worker."""
-        if (self._pending == 0 and self.inline_ok and _small(parsed, bulk_ok=not self.executor.has_cuda)
+        if (self._pending == 0 and _small(parsed, bulk_ok=not self.executor.has_cuda)
                 and sum(len(p) for p in payload) <= INLINE_MAX_BYTES
-                and self.executor.quick_to_start(client, parsed)):
+                and (self.inline_ok and self.executor.quick_to_start(client, parsed)
+                     or self.executor.moves_memory_only(client, parsed))):
             # Nothing is queued for the worker: running a small request here keeps program
             # order and saves two thread hops on the round trip a blocking read waits for.
             future = concurrent.futures.Future()

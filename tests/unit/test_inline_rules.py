@@ -98,3 +98,29 @@ def test_a_replay_runs_inline_only_after_a_short_run():
     assert executor.quick_to_start(client, replay)
     program.seconds = INLINE_REPLAY_S * 100
     assert not executor.quick_to_start(client, replay)
+
+
+def test_requests_that_only_move_memory_may_run_on_the_loop_whatever_the_threads():
+    # Adopting bulk uploads, freeing, and reading dense CPU tensors run no kernel, so no OpenMP
+    # team starts on the event loop (Executor.moves_memory_only); anything else may.
+    from genie.transport.protocol import ADOPT_OP, BulkTensor, InlineTensor
+
+    executor = Executor([torch.device("cpu")])
+    client = ClientState(b"unit", MemoryAccount())
+    client.put(1, torch.ones(4, 4))
+    client.put(2, torch.ones(4, 4).t())
+    client.put(3, torch.ones(4, dtype=torch.complex64).conj())
+
+    def request(ops=(), fetch=(), device=0):
+        return Exec(device=device, ops=[OpCall(n, list(a), {}, 9) for n, a in ops], frees=[5], fetch=list(fetch),
+                    report=False)
+
+    adopt = (ADOPT_OP, [BulkTensor(1, torch.float32, (4,))])
+    assert executor.moves_memory_only(client, request([adopt]))
+    assert executor.moves_memory_only(client, request(fetch=[1]))
+    assert executor.moves_memory_only(client, request(fetch=[77]))  # unknown: answered with an error
+    assert not executor.moves_memory_only(client, request(fetch=[2]))  # made dense first: a copy kernel
+    assert not executor.moves_memory_only(client, request(fetch=[3]))  # conjugation resolved first
+    assert not executor.moves_memory_only(client, request([adopt, ("aten::relu", [])]))
+    assert not executor.moves_memory_only(client, request([(ADOPT_OP, [InlineTensor((0,), torch.float32, (4,))])]))
+    assert not executor.moves_memory_only(client, request([adopt], device=3))  # no such device: refused there
