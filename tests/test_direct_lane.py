@@ -273,3 +273,21 @@ def test_batches_grow_while_many_answers_are_unread(dev, monkeypatch):
     assert x.sum().item() == 600.0
     posted = sizes[:-1]  # then the read
     assert posted[:4] == [4, 4, 4, 4] and posted[4] == 8 and max(posted) == 32
+
+
+def test_answers_read_late_do_not_count_as_waiting(dev, monkeypatch):
+    # The client polls for an answer only while answers lately came quickly (Channel._spin_for_reply):
+    # posted batches whose answers are read after the program did other work must not count
+    # the time since they were sent (that turned polling off for the reads that followed).
+    link, stream = _link(), genie.get_runtime().stream(0)
+    torch.remote_accelerator.synchronize()
+    monkeypatch.setattr(stream, "batch_ops", 2)
+    x = torch.ones(4, device=dev)
+    for _ in range(6):
+        x = x + 1
+    assert link._direct_unread
+    time.sleep(0.3)  # the program is busy elsewhere; the answers are in meanwhile
+    link.channel._typical_wait = 0.0
+    torch.remote_accelerator.synchronize()
+    assert link.channel._typical_wait < 0.05
+    assert x.sum().item() == 28.0

@@ -279,6 +279,7 @@ class Channel:
         self.direct_stream = None
 
     def _receive_direct(self, rid, timeout, alive, poll_s) -> Reply:
+        reading_from = time.perf_counter()
         try:
             if self.closed:
                 raise ChannelClosed(f"connection to {self.endpoint} is closed")
@@ -288,7 +289,10 @@ class Channel:
             stream, sent_at = self._direct_awaiting[rid]
             reply = (self._receive_zmq_direct(rid, timeout, alive, poll_s) if stream is None
                      else self._receive_stream_direct(stream, rid, timeout, alive, poll_s))
-            self._typical_wait += WAIT_AVERAGING * (time.perf_counter() - sent_at - self._typical_wait)
+            # The wait this reader saw: an answer read long after its request went (a posted
+            # batch, read after the next ones were captured) says nothing about the daemon's pace.
+            waited = time.perf_counter() - max(sent_at, reading_from)
+            self._typical_wait += WAIT_AVERAGING * (waited - self._typical_wait)
             return reply
         finally:
             self._direct_awaiting.pop(rid, None)  # answered, failed, or timed out: a late answer is dropped
