@@ -46,7 +46,6 @@ class BulkListener:
             if os.path.exists(where):
                 os.unlink(where)
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            bulk.widen_buffers(self._sock)  # accepted connections inherit the listener's buffers
             self._sock.bind(where)
             self.advertised = ["unix", where]
         self._path = where if kind == "unix" else None
@@ -86,6 +85,10 @@ class BulkListener:
                       and shared_segments.supported() and shared_segments.same_user(conn))
             conn.sendall(bulk.ACCEPTED_SHARED if shared else bulk.ACCEPTED)
             conn.settimeout(None)
+            # Per connection: a Unix socket made by accept() has the default buffers, not the
+            # listener's (TCP's inherit them), and a stream's sender's buffer bounds what one
+            # send takes: downloads of 1 MiB left in ~200 KiB pieces, a wake-up of each side apiece.
+            bulk.widen_buffers(conn)
             if conn.family != socket.AF_UNIX:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             # Bound each send, not receives: an idle lane waits for uploads indefinitely.

@@ -276,6 +276,8 @@ class DaemonServer:
         if not self._busy_poll.available() or self._pending or len(self.clients) != 1 \
                 or any(self._parked.values()):
             return False
+        if any(lane.writer.pending for lane in self._direct.values()):
+            return False  # the rest of an answer goes when its socket is writable: this loop's job
         if self.bulk is not None and time.monotonic() - self.bulk.last_transfer < BULK_QUIET_S:
             return False
         poller = zmq.Poller()
