@@ -36,6 +36,7 @@ class LocalDaemon:
         self.endpoint: str | None = None
         self._stderr_tail: list[str] = []
         self._owner_pid = os.getpid()  # a forked child sees this object too, and must not stop the daemon
+        self._stderr_reader: threading.Thread | None = None
 
     def start(self, timeout: float = 60.0, while_waiting=None) -> str:
         """Start the process and wait for it to say where it listens. `while_waiting`, if given, runs
@@ -47,7 +48,8 @@ class LocalDaemon:
         self.process = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
         )
-        threading.Thread(target=self._drain_stderr, daemon=True).start()
+        self._stderr_reader = threading.Thread(target=self._drain_stderr, daemon=True)
+        self._stderr_reader.start()
         deadline = time.monotonic() + timeout
         result: list[str] = []
 
@@ -86,6 +88,21 @@ class LocalDaemon:
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         tail = "".join(self._stderr_tail[-8:]).strip()
         return f"the local genie-daemon {how}" + (f"; its last words:\n{tail}" if tail else "")
+
+    def wait_for_exit_report(self, timeout: float) -> str | None:
+        """`exit_report` once the process has ended and its last words are read, waiting `timeout`
+        at most for both (a crashing process may still be exiting when its heartbeats stop)."""
+        proc = self.process
+        if proc is None:
+            return None
+        deadline = time.monotonic() + timeout
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        if self._stderr_reader is not None:
+            self._stderr_reader.join(max(deadline - time.monotonic(), 0))
+        return self.exit_report()
 
     def stop(self, timeout: float = 5.0) -> None:
         proc = self.process

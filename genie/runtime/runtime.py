@@ -248,8 +248,7 @@ class DaemonLink:
         waiting = len(self.channel._pending) if self.channel else 0
         local = self.runtime.local_daemon
         if local is not None and local.endpoint == self.endpoint:
-            time.sleep(0.05)  # a crashing process may still be exiting when its heartbeats stop
-            ended = local.exit_report()
+            ended = local.wait_for_exit_report(0.05)
             if ended:
                 reason = f"{reason}; {ended}"
         self.lost = (f"genie-daemon at {self.endpoint} was lost ({reason}); {waiting} request(s) in flight failed "
