@@ -17,8 +17,8 @@ from genie.transport import cuda_ipc, protocol
 from genie.transport.cuda_ipc import SharedCudaTensor
 from genie.transport.errors import ProtocolError
 from genie.transport.protocol import BulkTensor, DeviceRef, Exec, HandleRef, InlineTensor, OpCall
-from genie.transport.tensors import (bytes_as_tensor, check_shape, dense_bytes, dtype_name, frames_to_tensor, tensor_to_buffer,
-                                     tensor_to_frames)
+from genie.transport.tensors import (bytes_as_tensor, check_shape, dense_bytes, dtype_name, frames_to_tensor, is_dense,
+                                     tensor_to_buffer, tensor_to_frames)
 
 from . import attention
 from . import ops as op_table
@@ -297,8 +297,7 @@ class Executor:
                 return False
         for handle in request.fetch:
             found = client.tensors.get(handle)
-            if isinstance(found, torch.Tensor) and (found.device.type != "cpu" or not found.is_contiguous()
-                                                   or found.is_conj() or found.is_neg()):
+            if isinstance(found, torch.Tensor) and (found.device.type != "cpu" or not is_dense(found)):
                 return False  # made dense (a copy kernel) or read back from a GPU first
         return True
 

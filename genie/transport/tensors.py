@@ -48,10 +48,14 @@ def parse_dtype(name: object) -> torch.dtype:
     return DTYPES[name]
 
 
+def is_dense(t: torch.Tensor) -> bool:
+    """Whether `t`'s elements are one plain run in memory, sendable as raw bytes without a copy."""
+    return t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
 def dense(t: torch.Tensor) -> torch.Tensor:
-    """`t` itself when its elements are one plain run in memory, else such a copy (conj and neg
-    bits resolved): what can be sent as raw bytes."""
-    if not t.is_contiguous() or t.is_conj() or t.is_neg():
+    """`t` itself when `is_dense`, else such a copy (conj and neg bits resolved)."""
+    if not is_dense(t):
         t = t.resolve_conj().resolve_neg().contiguous()
     return t
 
