@@ -6,6 +6,7 @@ import torch
 
 from genie.transport import protocol
 from genie.transport.errors import ProtocolError
+from genie.transport import tensors
 from genie.transport.tensors import buffer_to_tensor, tensor_to_buffer
 
 
@@ -103,6 +104,23 @@ def test_tensor_frame_checks_length_and_handles_odd_layouts():
     single = torch.ones(1, 1).expand(1, 1)
     assert bytes(tensor_to_buffer(single)) == b"\x00\x00\x80\x3f"
     assert buffer_to_tensor(b"", torch.float32, (0, 3)).shape == (0, 3)
+
+
+@pytest.mark.parametrize("name", sorted(tensors.DTYPES))
+def test_tensor_buffers_of_every_wire_dtype(name):
+    """The bytes sent for a tensor are its memory, for every dtype the wire carries, in any shape
+    (0-d, empty, a view at an offset), as one flat run of bytes."""
+    dtype = tensors.DTYPES[name]
+    base = torch.arange(40, dtype=torch.float64).to(dtype)
+    for t in (base[3:23].reshape(4, 5), base[7], base[:0].reshape(0, 3)):
+        buf = tensor_to_buffer(t)
+        assert buf.format == "B" and buf.ndim == 1 and buf.nbytes == t.numel() * t.element_size()
+        if t.numel():
+            assert np.frombuffer(buf, dtype=np.uint8).ctypes.data == t.data_ptr()
+            raw = t.reshape(-1).view(torch.uint8)
+            assert bytes(buf) == bytes(raw.numpy())
+        back = buffer_to_tensor(bytes(buf), dtype, tuple(t.shape))
+        assert back.shape == t.shape and bytes(tensor_to_buffer(back)) == bytes(buf)
 
 
 def test_large_payloads_split_into_frames_and_join(monkeypatch):
