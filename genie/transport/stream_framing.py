@@ -109,7 +109,17 @@ def receive_message(sock: socket.socket, max_frames: int, max_frame: int, max_by
 class MessageReader:
     """Incremental reading of messages from a non-blocking socket (the daemon's event loop):
     `read()` takes what has arrived and returns the messages now complete. Every length is
-    checked before anything is allocated for it."""
+    checked before anything is allocated for it.
+
+    The socket is read into a staging buffer, so a small message (a request: count, lengths and
+    a header frame) takes one `recv` instead of one per part and a last one that finds the
+    socket empty (four here: 22 us of a (x+1).item() round trip's ~280 on this VM). Small frames
+    are copied out of it; a frame of _SMALL bytes or more gets its own buffer, which takes what
+    is staged of it and then the rest straight from the socket. A read that returns less than it
+    asked for and completes a message means the socket is empty for now: `read()` returns then,
+    and the event loop's level-triggered readiness brings it back when more comes (or the peer
+    closes).
+    """
 
     def __init__(self, sock: socket.socket, max_frames: int, max_frame: int, max_bytes: int) -> None:
         self.sock = sock
@@ -117,62 +127,111 @@ class MessageReader:
         self.max_frame = max_frame
         self.max_bytes = max_bytes
         self._closed = False  # the peer closed after the messages the last read() returned
+        self._stage = bytearray(_SMALL)
+        self._staged = memoryview(self._stage)
+        self._start = self._end = 0  # bytes received and not yet parsed: _stage[_start:_end]
         self._reset()
 
     def _reset(self) -> None:
-        self._lengths: list[int] | None = None  # known once the length table is in
+        self._count: int | None = None  # frames of the message being read, once known
+        self._lengths: list[int] | None = None  # their lengths, once the table is in
         self._frames: list[Frame] = []
-        self._target = bytearray(_COUNT.size)  # what is being filled: the count, the table, a frame
-        self._filled = 0
-        self._in_count = True
+        self._own: list | None = None  # [buffer, view, bytes filled]: a part read into its own buffer
 
     def read(self) -> list[list[Frame]]:
         """Complete messages; raises ConnectionError when the peer closed (once the messages it sent
         before closing are returned), ProtocolError on a bad one."""
         if self._closed:
             raise ConnectionError("direct lane closed")
-        done = []
+        done: list[list[Frame]] = []
         while True:
-            view = memoryview(self._target).cast("B")
-            if self._filled < view.nbytes:
-                try:
-                    n = self.sock.recv_into(view[self._filled:])
-                except (BlockingIOError, InterruptedError):
+            self._parse(done)
+            if self._own is not None:
+                target = self._own[1][self._own[2]:]
+            else:
+                if self._start:  # move the unparsed rest (part of one part) to the front
+                    rest = bytes(self._staged[self._start:self._end])
+                    self._stage[:len(rest)] = rest
+                    self._start, self._end = 0, len(rest)
+                target = self._staged[self._end:]
+            try:
+                n = self.sock.recv_into(target)
+            except (BlockingIOError, InterruptedError):
+                return done
+            if n == 0:
+                if done:  # a client that sent and closed (say, "bye"): its last messages count
+                    self._closed = True
                     return done
-                if n == 0:
-                    if done:  # a client that sent and closed (say, "bye"): its last messages count
-                        self._closed = True
-                        return done
-                    raise ConnectionError("direct lane closed")
-                self._filled += n
-                if self._filled < view.nbytes:
-                    continue
-            message = self._advance()
-            if message is not None:
-                done.append(message)
+                raise ConnectionError("direct lane closed")
+            if self._own is not None:
+                self._own[2] += n
+            else:
+                self._end += n
+            if n < target.nbytes:  # the socket is empty for now
+                self._parse(done)
+                if done:
+                    return done
 
-    def _advance(self) -> list[Frame] | None:
-        """The buffer being filled is full: start the next one; the message once it is complete."""
-        if self._in_count:
-            (count,) = _COUNT.unpack(self._target)
+    def _parse(self, done: list) -> None:
+        """Take every part the received bytes complete; whole messages go to `done`."""
+        while True:
+            own = self._own
+            if own is not None:
+                if own[2] < own[1].nbytes:
+                    return
+                self._own = None
+                if self._lengths is None:
+                    self._set_lengths(own[0])
+                else:
+                    self._frames.append(Frame(own[0]))
+            elif not self._next_part():
+                return
+            if self._lengths is not None and len(self._frames) == len(self._lengths):
+                done.append(self._frames)
+                self._reset()
+
+    def _next_part(self) -> bool:
+        """Take the next part from the staged bytes, or start reading it into its own buffer;
+        False when more bytes must come first."""
+        available = self._end - self._start
+        if self._count is None:
+            if available < _COUNT.size:
+                return False
+            (count,) = _COUNT.unpack_from(self._stage, self._start)
+            self._start += _COUNT.size
             _check_count(count, self.max_frames)
-            self._in_count = False
-            self._target, self._filled = bytearray(_LENGTH.size * count), 0
-            return None
+            self._count = count
+            return True
         if self._lengths is None:
-            lengths = [n for (n,) in _LENGTH.iter_unpack(self._target)]
-            _check_lengths(lengths, self.max_frame, self.max_bytes)
-            self._lengths = lengths
-        else:
-            self._frames.append(Frame(self._target))
-        while len(self._frames) < len(self._lengths) and self._lengths[len(self._frames)] == 0:
-            self._frames.append(Frame(bytearray(0)))
-        if len(self._frames) == len(self._lengths):
-            message = self._frames
-            self._reset()
-            return message
-        self._target, self._filled = _buffer(self._lengths[len(self._frames)]), 0
-        return None
+            size = _LENGTH.size * self._count
+            if size > len(self._stage):
+                return self._read_into_own(bytearray(size))
+            if available < size:
+                return False
+            self._set_lengths(self._staged[self._start:self._start + size])
+            self._start += size
+            return True
+        n = self._lengths[len(self._frames)]
+        if n >= _SMALL:
+            return self._read_into_own(_buffer(n))
+        if available < n:
+            return False
+        self._frames.append(Frame(bytearray(self._staged[self._start:self._start + n])))
+        self._start += n
+        return True
+
+    def _read_into_own(self, buffer) -> bool:
+        view = memoryview(buffer).cast("B")
+        k = min(self._end - self._start, view.nbytes)
+        view[:k] = self._staged[self._start:self._start + k]
+        self._start += k
+        self._own = [buffer, view, k]
+        return True
+
+    def _set_lengths(self, table) -> None:
+        lengths = [n for (n,) in _LENGTH.iter_unpack(table)]
+        _check_lengths(lengths, self.max_frame, self.max_bytes)
+        self._lengths = lengths
 
 
 class MessageWriter:

@@ -5,6 +5,7 @@ import random
 import socket
 import struct
 import threading
+import time
 
 import pytest
 
@@ -88,4 +89,48 @@ def test_the_writer_never_blocks_and_keeps_order():
         writer.flush()
     t.join(10)
     assert [[f.bytes for f in m] for m in got] == [[b"first", big], [b"second"]]
+    a.close(), b.close()
+
+
+class _CountingSocket:
+    """The reader's side of a socketpair, counting its recv_into calls."""
+
+    def __init__(self, sock) -> None:
+        self.sock, self.reads = sock, 0
+
+    def recv_into(self, *args):
+        self.reads += 1
+        return self.sock.recv_into(*args)
+
+
+def test_a_small_message_takes_one_read_and_frames_outlive_the_staging_buffer():
+    a, b = _pair()
+    counting = _CountingSocket(b)
+    reader = sf.MessageReader(counting, 16, 1 << 20, 1 << 22)
+    a.sendall(b"".join(bytes(x) for x in sf.encode([b"exec-header", b"payload"])))
+    first = reader.read()
+    assert [[f.bytes for f in m] for m in first] == [[b"exec-header", b"payload"]]
+    assert counting.reads == 1  # count, lengths and frames in one recv, and no recv that finds nothing
+    # Later messages go through the same staging buffer: frames already handed out keep their bytes.
+    for i in range(50):
+        a.sendall(b"".join(bytes(x) for x in sf.encode([b"%d" % i * 700, b"y" * 3000])))
+        assert [[f.bytes for f in m] for m in reader.read()] == [[b"%d" % i * 700, b"y" * 3000]]
+    assert [f.bytes for f in first[0]] == [b"exec-header", b"payload"]
+    a.close(), b.close()
+
+
+def test_many_messages_in_one_read_and_a_length_table_bigger_than_the_stage():
+    a, b = _pair()
+    reader = sf.MessageReader(b, 20_000, 1 << 20, 1 << 24)
+    many = [[b"m%d" % i, b"z" * (i % 7)] for i in range(300)]
+    wide = [b"w%d" % i for i in range(10_000)]  # an 80 KB length table
+    big = [b"h", bytes(range(256)) * 1024]  # a 256 KiB frame: its own buffer
+    data = b"".join(b"".join(bytes(x) for x in sf.encode(m)) for m in [*many, wide, big])
+    t = threading.Thread(target=a.sendall, args=(data,))
+    t.start()
+    out, deadline = [], time.monotonic() + 20
+    while len(out) < len(many) + 2 and time.monotonic() < deadline:
+        out += reader.read()
+    t.join(10)
+    assert [[f.bytes for f in m] for m in out] == [*many, wide, big]
     a.close(), b.close()
