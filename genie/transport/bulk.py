@@ -89,7 +89,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, as a flat byte view (no copy)."""
     from .tensors import tensor_to_buffer
 
-    return tensor_to_buffer(t).cast("B")
+    return tensor_to_buffer(t)  # already flat bytes ("B")
 
 
 class Arrivals:
