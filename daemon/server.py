@@ -29,7 +29,7 @@ from genie.transport.protocol import BulkTensor
 
 from . import fused
 from .bulk_server import BulkListener
-from .executor import Executor, RemoteOpError
+from .executor import RECV_OP, Executor, RemoteOpError
 from .handles import ClientState, MemoryAccount
 from .kv_store import KVDisk, KVStore
 from .peers import Mailbox, PeerLinks, check_transfer_id
@@ -465,14 +465,13 @@ class DaemonServer:
                      or self.executor.moves_memory_only(client, parsed))):
             # Nothing is queued for the worker: running a small request here keeps program
             # order and saves two thread hops on the round trip a blocking read waits for.
-            future = concurrent.futures.Future()
             downloads: list = []
             try:
-                future.set_result(self.executor.run(client, parsed, payload, later=downloads))
-            except BaseException as e:  # noqa: BLE001 - reported to the client like any failure
-                future.set_exception(e)
-            self._pending += 1
-            self._finish(identity, rid, future)
+                result = self.executor.run(client, parsed, payload, later=downloads)
+            except Exception as e:  # noqa: BLE001 - reported to the client like any failure
+                self._answer_failure(identity, rid, e)
+            else:
+                self._reply(identity, rid, *result)
             if downloads:
                 self._send_downloads(identity, downloads)
             return
@@ -594,16 +593,19 @@ class DaemonServer:
     def _answer(self, identity: bytes, rid: int, future: concurrent.futures.Future) -> None:
         try:
             result = future.result()
-        except RemoteOpError as e:
-            self._send(identity, [rid, False, e.poison.describe()], [])
-            return
         except Exception as e:
-            if not isinstance(e, (ProtocolError, KeyError)):
-                log.exception("request %d failed", rid)
-            self._reply_error(identity, rid, e)
+            self._answer_failure(identity, rid, e)
             return
         body, frames = result if isinstance(result, tuple) else (result, [])
         self._reply(identity, rid, body, frames)
+
+    def _answer_failure(self, identity: bytes, rid: int, e: Exception) -> None:
+        if isinstance(e, RemoteOpError):
+            self._send(identity, [rid, False, e.poison.describe()], [])
+            return
+        if not isinstance(e, (ProtocolError, KeyError)):
+            log.exception("request %d failed", rid, exc_info=e)
+        self._reply_error(identity, rid, e)
 
     @staticmethod
     def _event(client: ClientState, body: dict) -> dict:
@@ -760,10 +762,8 @@ def _transfers_awaited(request, bulk_refs: list) -> list:
 
     `bulk_refs`: the bulk tensors met while decoding the request's header.
     """
-    from .executor import RECV_OP
-
     waits = [("recv", op.args[0]) for op in request.ops
-             if op.name == RECV_OP and op.args and isinstance(op.args[0], str)]
+             if op.name == RECV_OP and op.args and isinstance(op.args[0], str)] if request.ops else []
     waits.extend(("bulk", b.xfer) for b in bulk_refs if type(b) is BulkTensor)
     return waits
 

@@ -15,6 +15,8 @@ import torch
 
 from genie.transport.errors import ProtocolError
 
+_NO_STREAM = contextlib.nullcontext()  # reusable: what a CPU device's requests enter
+
 
 class EventState:
     __slots__ = ("cuda_event", "time", "timing")
@@ -37,7 +39,7 @@ class ClientStreams:
 
     def context(self, device: torch.device, stream_id: int):
         if device.type != "cuda":
-            return contextlib.nullcontext()
+            return _NO_STREAM
         if stream_id == 0:
             return torch.cuda.stream(torch.cuda.default_stream(device))
         key = (str(device), stream_id)

@@ -346,7 +346,7 @@ def _capture_general(func, args: tuple, kwargs: dict, walked: tuple | None = Non
             meta_cache.put(key, plan)
     if plan is _REMOTE:
         meta_cache.bypasses += 1
-        return run_reported(func, args, kwargs, stream)
+        return run_reported(func, args, kwargs, stream, wire_args)
     with stream.lock:
         out_plan = plan.outputs
         if type(out_plan) is _NewTensor:  # the common case, without the general walk
@@ -366,14 +366,24 @@ def _capture_general(func, args: tuple, kwargs: dict, walked: tuple | None = Non
     return outputs
 
 
-def run_reported(func, args, kwargs, stream):
-    """Run one op on the daemon now and build its outputs from what the daemon reports."""
+def run_reported(func, args, kwargs, stream, wire_args: list | None = None):
+    """Run one op on the daemon now and build its outputs from what the daemon reports.
+    `wire_args`: the encoded positional arguments when the caller has them (no kwargs)."""
+    returns = _return_types.get(id(func))
+    if returns is None:
+        returns = _return_types[id(func)] = tuple(str(r.type) for r in func._schema.returns)
     with stream.lock:
-        outs = [_report_slots(str(r.type), stream) for r in func._schema.returns]
+        outs = [_report_slots(r, stream) for r in returns]
         if len(outs) == 1:
             outs = outs[0]
-        entry = [op_name(func), *encode_call(args, kwargs, stream), outs]
+        if wire_args is not None:  # from the hot walk (.item() and the like): not encoded twice
+            entry = [op_name(func), wire_args, {}, outs]
+        else:
+            entry = [op_name(func), *encode_call(args, kwargs, stream), outs]
     return _from_report(stream.run_reported(entry), stream)
+
+
+_return_types: dict = {}  # id(op overload) -> its schema's return types, as strings
 
 
 # Ops that return a list of tensors of data-dependent length get this many handle slots.

@@ -318,7 +318,7 @@ class OpCall:
     outs: Any
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen (see OpCall): built for every request
 class Exec:
     device: int
     ops: list[OpCall]

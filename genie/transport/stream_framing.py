@@ -24,6 +24,7 @@ from .errors import ProtocolError
 MAGIC = b"GND1"  # greeting of a direct-lane connection (the bulk lane's is bulk.MAGIC)
 _COUNT = struct.Struct("<I")
 _LENGTH = struct.Struct("<Q")
+_ONE_PREFIX = struct.Struct("<IQ")  # _COUNT then one _LENGTH (standard sizes: no padding)
 _SMALL = 64 << 10  # messages up to this size are joined and written with one call
 
 
@@ -45,6 +46,8 @@ class Frame:
 
 def encode(parts: list) -> list:
     """The buffers to write for a message of `parts` (bytes-like), prefix first."""
+    if len(parts) == 1 and type(parts[0]) is bytes and len(parts[0]) < _SMALL - _ONE_PREFIX.size:
+        return [_ONE_PREFIX.pack(1, len(parts[0])) + parts[0]]  # a header alone: most messages
     views = [memoryview(p).cast("B") for p in parts]
     prefix = _COUNT.pack(len(views)) + b"".join(_LENGTH.pack(v.nbytes) for v in views)
     if len(prefix) + sum(v.nbytes for v in views) <= _SMALL:
@@ -247,7 +250,18 @@ class MessageWriter:
         return bool(self._queue)
 
     def write(self, parts: list) -> None:
-        self._queue.extend(memoryview(b).cast("B") for b in encode(parts))
+        buffers = encode(parts)
+        if not self._queue and len(buffers) == 1:  # a small message: one send, nothing queued (most answers)
+            try:
+                sent = self.sock.send(buffers[0])
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as e:
+                raise ConnectionError(f"direct lane send failed: {e}") from e
+            if sent < len(buffers[0]):
+                self._queue.append(memoryview(buffers[0])[sent:])
+            return
+        self._queue.extend(memoryview(b).cast("B") for b in buffers)
         self.flush()
 
     def flush(self) -> None:

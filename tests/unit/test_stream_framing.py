@@ -92,6 +92,41 @@ def test_the_writer_never_blocks_and_keeps_order():
     a.close(), b.close()
 
 
+def test_a_small_message_the_socket_cannot_take_now_is_kept_whole():
+    a, b = _pair()
+    filler, sent = b"x" * 4096, 0
+    try:
+        while True:  # fill the socket: the writer's one-send path for a small message meets a full socket
+            sent += b.send(filler)
+    except BlockingIOError:
+        pass
+    writer = sf.MessageWriter(b)
+    writer.write([b"small"])
+    assert writer.pending
+    got = []
+
+    def read() -> None:
+        left = sent
+        while left:
+            left -= len(a.recv(min(left, 1 << 16)))
+        got.append(sf.receive_message(a, 4, 1 << 10, 1 << 10))
+
+    t = threading.Thread(target=read)
+    t.start()
+    deadline = time.monotonic() + 10
+    while writer.pending and time.monotonic() < deadline:
+        writer.flush()
+    t.join(10)
+    assert not writer.pending and [f.bytes for f in got[0]] == [b"small"]
+    a.close(), b.close()
+
+
+def test_one_part_messages_are_framed_like_any_other():
+    for part in (b"", b"h", bytes(1000)):
+        fast = sf.encode([part])
+        assert len(fast) == 1 and fast[0] == struct.pack("<IQ", 1, len(part)) + part
+
+
 class _CountingSocket:
     """The reader's side of a socketpair, counting its recv_into calls."""
 
