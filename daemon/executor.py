@@ -48,6 +48,12 @@ DEFINE_PROGRAM_OP, REPLAY_OP, DROP_PROGRAM_OP = "genie::define_program", "genie:
 _InferenceMode = torch._C._InferenceMode
 
 
+def _callable_of(op):
+    """What an OpOverload's __call__ calls (its C++ operator): one Python frame less per op run."""
+    inner = getattr(op, "_op", None) if type(op) is torch._ops.OpOverload else None
+    return inner if callable(inner) else op
+
+
 class _Poisoned(Exception):
     def __init__(self, poison: Poison) -> None:
         self.poison = poison
@@ -168,7 +174,7 @@ class Executor:
             aten = self._aten_ops.get(call.name)
             if aten is None:
                 op = op_table.resolve(call.name)
-                aten = self._aten_ops[call.name] = (op, attention.replacement(call.name) or op,
+                aten = self._aten_ops[call.name] = (op, attention.replacement(call.name) or _callable_of(op),
                                                     op_table.unsafe_flags(op), op_table.takes_generator(op),
                                                     op_table.seeded_without_generator(op))
             op, kernel, unsafe, takes_generator, seeded_without_generator = aten

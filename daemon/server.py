@@ -327,9 +327,8 @@ class DaemonServer:
             log.warning("closing the direct lane of %s: %s", lane.identity.hex(), e)
             self._close_direct(lane, e)
             return
-        identity_frame = stream_framing.Frame(lane.identity)
         for parts in messages:
-            self._handle_safely([identity_frame, *parts])
+            self._handle_safely([lane.identity_frame, *parts])
         if messages and self._direct.get(lane.identity) is lane and self._spin(self._socket):
             self._schedule_drain()
 
@@ -806,3 +805,6 @@ class _DirectLane:
     identity: bytes
     reader: stream_framing.MessageReader
     writer: stream_framing.MessageWriter
+
+    def __post_init__(self) -> None:
+        self.identity_frame = stream_framing.Frame(self.identity)  # heads each request, as a ZeroMQ routing id would

@@ -244,7 +244,8 @@ class DeviceStream:
         return body, frames
 
     def _post(self, batch: tuple[dict, list], wait: bool, direct: bool = False) -> concurrent.futures.Future:
-        """Send a batch; `direct`: the caller is about to block on it, so it may go on its own thread."""
+        """Send a batch; `direct`: the caller is about to block on it, so it may go on its own thread
+        (then what comes back may be an already-answered stand-in with `result()`, for `link.wait`)."""
         body, frames = batch
         if direct:
             body["wait"] = True  # the daemon may run it at once rather than queue it for its worker
@@ -321,7 +322,8 @@ class DeviceStream:
 
     def fetch_async(self, handles: list[int], direct: bool = False, largest: int | None = None
                     ) -> concurrent.futures.Future:
-        """`direct=True` only for callers that block on the result right away. `largest`: the
+        """`direct=True` only for callers that block on the result right away (with `link.wait`:
+        it may return an answered stand-in, not a Future). `largest`: the
         biggest fetched tensor's bytes, when known: below the bulk threshold the request does not
         ask for the bulk lane, and the daemon may answer it on its event loop (one thread hop less)."""
         self._not_while_recording("reading a tensor's value")
@@ -392,7 +394,8 @@ class DeviceStream:
 
     def run_reported(self, entry: list) -> Any:
         """Queue `entry` last and run the batch now, returning its outputs described by the daemon."""
-        self._not_while_recording(f"{entry[0]} (its result is a value or has a data-dependent shape)")
+        if self.recording is not None:
+            self._not_while_recording(f"{entry[0]} (its result is a value or has a data-dependent shape)")
         with self.lock:
             self.append(entry, send_now=False)
             # With bulk bytes to follow, the request cannot go direct (that thread would block on
