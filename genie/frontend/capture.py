@@ -137,11 +137,15 @@ def _encode(value, stream):
                 # Same host: the daemon copies from this GPU's memory, no bytes on the wire.
                 return protocol.encode_cuda_ipc(cuda_ipc.describe(value.detach()))
             value = value.cpu()
-        xfer = stream.send_bulk(value.detach())
+        if value.requires_grad:  # the bytes are all that is sent (and numpy() refuses such a tensor)
+            value = value.detach()
+        xfer = stream.send_bulk(value)
         if xfer is not None:
             return protocol.encode_bulk(xfer, DTYPE_NAMES[value.dtype], value.shape)
-        frames = [stream.add_frame(b) for b in tensor_to_frames(value.detach())]
-        return protocol.encode_inline(frames[0] if len(frames) == 1 else frames, DTYPE_NAMES[value.dtype], value.shape)
+        frames = [stream.add_frame(b) for b in tensor_to_frames(value)]
+        if len(frames) == 1:
+            return protocol.encode_inline_one(frames[0], DTYPE_NAMES[value.dtype], value.shape)
+        return protocol.encode_inline(frames, DTYPE_NAMES[value.dtype], value.shape)
     if isinstance(value, (list, tuple)):
         if all(type(v) is int and _INT64_MIN <= v <= _UINT64_MAX for v in value):  # sizes, dims: the common case
             return list(value)

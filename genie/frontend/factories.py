@@ -13,6 +13,7 @@ import math
 import torch
 
 from genie.runtime import get_runtime
+from genie.transport import protocol
 
 from . import capture, whole_ops
 from .lazy_tensor import LazyTensor
@@ -23,7 +24,7 @@ _lib: torch.library.Library | None = None
 def _stream_for(device) -> object:
     index = None
     if device is not None:
-        index = torch.device(device).index
+        index = device.index if type(device) is torch.device else torch.device(device).index
     return get_runtime().stream(index)
 
 
@@ -46,6 +47,17 @@ def _new_empty(op: str, size, stride, dtype, device, memory_format=None):
     with stream.lock:
         handle = stream.new_handle()
         t = LazyTensor(stream, handle, shape, strides, 0, dtype, nbytes)
+        if dense:  # plain ints and known constants: their wire form directly (a .to() upload replaces
+            # this op with an adopt right after, see capture._try_adopt)
+            wire_kwargs = {"dtype": protocol.encode_dtype(dtype),
+                           "device": protocol.encode_device("remote", stream.local_index)}
+            if stride is None:
+                wire_kwargs["memory_format"] = protocol.encode_memory_format(memory_format or torch.contiguous_format)
+                wire_args = [list(shape)]
+            else:
+                wire_args = [list(shape), list(strides)]
+            stream.append([op, wire_args, wire_kwargs, handle])
+            return t
         kwargs = {"dtype": dtype, "device": stream.device}
         if stride is None:
             kwargs["memory_format"] = memory_format or torch.contiguous_format

@@ -149,6 +149,13 @@ def encode_inline(frame, dtype_name: str, shape) -> msgpack.ExtType:
     return msgpack.ExtType(EXT_TENSOR, msgpack.packb([frame, dtype_name, list(shape)]))
 
 
+@functools.lru_cache(maxsize=1024)
+def encode_inline_one(frame: int, dtype_name: str, shape: tuple) -> msgpack.ExtType:
+    """encode_inline of a one-frame payload, remembered: a step's small uploads repeat (frame,
+    dtype, shape) from batch to batch."""
+    return encode_inline(frame, dtype_name, shape)
+
+
 def encode_bulk(xfer: int, dtype_name: str, shape) -> msgpack.ExtType:
     return msgpack.ExtType(EXT_BULK, msgpack.packb([xfer, dtype_name, list(shape)]))
 
@@ -160,6 +167,7 @@ def encode_cuda_ipc(fields: list) -> msgpack.ExtType:
 
 # The encoders of dtypes, devices, memory formats and layouts are cached: factory calls and
 # .to() pass them with every op, and an ExtType (a namedtuple, immutable) costs microseconds to build.
+@functools.lru_cache(maxsize=None)
 @functools.lru_cache(maxsize=None)
 def encode_dtype(dtype: torch.dtype) -> msgpack.ExtType:
     from .tensors import dtype_name
