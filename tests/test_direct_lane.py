@@ -177,9 +177,33 @@ def test_full_batches_go_ahead_on_the_direct_lane_and_are_read_in_order(dev, mon
         x = x + 1
     assert x.sum().item() == 180.0
     assert "loop" not in sent
-    assert len(sent) >= 15  # 60 ops in batches of 4, then the read
+    # zeros (empty, zero_), 60 adds, sum and .item(): each sent once, in batches of 4 to 8
+    assert sum(sent) == 64 and len(sent) >= 64 // 8
     assert max(unread_seen) == 16  # bounded: the oldest answers are read first
     assert not link._direct_unread and link._direct_unread_ops == 0
+
+
+@pytest.mark.parametrize("read", ["item", "nonzero"])
+def test_a_reported_op_that_fills_its_batch_is_sent_once_and_reported(dev, monkeypatch, sent_ops, read):
+    # The op a blocking read waits on (.item(), a data-dependent shape) is the last of its batch
+    # and reported with it, even when it is the op that fills the batch. It went out unreported
+    # in the full batch before, its answer was empty, and the capture ran it a second time.
+    stream = genie.get_runtime().stream(0)
+    torch.remote_accelerator.synchronize()
+    monkeypatch.setattr(stream, "batch_ops", 8)
+    y = torch.zeros(4, device=dev)
+    torch.remote_accelerator.synchronize()
+    sent_ops.clear()
+    adds = 6 if read == "item" else 7
+    for _ in range(adds):
+        y = y + 1
+    assert len(stream.ops) == adds
+    if read == "item":
+        assert y.sum().item() == 24.0  # sum is the 7th op, the read the 8th
+        assert sent_ops.count("aten::_local_scalar_dense") == 1
+    else:
+        assert torch.equal(torch.nonzero(y).cpu(), torch.arange(4).reshape(4, 1))  # the 8th op
+        assert sent_ops.count("aten::nonzero") == 1
 
 
 def test_a_failed_posted_batch_is_reported_once_by_the_next_sync(dev, monkeypatch):

@@ -184,7 +184,8 @@ class DeviceStream:
 
     def append(self, entry: list, send_now: bool = True) -> None:
         """Queue an op. With transfers claimed for it (`send_bulk`), the batch goes out now and
-        then their bytes, unless `send_now` is False (the caller posts it, then `_send_pending_bulk`)."""
+        then their bytes, and a full batch goes out unasked, unless `send_now` is False (the caller
+        posts the batch itself, then `_send_pending_bulk`)."""
         ids = _current.ids  # current_stream_id, inlined: this runs once per captured op
         sid = ids.get(self.global_index, 0) if ids else 0
         if sid != self.batch_stream:
@@ -211,8 +212,8 @@ class DeviceStream:
                 # copy: on a daemon that keeps it as received, nothing reads it before then.
                 self._send_pending_bulk(post, write_behind=entry[0] == protocol.ADOPT_OP and self.adopts_in_place,
                                         records=named)
-        elif (len(self.ops) >= self.batch_ops and len(self.ops) >= self._batch_limit()
-              or self.inline_bytes >= self.batch_bytes):
+        elif send_now and (len(self.ops) >= self.batch_ops and len(self.ops) >= self._batch_limit()
+                           or self.inline_bytes >= self.batch_bytes):
             self._post_unwaited(self._take(fetch=[], report=False))
 
     def _batch_limit(self) -> int:
@@ -397,6 +398,8 @@ class DeviceStream:
         if self.recording is not None:
             self._not_while_recording(f"{entry[0]} (its result is a value or has a data-dependent shape)")
         with self.lock:
+            # Not send_now: an entry that filled the batch went out with it, unreported (its
+            # answer came back empty, and the op was captured and run a second time).
             self.append(entry, send_now=False)
             # With bulk bytes to follow, the request cannot go direct (that thread would block on
             # the answer before sending them).
