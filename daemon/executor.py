@@ -180,8 +180,19 @@ class Executor:
             op, kernel, unsafe, takes_generator, seeded_without_generator = aten
             if unsafe:
                 op_table.check_call(op, call.args, call.kwargs)
-            resolve = self._resolve
-            args = [resolve(client, a, frames, device, 0) for a in call.args]
+            # Handles and plain values inline (most arguments of most ops), the rest in _resolve.
+            tensors, resolve, args = client.tensors, self._resolve, []
+            for a in call.args:
+                kind = type(a)
+                if kind is HandleRef:
+                    found = tensors.get(a.id)
+                    if type(found) is not torch.Tensor and not isinstance(found, torch.Tensor):
+                        found = resolve(client, a, frames, device, 0)  # missing or poisoned: raised there
+                    args.append(found)
+                elif kind in _PLAIN:
+                    args.append(a)
+                else:
+                    args.append(resolve(client, a, frames, device, 0))
             kwargs = {k: resolve(client, v, frames, device, 0) for k, v in call.kwargs.items()} if call.kwargs else {}
             if takes_generator and kwargs.get("generator") is None:
                 kwargs["generator"] = client.generator(device)

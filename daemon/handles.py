@@ -41,7 +41,8 @@ class MemoryAccount:
         if entry is None:
             self._storages[key] = [nbytes, 1]
             self.allocated += nbytes
-            self.peak = max(self.peak, self.allocated)
+            if self.allocated > self.peak:
+                self.peak = self.allocated
         else:
             entry[1] += 1
 
@@ -93,7 +94,8 @@ class ClientState:
 
     def free(self, handle: int) -> None:
         self.tensors.pop(handle, None)
-        self.persistent.discard(handle)
+        if self.persistent:
+            self.persistent.discard(handle)
         key = self._keys.pop(handle, None)
         if key is not None:
             self._account.remove(key)
