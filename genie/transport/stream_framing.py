@@ -92,13 +92,17 @@ def _check_lengths(lengths: list[int], max_frame: int, max_bytes: int) -> None:
 
 def receive_message(sock: socket.socket, max_frames: int, max_frame: int, max_bytes: int) -> list[Frame]:
     """Read one whole message from a blocking socket."""
-    head = bytearray(_COUNT.size)
+    # The count and the first length in one read: every valid message has both (a frame at
+    # least), and a one-frame message (most answers) then takes two reads instead of three.
+    head = bytearray(_ONE_PREFIX.size)
     _recv_exactly_into(sock, memoryview(head))
-    (count,) = _COUNT.unpack(head)
+    count, first = _ONE_PREFIX.unpack(head)
     _check_count(count, max_frames)
-    raw = bytearray(_LENGTH.size * count)
-    _recv_exactly_into(sock, memoryview(raw))
-    lengths = [n for (n,) in _LENGTH.iter_unpack(raw)]
+    lengths = [first]
+    if count > 1:
+        raw = bytearray(_LENGTH.size * (count - 1))
+        _recv_exactly_into(sock, memoryview(raw))
+        lengths.extend(n for (n,) in _LENGTH.iter_unpack(raw))
     _check_lengths(lengths, max_frame, max_bytes)
     frames = []
     for n in lengths:

@@ -154,6 +154,21 @@ def test_a_small_message_takes_one_read_and_frames_outlive_the_staging_buffer():
     a.close(), b.close()
 
 
+def test_the_blocking_reader_takes_a_one_frame_message_in_two_reads():
+    a, b = socket.socketpair()
+    counting = _CountingSocket(b)
+    messages = [[b"answer"], [b"header", b"", b"z" * 70000], [b""]]
+    for parts in messages:
+        a.sendall(b"".join(bytes(x) for x in sf.encode(parts)))
+    got = [sf.receive_message(counting, 4, 1 << 20, 1 << 20) for _ in messages]
+    assert [[f.bytes for f in m] for m in got] == messages
+    counting.reads = 0
+    a.sendall(sf.encode([b"answer"])[0])
+    assert [f.bytes for f in sf.receive_message(counting, 4, 1 << 20, 1 << 20)] == [b"answer"]
+    assert counting.reads == 2  # count and length together, then the frame
+    a.close(), b.close()
+
+
 def test_many_messages_in_one_read_and_a_length_table_bigger_than_the_stage():
     a, b = _pair()
     reader = sf.MessageReader(b, 20_000, 1 << 20, 1 << 24)
