@@ -52,7 +52,8 @@ def _new_empty(op: str, size, stride, dtype, device, memory_format=None):
             wire_kwargs = {"dtype": protocol.encode_dtype(dtype),
                            "device": protocol.encode_device("remote", stream.local_index)}
             if stride is None:
-                wire_kwargs["memory_format"] = protocol.encode_memory_format(memory_format or torch.contiguous_format)
+                wire_kwargs["memory_format"] = protocol.encode_memory_format(
+                    memory_format or torch.contiguous_format)
                 wire_args = [list(shape)]
             else:
                 wire_args = [list(shape), list(strides)]

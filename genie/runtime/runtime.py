@@ -348,10 +348,11 @@ class DaemonLink:
     def direct_exec(self, body: dict, frames: list, stream: DeviceStream) -> _Answered | None:
         """Run an exec as a direct request on the calling thread when nothing else is in flight.
 
-        Returns its outcome (a finished future's `result()`, for `wait`), or None when the loop path must be used (requests in flight
-        on it, another thread on the direct socket, or called on the loop thread). Answers to
-        batches posted before it on the direct socket are read first (the daemon answers that
-        socket in order): the request goes out without waiting for them.
+        Returns its outcome (with a finished future's `result()`, for `wait`), or None when the
+        loop path must be used (requests in flight on it, another thread on the direct socket, or
+        called on the loop thread). Answers to batches posted before it on the direct socket are
+        read first (the daemon answers that socket in order): the request goes out without
+        waiting for them.
         """
         if not self._claim_direct():
             return None

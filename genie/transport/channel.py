@@ -340,9 +340,9 @@ class Channel:
 
     def _spin_for_reply(self, poller) -> bool:
         """Poll for the answer for up to `busy_poll.seconds` before blocking; whether it came (the
-        reader then skips one more poll). A thread blocked in poll() on this 2-vCPU machine took ~50 us to wake once the answer came; polling,
-        (x+1).item() went from ~180 to ~105 us and a replayed GPT decode step from ~1.45x to
-        ~1.3x local eager. Not when answers have lately taken longer than that (a busy daemon:
+        reader then skips one more poll). A thread blocked in poll() on this 2-vCPU machine took
+        ~50 us to wake once the answer came; polling, (x+1).item() went from ~180 to ~105 us and a
+        replayed GPT decode step from ~1.45x to ~1.3x local eager. Not when answers have lately taken longer than that (a busy daemon:
         with 16 clients on these 2 cores, polling cost them 17% of their requests/s), nor while
         backed off after misses (busy_poll)."""
         if self._typical_wait <= self.busy_poll.seconds and self.busy_poll.available():
