@@ -343,6 +343,8 @@ def _capture_general(func, args: tuple, kwargs: dict, walked: tuple | None = Non
     else:
         if sizes is None:
             sizes = [t._genie.storage_nbytes for t in tensors]
+        if getattr(func, "namespace", "aten") != "aten":
+            return _library_op(func, args, kwargs)
         rule = shape_rules.RULES.get(id(func))
         plan = rule(args, kwargs) if rule is not None else None
         if plan is None:
@@ -372,6 +374,29 @@ def _capture_general(func, args: tuple, kwargs: dict, walked: tuple | None = Non
     if _LOG_INTERCEPTS:
         log.debug("captured %s on %s", entry[0], stream.device)
     return outputs
+
+
+_ANY_DEVICE = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
+
+
+def _library_op(func, args, kwargs):
+    """An op outside aten: a library's or the program's own (`torch.library.custom_op`). A daemon
+    runs aten ops only (it imports no code a client names), so an op with a kernel for every
+    device runs that kernel here, on the remote tensors, and the aten ops it calls are captured
+    as any others (from now on straight from `dispatch`). One whose kernels are all for
+    particular devices (CUDA, CPU) cannot run on the daemon: refused now, by name, rather than
+    by the daemon when its batch runs."""
+    if not func.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeExplicitAutograd):
+        raise UnsupportedOperationError(
+            op_name(func), "it is not an aten operator and has no kernel for every device (only "
+            "aten operators run on a daemon; register one with torch.library.custom_op without "
+            "device_types, or decompose it into aten operators)")
+    _SPECIAL[id(func)] = _any_device_kernel
+    return _any_device_kernel(func, args, kwargs)
+
+
+def _any_device_kernel(func, args, kwargs):
+    return func.redispatch(_ANY_DEVICE, *args, **kwargs)
 
 
 def run_reported(func, args, kwargs, stream, wire_args: list | None = None):

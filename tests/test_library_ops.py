@@ -1,0 +1,74 @@
+"""Ops from outside aten (torch.library.custom_op, a library's own namespace) on remote tensors.
+
+A daemon runs aten ops only, so such an op runs its kernel for every device on the client, on
+the remote tensors, and the aten ops inside it are what the daemon sees; an op with kernels only
+for particular devices is refused when it is called, by name."""
+import pytest
+import torch
+
+from genie.errors import UnsupportedOperationError
+
+
+@torch.library.custom_op("genie_test::scaled_add", mutates_args=())
+def scaled_add(x: torch.Tensor, y: torch.Tensor, alpha: float) -> torch.Tensor:
+    return x + alpha * y
+
+
+@scaled_add.register_fake
+def _(x, y, alpha):
+    return torch.empty_like(x)
+
+
+def _scaled_add_backward(ctx, grad):
+    return grad, grad * ctx.alpha, None
+
+
+def _scaled_add_context(ctx, inputs, output):
+    ctx.alpha = inputs[2]
+
+
+scaled_add.register_autograd(_scaled_add_backward, setup_context=_scaled_add_context)
+
+
+@torch.library.custom_op("genie_test::add_into", mutates_args=("out",))
+def add_into(out: torch.Tensor, x: torch.Tensor) -> None:
+    out.add_(x)
+
+
+@torch.library.custom_op("genie_test::cuda_only", mutates_args=(), device_types="cuda")
+def cuda_only(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def test_custom_op_runs_as_the_aten_ops_it_calls(dev):
+    x, y = torch.randn(4, 5), torch.randn(4, 5)
+    got = scaled_add(x.to(dev), y.to(dev), 2.5)
+    assert got.device == torch.device(dev)
+    torch.testing.assert_close(got.cpu(), x + 2.5 * y)
+    got = scaled_add(got, y.to(dev), -1.0)  # second call: straight from dispatch
+    torch.testing.assert_close(got.cpu(), x + 1.5 * y)
+
+
+def test_custom_op_backward_on_the_device(dev):
+    x = torch.randn(3, requires_grad=True)
+    y = torch.randn(3, requires_grad=True)
+    xr = x.detach().to(dev).requires_grad_()
+    yr = y.detach().to(dev).requires_grad_()
+    scaled_add(xr, yr, 3.0).sum().backward()
+    scaled_add(x, y, 3.0).sum().backward()
+    torch.testing.assert_close(xr.grad.cpu(), x.grad)
+    torch.testing.assert_close(yr.grad.cpu(), y.grad)
+
+
+def test_mutating_custom_op_writes_the_remote_tensor(dev):
+    out, x = torch.zeros(6), torch.arange(6.0)
+    remote = out.to(dev)
+    add_into(remote, x.to(dev))
+    add_into(remote, x.to(dev))
+    torch.testing.assert_close(remote.cpu(), 2 * x)
+
+
+def test_op_with_kernels_for_particular_devices_is_refused_when_called(dev):
+    with pytest.raises(UnsupportedOperationError, match="genie_test::cuda_only"):
+        cuda_only(torch.ones(2).to(dev))
+    torch.testing.assert_close((torch.ones(2).to(dev) + 1).cpu(), torch.full((2,), 2.0))  # the stream goes on
