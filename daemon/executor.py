@@ -22,7 +22,7 @@ from genie.transport.tensors import (bytes_as_tensor, check_shape, dense_bytes, 
 
 from . import attention
 from . import ops as op_table
-from . import programs
+from . import programs, rnn_cells
 from .handles import ClientState, Poison
 from .memory_guard import is_allocation_failure
 
@@ -70,6 +70,7 @@ class Executor:
                  mailbox=None, send_to_peer=None, transfer_timeout: float = 120.0, bulk=None) -> None:
         self.devices = devices
         attention.register()  # kernels for the fused-attention ops clients send under autograd
+        rnn_cells.register()  # CPU kernels for the fused LSTM/GRU cell ops torch picks for clients' devices
         self.has_cuda = any(d.type == "cuda" for d in devices)
         self.cuda_ipc_offered = False  # set by the server: clients on this host may take GPU tensors by handle
         self._warm_ops: set[str] = set()  # op names run on a GPU before (see quick_to_start)

@@ -1,6 +1,7 @@
 """module.to("remote_accelerator") + forward equals the CPU, for an MLP, a CNN and a transformer block."""
 import copy
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -207,3 +208,69 @@ def test_decode_steps_with_new_cache_lengths_need_no_meta_execution(dev, monkeyp
         logits.sum().item()  # runs them (values: test_gpt_generation_matches_cpu)
     assert past[0][0].shape[2] == 42  # layer 0 keys: 37 + 5 positions
     assert in_steps == []
+
+
+@pytest.mark.parametrize("make", [
+    lambda: nn.LSTM(6, 5, num_layers=2, batch_first=True),
+    lambda: nn.LSTM(6, 5, bidirectional=True, bias=False),
+    lambda: nn.LSTM(6, 5, proj_size=3),
+    lambda: nn.GRU(6, 5, num_layers=2, bidirectional=True),
+    lambda: nn.GRU(6, 5, bias=False, batch_first=True),
+    lambda: nn.RNN(6, 5, nonlinearity="relu"),
+], ids=["lstm2", "lstm_bi_nobias", "lstm_proj", "gru2_bi", "gru_nobias", "rnn_relu"])
+def test_recurrent_layers_forward_and_backward_match_cpu(dev, make):
+    """torch hands the gate math of LSTM/GRU steps on non-CPU devices to fused cell ops that it
+    has for CUDA only; a CPU daemon runs its own kernels for them (daemon/rnn_cells.py)."""
+    from genie.frontend.capture import meta_cache
+
+    torch.manual_seed(0)
+    model = make()
+    remote = copy.deepcopy(model).to(dev)
+    x = torch.randn(4, 3, 6)
+    out, _ = model(x)
+    reported = meta_cache.bypasses
+    got, _ = remote(x.to(dev))
+    (got * got).sum().backward()
+    # Every step's cell planned on the client (shape rules where torch has no meta kernel):
+    # none ran on the daemon synchronously, a round trip per step.
+    assert meta_cache.bypasses == reported
+    torch.testing.assert_close(got.cpu(), out, atol=1e-5, rtol=1e-4)
+    (out * out).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), remote.parameters()):
+        torch.testing.assert_close(q.grad.cpu(), p.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_recurrent_cells_step_by_step_match_cpu(dev):
+    torch.manual_seed(0)
+    lstm, gru = nn.LSTMCell(4, 3), nn.GRUCell(4, 3)
+    r_lstm, r_gru = copy.deepcopy(lstm).to(dev), copy.deepcopy(gru).to(dev)
+    xs = torch.randn(5, 2, 4)
+    h = c = g = torch.zeros(2, 3)
+    rh, rc, rg = h.to(dev), c.to(dev), g.to(dev)
+    for x in xs:
+        h, c = lstm(x, (h, c))
+        g = gru(x, g)
+        rh, rc = r_lstm(x.to(dev), (rh, rc))
+        rg = r_gru(x.to(dev), rg)
+    torch.testing.assert_close(rh.cpu(), h, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(rc.cpu(), c, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(rg.cpu(), g, atol=1e-5, rtol=1e-4)
+
+
+def test_recurrent_layers_recorded_and_replayed_match_cpu(dev):
+    """A replay runs as a TorchScript trace on the daemon, which calls the fused cell kernels too."""
+    torch.manual_seed(0)
+    lstm, gru = nn.LSTM(6, 5, num_layers=2), nn.GRU(6, 5)
+    r_lstm, r_gru = copy.deepcopy(lstm).to(dev), copy.deepcopy(gru).to(dev)
+    x = torch.randn(4, 3, 6).to(dev)
+    out = torch.zeros(4, 3, 10, device=dev)
+    g = genie.Graph()
+    with torch.no_grad(), genie.graph(g):
+        out.copy_(torch.cat([r_lstm(x)[0], r_gru(x)[0]], -1))
+    for _ in range(2):
+        new = torch.randn(4, 3, 6)
+        x.copy_(new.to(dev))
+        g.replay()
+        with torch.no_grad():
+            want = torch.cat([lstm(new)[0], gru(new)[0]], -1)
+        torch.testing.assert_close(out.cpu(), want, atol=1e-5, rtol=1e-4)

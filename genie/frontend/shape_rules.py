@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from .meta import NewTensor, Plan, SameAsInput, contiguous_strides
+from .meta import NewTensor, Plan, SameAsInput, Value, contiguous_strides
 
 try:  # torch's Python twin of Tensor.suggest_memory_format, as its cat meta kernel uses it
     from torch._prims_common import suggest_memory_format as _suggest_memory_format
@@ -233,6 +233,68 @@ def plan_sdpa(bound: dict) -> Plan | None:
     return _dense_output(dtype, (b, h, length, ev))
 
 
+
+def _floating_2d(t) -> bool:
+    """A non-empty 2-D floating tensor of any strides: the fused cell ops' results are contiguous
+    whatever their inputs' layout (torch's CUDA kernels allocate them so; the CPU daemon's
+    kernels in daemon/rnn_cells.py make them so)."""
+    return (isinstance(t, torch.Tensor) and t.layout == torch.strided and t.dtype.is_floating_point
+            and t.dim() == 2 and t.numel() > 0)
+
+
+def _cell_inputs(input_gates, hidden_gates, state, input_bias, hidden_bias, gates: int) -> bool:
+    """2-D gate inputs of (batch, gates * hidden) and a (batch, hidden) state of one floating
+    dtype, and 1-D plainly contiguous biases of gates * hidden, both or neither (as torch's RNN
+    cells call the fused cell ops)."""
+    if not all(_floating_2d(t) for t in (input_gates, hidden_gates, state)):
+        return False
+    if (hidden_gates.dtype != input_gates.dtype or state.dtype != input_gates.dtype
+            or input_gates.shape != hidden_gates.shape or input_gates.shape[0] != state.shape[0]
+            or input_gates.shape[1] != gates * state.shape[1]):
+        return False
+    if input_bias is None and hidden_bias is None:
+        return True
+    return all(_floating_dense(b) and b.dtype == input_gates.dtype and tuple(b.shape) == (input_gates.shape[1],)
+               for b in (input_bias, hidden_bias))
+
+
+def plan_fused_lstm_cell(bound: dict) -> Plan | None:
+    """aten::_thnn_fused_lstm_cell(input_gates, hidden_gates, cx, input_bias, hidden_bias), which
+    torch's LSTM layers call for devices other than the CPU: contiguous (hy, cy) like cx and a
+    workspace like the gates. (torch's meta kernel fails without biases.)"""
+    gates, cx = bound.get("input_gates"), bound.get("cx")
+    if not _cell_inputs(gates, bound.get("hidden_gates"), cx, bound.get("input_bias"), bound.get("hidden_bias"), 4):
+        return None
+    state, workspace = _dense_output(cx.dtype, tuple(cx.shape)).outputs, _dense_output(gates.dtype, tuple(gates.shape)).outputs
+    return Plan((state, state, workspace), ())
+
+
+def plan_fused_gru_cell(bound: dict) -> Plan | None:
+    """aten::_thnn_fused_gru_cell(input_gates, hidden_gates, hx, input_bias, hidden_bias), which
+    torch's GRU layers call for devices other than the CPU (no meta kernel in torch): contiguous
+    hy like hx and a (batch, 5 * hidden) workspace."""
+    hx = bound.get("hx")
+    if not _cell_inputs(bound.get("input_gates"), bound.get("hidden_gates"), hx, bound.get("input_bias"),
+                        bound.get("hidden_bias"), 3):
+        return None
+    batch, hidden = hx.shape
+    return Plan((_dense_output(hx.dtype, (batch, hidden)).outputs, _dense_output(hx.dtype, (batch, 5 * hidden)).outputs), ())
+
+
+def plan_fused_gru_cell_backward(bound: dict) -> Plan | None:
+    """aten::_thnn_fused_gru_cell_backward(grad_hy, workspace, has_bias) (no meta kernel in torch):
+    contiguous gate gradients (batch, 3 * hidden) for input and hidden, grad_hx like grad_hy, and
+    bias gradients of 3 * hidden, or None without biases."""
+    grad, workspace, has_bias = bound.get("grad_hy"), bound.get("workspace"), bound.get("has_bias")
+    if not (_floating_2d(grad) and _floating_2d(workspace) and workspace.dtype == grad.dtype and tuple(workspace.shape) == (grad.shape[0], 5 * grad.shape[1])
+            and type(has_bias) is bool):
+        return None
+    batch, hidden = grad.shape
+    gate_grad = _dense_output(grad.dtype, (batch, 3 * hidden)).outputs
+    bias_grad = _dense_output(grad.dtype, (3 * hidden,)).outputs if has_bias else Value(None)
+    return Plan((gate_grad, gate_grad, _dense_output(grad.dtype, (batch, hidden)).outputs, bias_grad, bias_grad), ())
+
+
 _aten = torch.ops.aten
 RULES = {id(op): _by_schema_names(op, rule) for op, rule in (
     (_aten.cat.default, plan_cat),
@@ -240,6 +302,9 @@ RULES = {id(op): _by_schema_names(op, rule) for op, rule in (
     (_aten.linear.default, plan_linear),
     (_aten.layer_norm.default, plan_layer_norm),
     (_aten.embedding.default, plan_embedding),
+    (_aten._thnn_fused_lstm_cell.default, plan_fused_lstm_cell),
+    (_aten._thnn_fused_gru_cell.default, plan_fused_gru_cell),
+    (_aten._thnn_fused_gru_cell_backward.default, plan_fused_gru_cell_backward),
     (_aten.add.Tensor, plan_binary),
     (_aten.sub.Tensor, plan_binary),
     (_aten.mul.Tensor, plan_binary),

@@ -271,3 +271,50 @@ def test_in_place_rules_match_meta_execution(name):
             assert op(*args, **kwargs) is x  # the CPU kernel takes these inputs too
         answered += 1
     assert answered > 20
+
+
+def _planned_outputs_match(plan, results):
+    """Each planned output (a tuple) is the kernel's result: dtype, shape and contiguous strides,
+    or None where the kernel gives none."""
+    for planned, real in zip(plan.outputs, results):
+        if isinstance(planned, meta.Value):
+            assert planned.value is None and real is None
+            continue
+        assert (real.dtype, tuple(real.shape), tuple(real.stride())) == (planned.dtype, planned.shape, planned.stride)
+        assert planned.storage_nbytes == real.numel() * real.element_size()
+
+
+def test_fused_rnn_cell_rules_match_the_daemon_kernels_and_meta_execution():
+    """torch's meta kernel for the LSTM cell fails without biases and the GRU cell ops have none:
+    the rules plan them, and the CPU daemon's kernels (daemon/rnn_cells.py) give those layouts
+    whatever the inputs' layouts. Where torch's meta kernel works (LSTM cell with biases) the
+    plans are equal."""
+    from daemon import rnn_cells
+
+    lstm, gru = torch.ops.aten._thnn_fused_lstm_cell.default, torch.ops.aten._thnn_fused_gru_cell.default
+    gru_backward = torch.ops.aten._thnn_fused_gru_cell_backward.default
+    rng = random.Random(0)
+    for _ in range(40):
+        b, h, bias = rng.randint(1, 4), rng.randint(1, 6), rng.random() < 0.5
+        biases = (laid_out(rng, (4 * h,)), laid_out(rng, (4 * h,))) if bias else (None, None)
+        args = (laid_out(rng, (b, 4 * h)), laid_out(rng, (b, 4 * h)), laid_out(rng, (b, h)), *biases)
+        plan = rule(lstm)(args, {})
+        if not all(t is None or shape_rules._plain_dense(t) for t in biases):
+            assert plan is None  # biases only as torch's layers hold them
+            continue
+        _planned_outputs_match(plan, rnn_cells.lstm_cell(*args))
+        if bias:
+            assert plan == meta_plan(lstm, args, {})
+        biases = (torch.randn(3 * h), torch.randn(3 * h)) if bias else (None, None)
+        args = (laid_out(rng, (b, 3 * h)), laid_out(rng, (b, 3 * h)), laid_out(rng, (b, h)), *biases)
+        plan = rule(gru)(args, {})
+        hy, workspace = rnn_cells.gru_cell(*args)
+        _planned_outputs_match(plan, (hy, workspace))
+        grad = laid_out(rng, (b, h))
+        plan = rule(gru_backward)((grad, workspace, bias), {})
+        _planned_outputs_match(plan, rnn_cells.gru_cell_backward(grad, workspace, bias))
+    # Inputs that do not fit the op are declined (meta execution or the daemon then says why).
+    assert rule(lstm)((torch.randn(2, 8), torch.randn(2, 8), torch.randn(2, 3)), {}) is None
+    assert rule(gru)((torch.randn(2, 9), torch.randn(2, 6), torch.randn(2, 3)), {}) is None
+    assert rule(lstm)((torch.randn(2, 8), torch.randn(2, 8), torch.randn(2, 2), torch.randn(8), None), {}) is None
+    assert rule(gru_backward)((torch.randn(2, 3), torch.randn(2, 14), True), {}) is None
