@@ -63,3 +63,19 @@ def test_noncontiguous_upload(dev):
     r = src.to(dev)
     assert r.shape == (4, 3)
     assert torch.equal(r.cpu(), src)
+
+
+@pytest.mark.parametrize("make", [
+    lambda d: torch.tril_indices(4, 3, -1, device=d),
+    lambda d: torch.triu_indices(3, 5, 1, dtype=torch.int32, device=d),
+    lambda d: torch.kaiser_window(8, device=d),
+    lambda d: torch.kaiser_window(7, periodic=False, device=d),
+    lambda d: torch.kaiser_window(8, False, 5.0, dtype=torch.float64, device=d),
+], ids=["tril_indices", "triu_indices", "kaiser", "kaiser_periodic", "kaiser_beta"])
+def test_factories_without_a_device_generic_kernel(dev, make):
+    """torch has these only per backend (or ending in a CPU/CUDA-only kernel): made on the host, uploaded."""
+    got = make(dev)
+    assert got.device == torch.device(dev)
+    want = make("cpu")
+    assert got.dtype == want.dtype
+    assert torch.equal(got.cpu(), want)

@@ -97,6 +97,20 @@ def local_scalar_dense(self):
     return to_cpu(self).item()
 
 
+def _made_on_host(op):
+    """A kernel for a factory that torch implements per backend with no composite form
+    (tril_indices, triu_indices) or whose composite form ends in a CPU/CUDA-only kernel
+    (kaiser_window): its values depend only on its arguments, so the CPU makes them and they are
+    uploaded (a few bytes per element, as torch.tensor(..., device=) sends its data)."""
+
+    def kernel(*args, **kwargs):
+        device = kwargs.pop("device", None)
+        kwargs.pop("pin_memory", None)
+        return op(*args, **kwargs, device="cpu").to(device)
+
+    return kernel
+
+
 def register() -> None:
     global _lib
     if _lib is not None:
@@ -107,5 +121,8 @@ def register() -> None:
     lib.impl("_copy_from", copy_from, "PrivateUse1")
     lib.impl("_copy_from_and_resize", copy_from_and_resize, "PrivateUse1")
     lib.impl("_local_scalar_dense", local_scalar_dense, "PrivateUse1")
+    for name in ("tril_indices", "triu_indices", "kaiser_window", "kaiser_window.periodic", "kaiser_window.beta"):
+        packet, _, overload = name.partition(".")
+        lib.impl(name, _made_on_host(getattr(getattr(torch.ops.aten, packet), overload or "default")), "PrivateUse1")
     whole_ops.register(lib)
     _lib = lib
