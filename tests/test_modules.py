@@ -274,3 +274,52 @@ def test_recurrent_layers_recorded_and_replayed_match_cpu(dev):
         with torch.no_grad():
             want = torch.cat([lstm(new)[0], gru(new)[0]], -1)
         torch.testing.assert_close(out.cpu(), want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_packed_sequences_through_lstm_match_cpu(dev, batch_first):
+    """pack_padded_sequence keeps batch_sizes on the CPU (as PackedSequence requires and CUDA does)
+    and the packed data on the device; LSTM over it, padding back and backward equal the CPU."""
+    torch.manual_seed(0)
+    lstm = nn.LSTM(4, 3, batch_first=batch_first, bidirectional=True)
+    remote = copy.deepcopy(lstm).to(dev)
+    x = (torch.randn(3, 5, 4) if batch_first else torch.randn(5, 3, 4)).requires_grad_()
+    xr = x.detach().to(dev).requires_grad_()
+    lengths = torch.tensor([5, 3, 2])
+    packed = nn.utils.rnn.pack_padded_sequence(xr, lengths, batch_first=batch_first)
+    assert packed.batch_sizes.device.type == "cpu" and packed.data.device == torch.device(dev)
+    out, (h, _) = lstm(nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=batch_first))
+    r_out, (r_h, _) = remote(packed)
+    want, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=batch_first)
+    got, got_lengths = nn.utils.rnn.pad_packed_sequence(r_out, batch_first=batch_first)
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(r_h.cpu(), h, atol=1e-5, rtol=1e-4)
+    assert torch.equal(got_lengths, lengths)
+    (want.sum() + h.sum()).backward()
+    (got.sum() + r_h.sum()).backward()
+    torch.testing.assert_close(xr.grad.cpu(), x.grad, atol=1e-5, rtol=1e-4)
+    for p, q in zip(lstm.parameters(), remote.parameters()):
+        torch.testing.assert_close(q.grad.cpu(), p.grad, atol=1e-5, rtol=1e-4)
+    seqs = [torch.randn(2, 4), torch.randn(5, 4), torch.randn(3, 4)]  # unsorted: sorted on the device
+    gru = nn.GRU(4, 3)
+    _, h = gru(nn.utils.rnn.pack_sequence(seqs, enforce_sorted=False))
+    _, r_h = copy.deepcopy(gru).to(dev)(nn.utils.rnn.pack_sequence([s.to(dev) for s in seqs], enforce_sorted=False))
+    torch.testing.assert_close(r_h.cpu(), h, atol=1e-5, rtol=1e-4)
+
+
+def test_transformer_encoder_with_padding_mask_in_eval(dev):
+    """Its nested-tensor fast path is refused by name, with the way out; without nested tensors
+    the remote encoder equals the CPU's."""
+    from genie.errors import UnsupportedOperationError
+
+    torch.manual_seed(0)
+    x, mask = torch.randn(2, 5, 8), torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    nested = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 2).eval()
+    with torch.no_grad(), pytest.raises(UnsupportedOperationError, match="enable_nested_tensor=False"):
+        copy.deepcopy(nested).to(dev)(x.to(dev), src_key_padding_mask=mask.to(dev))
+    dense = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 2,
+                                  enable_nested_tensor=False).eval()
+    with torch.no_grad():
+        want = dense(x, src_key_padding_mask=mask)
+        got = copy.deepcopy(dense).to(dev)(x.to(dev), src_key_padding_mask=mask.to(dev))
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-4)

@@ -622,12 +622,23 @@ def _item(func, args, kwargs):
     return run_reported(func, args, kwargs, t._genie.stream, [t._genie.wire])
 
 
+def _nested_from_mask(func, args, kwargs):
+    raise UnsupportedOperationError(
+        op_name(func), "nested tensors are not supported on remote_accelerator (nn.TransformerEncoder makes "
+        "one in eval mode when given a src_key_padding_mask: construct it with enable_nested_tensor=False; "
+        "its results are then the same except at padded positions, which the nested path sets to 0)")
+
+
 _SPECIAL = {
     id(torch.ops.aten._local_scalar_dense.default): _item,
     id(torch.ops.aten._to_copy.default): _to_copy,
     id(torch.ops.aten.copy_.default): _copy_,
     id(torch.ops.aten.set_.source_Storage_storage_offset): _set_storage,
     id(torch.ops.aten.set_.source_Storage): _set_storage,
+    # Its kernel for every device slices the input by the lengths (a CPU tensor, as torch requires)
+    # and makes batch_sizes on the CPU, where PackedSequence wants it: run here, slices captured.
+    id(torch.ops.aten._pack_padded_sequence.default): _any_device_kernel,
+    id(torch.ops.aten._nested_tensor_from_mask.default): _nested_from_mask,
 }
 
 # LazyTensor.__torch_dispatch__ calls this module's dispatch directly from now on.
