@@ -29,7 +29,9 @@ setup(
         "ucx": ["ucxx-cu12>=0.52"],  # the UCX lane (RDMA between nodes; see README)
         "viz": ["matplotlib>=3.7"],
         "test": ["pytest>=8", "pytest-asyncio>=0.23", "pytest-timeout>=2.3", "expecttest>=0.2", "hypothesis>=6",
-                 "matplotlib>=3.7"],
+                 "matplotlib>=3.7",
+                 # tests/test_hf_models.py: the models users run (random-initialised, nothing downloaded)
+                 "transformers>=4.46"],
     },
     entry_points={"console_scripts": ["genie-daemon=genie_daemon.cli:main"]},
 )

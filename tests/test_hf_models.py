@@ -1,0 +1,77 @@
+"""Hugging Face transformers models, as users run them, on remote_accelerator.
+
+Small random-initialised configurations of three families (no weights are downloaded): the
+forward pass with a padding mask, greedy generate() (its KV cache and mask handling), and
+training steps with AdamW, each against the same model on the CPU."""
+import copy
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="needs transformers (pip install -e '.[test]')")
+
+
+def _gpt2():
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=100, bos_token_id=0, eos_token_id=1))
+
+
+def _llama():
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, vocab_size=100, bos_token_id=0, eos_token_id=1))
+
+
+def _bert():
+    return transformers.BertForSequenceClassification(transformers.BertConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=100,
+        num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, 100, (2, 7), generator=g)
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, :2] = 0  # left padding, as batched generation uses
+    return ids, mask
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+@pytest.mark.parametrize("make", [_gpt2, _llama], ids=["gpt2", "llama"])
+def test_causal_lm_forward_and_generate_match_cpu(dev, make):
+    torch.manual_seed(0)
+    model = make().eval()
+    remote = copy.deepcopy(model).to(dev)
+    ids, mask = _inputs()
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+        got = remote(input_ids=ids.to(dev), attention_mask=mask.to(dev)).logits
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-4)
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    generated = remote.generate(ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=6, do_sample=False)
+    assert torch.equal(generated.cpu(), expected)
+
+
+@pytest.mark.parametrize("make, labels", [(_llama, None), (_bert, torch.tensor([0, 2]))], ids=["llama", "bert"])
+def test_training_steps_match_cpu(dev, make, labels):
+    torch.manual_seed(0)
+    model = make()
+    remote = copy.deepcopy(model).to(dev)
+    ids, mask = _inputs()
+    labels = ids if labels is None else labels
+    optimizers = torch.optim.AdamW(model.parameters(), 1e-2), torch.optim.AdamW(remote.parameters(), 1e-2)
+    for _ in range(2):
+        for m, opt, device in ((model, optimizers[0], "cpu"), (remote, optimizers[1], dev)):
+            opt.zero_grad()
+            loss = m(input_ids=ids.to(device), attention_mask=mask.to(device), labels=labels.to(device)).loss
+            loss.backward()
+            opt.step()
+    for (name, p), q in zip(model.named_parameters(), remote.parameters()):
+        torch.testing.assert_close(q.detach().cpu(), p.detach(), atol=1e-4, rtol=1e-3, msg=name)
