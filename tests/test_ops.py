@@ -118,3 +118,17 @@ def test_data_dependent_shapes(dev):
     check(dev, torch.nonzero, x)
     check(dev, lambda t: torch.unique(t, return_counts=True), x)
     check(dev, lambda t: torch.masked_select(t, t > 0.5), x)
+
+
+@pytest.mark.parametrize("make", [
+    lambda d: torch.randn(3, 3).to(d).to_sparse(),
+    lambda d: torch.randn(3, 3).to(d).to_sparse_csr(),
+    lambda d: torch.sparse_coo_tensor(torch.tensor([[0]]), torch.tensor([1.0]), (2,)).to(d),
+], ids=["to_sparse", "to_sparse_csr", "upload_sparse"])
+def test_sparse_layouts_are_refused_when_made(dev, make):
+    """Only strided tensors live on the device: refused at the call, by name, not later by the daemon."""
+    from genie.errors import UnsupportedOperationError
+
+    with pytest.raises(UnsupportedOperationError, match="to_dense"):
+        make(dev)
+    assert (torch.ones(2).to(dev) * 3).cpu().tolist() == [3.0, 3.0]

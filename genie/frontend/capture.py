@@ -622,6 +622,10 @@ def _item(func, args, kwargs):
     return run_reported(func, args, kwargs, t._genie.stream, [t._genie.wire])
 
 
+def _to_sparse_layout(func, args, kwargs):
+    raise UnsupportedOperationError(op_name(func), meta.only_strided("sparse"))
+
+
 def _nested_from_mask(func, args, kwargs):
     raise UnsupportedOperationError(
         op_name(func), "nested tensors are not supported on remote_accelerator (nn.TransformerEncoder makes "
@@ -639,6 +643,10 @@ _SPECIAL = {
     # and makes batch_sizes on the CPU, where PackedSequence wants it: run here, slices captured.
     id(torch.ops.aten._pack_padded_sequence.default): _any_device_kernel,
     id(torch.ops.aten._nested_tensor_from_mask.default): _nested_from_mask,
+    **{id(getattr(packet, overload)): _to_sparse_layout
+       for packet in (torch.ops.aten._to_sparse, torch.ops.aten._to_sparse_csr, torch.ops.aten._to_sparse_csc,
+                      torch.ops.aten._to_sparse_bsr, torch.ops.aten._to_sparse_bsc)
+       for overload in packet.overloads()},
 }
 
 # LazyTensor.__torch_dispatch__ calls this module's dispatch directly from now on.

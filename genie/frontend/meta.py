@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from genie.errors import UnsupportedOperationError
+
 _REMOTE_TYPE = "remote_accelerator"
 META = torch.device("meta")
 
@@ -27,6 +29,12 @@ METADATA_ONLY_RESULTS = frozenset({
     "_has_compatible_shallow_copy_type", "is_strides_like_format", "is_non_overlapping_and_dense",
     "_scaled_dot_product_fused_attention_overrideable",  # max_q, max_k: the sequence lengths
 })
+
+
+def only_strided(layout) -> str:
+    """Why an op whose result would have another layout (sparse, ...) is refused."""
+    return (f"its result would be a {layout} tensor; only strided (dense) tensors live on "
+            "remote_accelerator: convert with .to_dense() first")
 
 
 class NeedsRemoteExecution(Exception):
@@ -158,6 +166,8 @@ def plan_op(func, args, kwargs, flat_tensors: list[torch.Tensor], storage_sizes:
                 return SameAsInput(idx)
             if o.device.type != "meta":
                 raise NeedsRemoteExecution("op produced a non-meta tensor")
+            if o.layout != torch.strided:
+                raise UnsupportedOperationError(func._schema.name, only_strided(o.layout))
             return NewTensor(o.dtype, tuple(o.shape), tuple(o.stride()), o.storage_offset(),
                              o.untyped_storage().nbytes())
         if isinstance(o, (list, tuple)):
