@@ -208,7 +208,8 @@ def plan_embedding(bound: dict) -> Plan | None:
 
 def plan_sdpa(bound: dict) -> Plan | None:
     """aten::scaled_dot_product_attention on 4-D (batch, heads, length, dim) inputs of one
-    floating dtype with equal batch and head counts (no GQA broadcast), an optional mask of 2 to
+    floating dtype with equal batch and head counts, or with enable_gqa key/value heads (equal)
+    that divide the query's (grouped-query attention, as Llama-style models call it), an optional mask of 2 to
     4 dimensions that broadcasts to (batch, heads, L, S) without growing it (the CPU kernel
     refuses a 1-D one that meta execution takes), and not both a mask and is_causal: a
     contiguous (batch, heads, L, value dim) result."""
@@ -219,7 +220,9 @@ def plan_sdpa(bound: dict) -> Plan | None:
     if not dtype.is_floating_point or k.dtype != dtype or v.dtype != dtype:
         return None
     (b, h, length, e), (kb, kh, s, ke), (vb, vh, vs, ev) = q.shape, k.shape, v.shape
-    if not (b == kb == vb and h == kh == vh and s == vs and e == ke) or 0 in (b, h, length, e, s, ev):
+    if not (b == kb == vb and kh == vh and s == vs and e == ke) or 0 in (b, h, kh, length, e, s, ev):
+        return None
+    if h != kh and not (bound.get("enable_gqa") is True and h % kh == 0):
         return None
     if mask is not None:
         if (not isinstance(mask, torch.Tensor) or mask.layout != torch.strided or bound.get("is_causal")

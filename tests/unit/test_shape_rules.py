@@ -95,14 +95,20 @@ def test_cat_rule_answers_a_growing_kv_cache():
 
 def test_sdpa_rule_matches_meta_execution_and_the_daemon_kernel():
     rng = random.Random(1)
-    answered = 0
+    answered = grouped = 0
     for _ in range(300):
         b, h, lq, s, e, ev = (rng.randint(1, 3) for _ in range(6))
         if rng.random() < 0.1:
             s = rng.randint(1, 3)
         dtype = torch.float32
+        gqa = rng.random() < 0.3
+        if gqa:  # grouped-query attention: key/value heads divide the query's (or do not: declined)
+            h = rng.choice([2, 4, 6])
+            kh = rng.choice([d for d in (1, 2, 3) if h % d == 0] + ([4] if rng.random() < 0.2 else []))
+        else:
+            kh = h if rng.random() < 0.9 else 1
         q = laid_out(rng, (b, h, lq, e), dtype)
-        k = laid_out(rng, (b, h if rng.random() < 0.9 else 1, s, e if rng.random() < 0.95 else e + 1), dtype)
+        k = laid_out(rng, (b, kh, s, e if rng.random() < 0.95 else e + 1), dtype)
         v = laid_out(rng, (b, k.shape[1], s, ev), dtype)
         kwargs = {}
         args = [q, k, v]
@@ -121,11 +127,13 @@ def test_sdpa_rule_matches_meta_execution_and_the_daemon_kernel():
             kwargs["is_causal"] = True
         if rng.random() < 0.3:
             kwargs["scale"] = 0.5
-        if rng.random() < 0.2:
-            kwargs["enable_gqa"] = True
+        if gqa or rng.random() < 0.2:
+            kwargs["enable_gqa"] = gqa or rng.random() < 0.5
         args = tuple(args)
-        answered += check(SDPA, rule(SDPA), args, kwargs, attention.sdpa_contiguous)
-    assert answered > 80
+        did = check(SDPA, rule(SDPA), args, kwargs, attention.sdpa_contiguous)
+        answered += did
+        grouped += did and k.shape[1] != h
+    assert answered > 80 and grouped > 10
 
 
 def test_sdpa_rule_answers_a_decode_step_with_a_transposed_query():
