@@ -132,3 +132,26 @@ def test_sparse_layouts_are_refused_when_made(dev, make):
     with pytest.raises(UnsupportedOperationError, match="to_dense"):
         make(dev)
     assert (torch.ones(2).to(dev) * 3).cpu().tolist() == [3.0, 3.0]
+
+
+def test_ops_on_the_newest_entry_of_a_growing_tensor_are_planned_once(dev, monkeypatch):
+    """A decode loop reads `ids[:, -1:]` of a tensor that grows every step: a view with a new
+    storage offset and size-1 stride each time. Ops that make new tensors from such row-major
+    inputs reuse one plan (no meta execution per step), and their results stay right."""
+    from genie.frontend import meta
+
+    planned = []
+    real_plan_op = meta.plan_op
+    monkeypatch.setattr(meta, "plan_op", lambda func, *a: planned.append(str(func)) or real_plan_op(func, *a))
+    ids = torch.tensor([[3, 1, 4]]).to(dev)
+    local = torch.tensor([[3, 1, 4]])
+    seen_after_warmup = []
+    for step in range(6):
+        last, local_last = ids[:, -1:], local[:, -1:]
+        nxt = (last * 7 + 1).remainder(11).clone()
+        ids, local = torch.cat([ids, nxt], 1), torch.cat([local, (local_last * 7 + 1).remainder(11).clone()], 1)
+        if step == 1:
+            planned.clear()
+        seen_after_warmup = [p for p in planned if "slice" not in p and "cat" not in p]
+    assert ids.cpu().tolist() == local.tolist()
+    assert seen_after_warmup == []  # mul, add, remainder, clone: planned in the first steps only
