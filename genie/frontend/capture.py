@@ -345,11 +345,12 @@ def _capture_general(func, args: tuple, kwargs: dict, walked: tuple | None = Non
             sizes = [t._genie.storage_nbytes for t in tensors]
         if getattr(func, "namespace", "aten") != "aten":
             return _library_op(func, args, kwargs)
-        loose = _loose_key(func, key) if key is not None else None
-        plan = _plans_get(loose) if loose is not None else None
-        if plan is None:
-            rule = shape_rules.RULES.get(id(func))
-            plan = rule(args, kwargs) if rule is not None else None
+        rule = shape_rules.RULES.get(id(func))
+        plan = rule(args, kwargs) if rule is not None else None
+        loose = None
+        if plan is None and key is not None:
+            loose = _loose_key(func, key)
+            plan = _plans_get(loose) if loose is not None else None
         if plan is None:
             try:
                 plan = meta.plan_op(func, args, kwargs, tensors, sizes)
@@ -460,10 +461,8 @@ def _row_major(shape, stride) -> bool:
         if n != 1 and st != expected:
             return False
         expected *= n
-    if len(shape) in (4, 5):  # also channels-last contiguous: torch's layout choice may differ
-        return not torch.empty_strided(shape, stride, device="meta").is_contiguous(
-            memory_format=torch.channels_last if len(shape) == 4 else torch.channels_last_3d)
-    return True
+    # Also channels-last contiguous (4-D and 5-D with size-1 dimensions): torch's layout choice may differ.
+    return not shape_rules.channels_last_contiguous(shape, stride)
 
 
 def run_reported(func, args, kwargs, stream, wire_args: list | None = None):

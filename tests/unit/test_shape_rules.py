@@ -326,3 +326,31 @@ def test_fused_rnn_cell_rules_match_the_daemon_kernels_and_meta_execution():
     assert rule(gru)((torch.randn(2, 9), torch.randn(2, 6), torch.randn(2, 3)), {}) is None
     assert rule(lstm)((torch.randn(2, 8), torch.randn(2, 8), torch.randn(2, 2), torch.randn(8), None), {}) is None
     assert rule(gru_backward)((torch.randn(2, 3), torch.randn(2, 14), True), {}) is None
+
+
+def test_layout_tests_match_torch_on_random_layouts():
+    """The plain-int twins of torch's channels-last tests (cat's memory-format suggestion, and
+    channels-last contiguity) answer as torch does, size-0, size-1 and broadcast dimensions included."""
+    from torch._prims_common import are_strides_like_channels_last_or_false
+
+    rng = random.Random(3)
+    for _ in range(3000):
+        rank = rng.choice([3, 4, 4, 5])
+        shape = tuple(rng.choice([0, 1, 1, 2, 3]) if rng.random() < 0.1 else rng.choice([1, 2, 3, 4]) for _ in range(rank))
+        kind = rng.choice(["strides", "layout"])
+        if kind == "layout":
+            t = laid_out(rng, shape) if 0 not in shape else torch.empty(shape)
+            if rank == 4 and rng.random() < 0.3:
+                t = t.contiguous(memory_format=torch.channels_last)
+            if rank == 5 and rng.random() < 0.3:
+                t = t.contiguous(memory_format=torch.channels_last_3d)
+            stride = t.stride()
+        else:
+            stride = tuple(rng.choice([0, 1, 2, 3, 4, 6, 8, 12, 24]) for _ in range(rank))
+        assert shape_rules.strides_like_channels_last(shape, stride) == \
+            are_strides_like_channels_last_or_false(shape, stride), (shape, stride)
+        if rank in (4, 5):
+            probe = torch.empty_strided(shape, stride, device="meta")
+            fmt = torch.channels_last if rank == 4 else torch.channels_last_3d
+            assert shape_rules.channels_last_contiguous(shape, stride) == probe.is_contiguous(memory_format=fmt), \
+                (shape, stride)
