@@ -24,6 +24,7 @@ SUITE = {
     "capture_overhead": (["--repeats", "5"], ["--repeats", "3", "--ops", "8000", "--roundtrips", "200"]),
     "transport_throughput": (["--repeats", "3"], ["--repeats", "2", "--max-mb", "64"]),
     "end_to_end": (["--repeats", "3"], ["--repeats", "2", "--tokens", "16"]),
+    "hf_decode": (["--repeats", "5"], ["--repeats", "2", "--tokens", "16"]),
     "many_clients": ([], ["--clients", "1,4", "--requests", "100"]),
     "pipeline": (["--repeats", "5"], ["--repeats", "2"]),
     "analysis_cache": ([], ["--steps", "20"]),
@@ -122,6 +123,11 @@ def summary() -> None:
         rows.append(("GPT wire bytes per token", f"{gpt['wire_bytes_per_token']:.0f} B"
                      + (f" ({gpt['wire_bytes_per_token_replay']:.0f} B replayed)"
                         if "wire_bytes_per_token_replay" in gpt else "")))
+    hf = load("hf_decode")
+    if hf:
+        rows.append(("Hugging Face Llama decode, time per token vs local",
+                     f"{hf['slowdown_vs_local']['remote']:.2f}x generate() op by op, "
+                     f"{hf['slowdown_vs_local']['remote_replay']:.2f}x StaticCache step replayed"))
     gp = load("gpu_paths")
     if gp:
         for n, r in gp["results_MBps"].items():

@@ -22,6 +22,7 @@ RUNS = {
                    "--train-seq", "8"],
     "rpc_peer": ["--tokens", "4", "--repeats", "1"],
     "capture_overhead": ["--ops", "400", "--repeats", "1", "--roundtrips", "20"],
+    "hf_decode": ["--tokens", "4", "--repeats", "1"],
 }
 
 

@@ -75,3 +75,34 @@ def test_training_steps_match_cpu(dev, make, labels):
             opt.step()
     for (name, p), q in zip(model.named_parameters(), remote.parameters()):
         torch.testing.assert_close(q.detach().cpu(), p.detach(), atol=1e-4, rtol=1e-3, msg=name)
+
+
+def test_llama_decode_step_recorded_with_a_static_cache_and_replayed(dev):
+    """The README's recipe: prefill op by op into a transformers StaticCache, record one decode
+    step with genie.graph, replay it per token; the tokens are greedy generate()'s on the CPU."""
+    import genie
+
+    torch.manual_seed(0)
+    model = _llama().eval()
+    remote = copy.deepcopy(model).to(dev)
+    ids, _ = _inputs()
+    ids = ids[:1]
+    new_tokens = 8
+    expected = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    length = ids.shape[1]
+    with torch.no_grad():
+        cache = transformers.StaticCache(config=remote.config, max_cache_len=32)
+        out = remote(input_ids=ids.to(dev), past_key_values=cache, cache_position=torch.arange(length, device=dev))
+        token = out.logits[:, -1:].argmax(-1)
+        tokens = [token.item()]
+        position = torch.tensor([length], device=dev)
+        step = genie.Graph()
+        with genie.graph(step):
+            out = remote(input_ids=token, past_key_values=cache, cache_position=position)
+            token.copy_(out.logits[:, -1:].argmax(-1))
+            position.add_(1)
+        tokens.append(token.item())
+        for _ in range(new_tokens - 2):
+            step.replay()
+            tokens.append(token.item())
+    assert tokens == expected[0, length:].tolist()
