@@ -79,3 +79,30 @@ def test_factories_without_a_device_generic_kernel(dev, make):
     want = make("cpu")
     assert got.dtype == want.dtype
     assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("args, kwargs", [
+    ((7,), {}), ((3, 10), {}), ((10, 3, -2), {}), ((5, 5), {}), ((0, 10, 3), {"dtype": torch.float32}),
+    ((0, 4), {"dtype": torch.int32}), ((-5, 5), {"dtype": torch.float16}),
+    ((0.5, 3), {}), ((7.0,), {}), ((0, 1, 0.25), {}),  # float bounds: torch's composite form
+], ids=["end", "start_end", "negative_step", "empty", "float_dtype", "int32", "half", "float_start",
+        "float_end", "float_step"])
+def test_arange_on_the_device(dev, sent_ops, args, kwargs):
+    torch.remote_accelerator.synchronize()
+    sent_ops.clear()  # what earlier tests left queued
+    got = torch.arange(*args, device=dev, **kwargs)
+    want = torch.arange(*args, **kwargs)
+    assert (got.shape, got.dtype, got.stride()) == (want.shape, want.dtype, want.stride())
+    assert torch.equal(got.cpu(), want)
+    if all(type(a) is int for a in args):  # one op, its length worked out on the client
+        assert [op for op in sent_ops if "arange" in op or "empty" in op] == ["aten::arange.start_step"]
+    with pytest.raises(RuntimeError, match="inconsistent with step sign"):
+        torch.arange(0, 5, -1, device=dev)
+
+
+def test_tensor_from_data_is_one_upload(dev, sent_ops):
+    """torch.tensor(data, device=) uploads the data; its lift_fresh (a marker for functionalization)
+    is the tensor itself, as torch's kernel returns, not an op for the daemon."""
+    t = torch.tensor([[1, 2], [3, 4]], device=dev)
+    assert t.cpu().tolist() == [[1, 2], [3, 4]]
+    assert not any("lift_fresh" in op for op in sent_ops)

@@ -709,6 +709,9 @@ _SPECIAL = {
     # and makes batch_sizes on the CPU, where PackedSequence wants it: run here, slices captured.
     id(torch.ops.aten._pack_padded_sequence.default): _any_device_kernel,
     id(torch.ops.aten._nested_tensor_from_mask.default): _nested_from_mask,
+    # torch.tensor(data, device=) marks its result fresh for functionalization: the tensor itself, as
+    # torch's own kernel returns (it was captured as an alias op and run on the daemon).
+    id(torch.ops.aten.lift_fresh.default): lambda func, args, kwargs: args[0],
     **{id(getattr(packet, overload)): _to_sparse_layout
        for packet in (torch.ops.aten._to_sparse, torch.ops.aten._to_sparse_csr, torch.ops.aten._to_sparse_csc,
                       torch.ops.aten._to_sparse_bsr, torch.ops.aten._to_sparse_bsc)

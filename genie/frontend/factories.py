@@ -8,6 +8,7 @@ captured. `_copy_from` is how `torch.tensor(data, device=...)` uploads.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -69,6 +70,32 @@ def _new_empty(op: str, size, stride, dtype, device, memory_format=None):
     return t
 
 
+_ARANGE = torch.ops.aten.arange.start_step
+_COMPOSITE = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
+
+
+def arange_start_step(start, end, step=1, dtype=None, layout=None, device=None, pin_memory=None):
+    """torch.arange(..., device=) with Python int bounds (positions, masks: in many models' every
+    forward) as one op, its length worked out here exactly as torch does for integers, rather than
+    torch's composite form: an empty, then arange.out resizing it (three captures, ~90 µs). Other
+    bounds (floats, tensors), other dtypes and inconsistent steps take that form."""
+    if (type(start) is not int or type(end) is not int or type(step) is not int or step == 0
+            or (end - start) * step < 0 or (dtype is not None and (dtype == torch.bool or dtype.is_complex))
+            or layout not in (None, torch.strided)):
+        return _ARANGE.redispatch(_COMPOSITE, start, end, step, dtype=dtype, layout=layout, device=device,
+                                  pin_memory=pin_memory)
+    dtype = dtype or torch.int64
+    n = -((start - end) // step)
+    stream = _stream_for(device)
+    with stream.lock:
+        handle = stream.new_handle()
+        t = LazyTensor(stream, handle, (n,), (1,), 0, dtype, n * dtype.itemsize)
+        stream.append(["aten::arange.start_step", [start, end, step],
+                       {"dtype": protocol.encode_dtype(dtype),
+                        "device": protocol.encode_device("remote", stream.local_index)}, handle])
+    return t
+
+
 def empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
     return _new_empty("aten::empty.memory_format", size, None, dtype, device, memory_format)
 
@@ -121,6 +148,9 @@ def register() -> None:
     lib.impl("_copy_from", copy_from, "PrivateUse1")
     lib.impl("_copy_from_and_resize", copy_from_and_resize, "PrivateUse1")
     lib.impl("_local_scalar_dense", local_scalar_dense, "PrivateUse1")
+    lib.impl("arange.start_step", arange_start_step, "PrivateUse1")
+    lib.impl("arange.start", arange_start_step, "PrivateUse1")
+    lib.impl("arange", functools.partial(arange_start_step, 0), "PrivateUse1")
     for name in ("tril_indices", "triu_indices", "kaiser_window", "kaiser_window.periodic", "kaiser_window.beta"):
         packet, _, overload = name.partition(".")
         lib.impl(name, _made_on_host(getattr(getattr(torch.ops.aten, packet), overload or "default")), "PrivateUse1")
