@@ -155,3 +155,17 @@ def test_ops_on_the_newest_entry_of_a_growing_tensor_are_planned_once(dev, monke
         seen_after_warmup = [p for p in planned if "slice" not in p and "cat" not in p]
     assert ids.cpu().tolist() == local.tolist()
     assert seen_after_warmup == []  # mul, add, remainder, clone: planned in the first steps only
+
+
+def test_dtype_casts_of_views_keep_layouts_and_values(dev, sent_ops):
+    """.to(dtype) / .half() / .float() take a short path of their own (planned once per input
+    layout and dtype): results as the CPU's for dense tensors, transposes and slices, twice over."""
+    x = torch.randn(4, 6)
+    xr = x.to(dev)
+    for _ in range(2):
+        for make in (lambda t: t.to(torch.float64), lambda t: t.t().half(), lambda t: t[:, 1:4].bfloat16(),
+                     lambda t: t.to(torch.int32), lambda t: t.half().float()):
+            got, want = make(xr), make(x)
+            assert (got.dtype, got.shape, got.stride()) == (want.dtype, want.shape, want.stride())
+            assert torch.equal(got.cpu(), want)
+    assert "aten::_to_copy" in sent_ops

@@ -521,6 +521,35 @@ def run_locally(func, args, kwargs):
 # ---------------------------------------------------------------- special cases
 
 
+_CAST = object()  # first element of _cast's plan keys, apart from every other key's
+
+
+def _cast(func, src: LazyTensor, dtype: torch.dtype):
+    """`_to_copy(src, dtype=...)` (.to(dtype), .float(), .half(), .bfloat16(): several per layer of a
+    half-precision model, around its norms and softmax) without the general walk of its keyword
+    argument: 35 -> 19 us per cast here. Planned as the general path plans it, kept under a key of
+    its own."""
+    ref = src._genie
+    stream = ref.stream
+    key = (_CAST, ref.meta_key, dtype)
+    plan = _plans_get(key)
+    if plan is None:
+        plan = meta.plan_op(func, (src,), {"dtype": dtype}, [src], [ref.storage_nbytes])
+        meta_cache.put(key, plan)
+    else:
+        meta_cache.hits += 1
+    if type(plan.outputs) is not _NewTensor or plan.mutations:
+        return _capture_general(func, (src,), {"dtype": dtype})
+    with stream.lock:
+        outs = next(stream.link.handle_ids)
+        outputs = _planned(stream, outs, plan.outputs)
+        stream.append([_TO_COPY_NAME, [ref.wire], {"dtype": protocol.encode_dtype(dtype)}, outs])
+    return outputs
+
+
+_TO_COPY_NAME = "aten::_to_copy"
+
+
 def _same_as_source(name: str, value, src) -> bool:
     """A `_to_copy` keyword that asks for nothing the fetched CPU tensor does not already have."""
     if value is None or name == "non_blocking":
@@ -540,6 +569,8 @@ def _to_copy(func, args, kwargs):
     src = args[0]
     target = kwargs.get("device")
     if target is None or (target.type == REMOTE and (target.index is None or target.index == src.device.index)):
+        if len(kwargs) == 1 and "dtype" in kwargs and len(args) == 1 and type(src) is LazyTensor:
+            return _cast(func, src, kwargs["dtype"])
         return capture(func, args, kwargs)
     if target.type == REMOTE:
         # Remote to remote: directly between daemons, never through this process.
