@@ -106,3 +106,22 @@ def test_tensor_from_data_is_one_upload(dev, sent_ops):
     t = torch.tensor([[1, 2], [3, 4]], device=dev)
     assert t.cpu().tolist() == [[1, 2], [3, 4]]
     assert not any("lift_fresh" in op for op in sent_ops)
+
+
+@pytest.mark.parametrize("make", [
+    lambda d: torch.zeros(3, 4, device=d), lambda d: torch.ones(2, dtype=torch.int32, device=d),
+    lambda d: torch.full((2, 3), 7.5, device=d), lambda d: torch.full((2,), 3, device=d),
+    lambda d: torch.full((2,), True, device=d), lambda d: torch.zeros((), device=d),
+    lambda d: torch.zeros(0, 3, device=d), lambda d: torch.full((3,), float("-inf"), dtype=torch.float16, device=d),
+    lambda d: torch.ones(2, 2, dtype=torch.bfloat16, device=d),
+    lambda d: torch.full((2,), 1 + 2j, device=d),  # complex fill: torch's composite form
+], ids=["zeros", "ones_int32", "full_float", "full_int", "full_bool", "zeros_0d", "zeros_empty", "full_neg_inf_half",
+        "ones_bf16", "full_complex"])
+def test_zeros_ones_full_are_one_op(dev, sent_ops, make):
+    torch.remote_accelerator.synchronize()
+    sent_ops.clear()
+    got, want = make(dev), make("cpu")
+    assert (got.dtype, got.shape, got.stride()) == (want.dtype, want.shape, want.stride())
+    assert torch.equal(got.cpu(), want)
+    if not want.is_complex():
+        assert len(sent_ops) == 1 and sent_ops[0] in ("aten::zeros", "aten::ones", "aten::full")
