@@ -382,7 +382,8 @@ def _capture_general(func, args: tuple, kwargs: dict, walked: tuple | None = Non
     return outputs
 
 
-_ANY_DEVICE = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
+# Redispatching here runs an op's kernel for every device (CompositeExplicitAutograd).
+ANY_DEVICE_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
 
 
 def _library_op(func, args, kwargs):
@@ -402,7 +403,7 @@ def _library_op(func, args, kwargs):
 
 
 def _any_device_kernel(func, args, kwargs):
-    return func.redispatch(_ANY_DEVICE, *args, **kwargs)
+    return func.redispatch(ANY_DEVICE_KEYS, *args, **kwargs)
 
 
 _FRESH_OUTPUTS: dict[int, bool] = {}  # id(op) -> whether it writes no argument and returns only new tensors
@@ -543,11 +544,8 @@ def _cast(func, src: LazyTensor, dtype: torch.dtype):
     with stream.lock:
         outs = next(stream.link.handle_ids)
         outputs = _planned(stream, outs, plan.outputs)
-        stream.append([_TO_COPY_NAME, [ref.wire], {"dtype": protocol.encode_dtype(dtype)}, outs])
+        stream.append([op_name(func), [ref.wire], {"dtype": protocol.encode_dtype(dtype)}, outs])
     return outputs
-
-
-_TO_COPY_NAME = "aten::_to_copy"
 
 
 def _same_as_source(name: str, value, src) -> bool:

@@ -71,7 +71,19 @@ def _new_empty(op: str, size, stride, dtype, device, memory_format=None):
 
 
 _ARANGE = torch.ops.aten.arange.start_step
-_COMPOSITE = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
+
+
+def _one_op(name: str, wire_args: list, shape: tuple, dtype: torch.dtype, device) -> LazyTensor:
+    """A dense new tensor made by one op `name(*wire_args, dtype=, device=)` on the daemon, its
+    metadata worked out by the caller (arange, zeros, ones, full)."""
+    stream = _stream_for(device)
+    with stream.lock:
+        handle = stream.new_handle()
+        t = LazyTensor(stream, handle, shape, capture.contiguous_strides(shape), 0, dtype,
+                       math.prod(shape) * dtype.itemsize)
+        stream.append([name, wire_args, {"dtype": protocol.encode_dtype(dtype),
+                                         "device": protocol.encode_device("remote", stream.local_index)}, handle])
+    return t
 
 
 def arange_start_step(start, end, step=1, dtype=None, layout=None, device=None, pin_memory=None):
@@ -82,18 +94,10 @@ def arange_start_step(start, end, step=1, dtype=None, layout=None, device=None, 
     if (type(start) is not int or type(end) is not int or type(step) is not int or step == 0
             or (end - start) * step < 0 or (dtype is not None and (dtype == torch.bool or dtype.is_complex))
             or layout not in (None, torch.strided)):
-        return _ARANGE.redispatch(_COMPOSITE, start, end, step, dtype=dtype, layout=layout, device=device,
-                                  pin_memory=pin_memory)
+        return _ARANGE.redispatch(capture.ANY_DEVICE_KEYS, start, end, step, dtype=dtype, layout=layout,
+                                  device=device, pin_memory=pin_memory)
     dtype = dtype or torch.int64
-    n = -((start - end) // step)
-    stream = _stream_for(device)
-    with stream.lock:
-        handle = stream.new_handle()
-        t = LazyTensor(stream, handle, (n,), (1,), 0, dtype, n * dtype.itemsize)
-        stream.append(["aten::arange.start_step", [start, end, step],
-                       {"dtype": protocol.encode_dtype(dtype),
-                        "device": protocol.encode_device("remote", stream.local_index)}, handle])
-    return t
+    return _one_op("aten::arange.start_step", [start, end, step], (-((start - end) // step),), dtype, device)
 
 
 def _dense_factory(name: str, op, fill: bool):
@@ -109,21 +113,13 @@ def _dense_factory(name: str, op, fill: bool):
             dtype = {bool: torch.bool, int: torch.int64, float: torch.get_default_dtype()}.get(type(value))
         elif dtype is None:
             dtype = torch.get_default_dtype()
-        if (dtype is None or layout not in (None, torch.strided) or len(fill_value) != int(fill)
+        if (dtype is None or layout not in (None, torch.strided)
                 or not all(type(n) is int and n >= 0 for n in shape)
                 or (fill and (type(value) not in (bool, int, float)
                               or type(value) is int and not -(1 << 63) <= value < (1 << 63)))):
-            return op.redispatch(_COMPOSITE, size, *fill_value, dtype=dtype, layout=layout, device=device,
-                                 pin_memory=pin_memory)
-        stream = _stream_for(device)
-        with stream.lock:
-            handle = stream.new_handle()
-            t = LazyTensor(stream, handle, shape, capture.contiguous_strides(shape), 0, dtype,
-                           math.prod(shape) * dtype.itemsize)
-            stream.append([name, [list(shape), value] if fill else [list(shape)],
-                           {"dtype": protocol.encode_dtype(dtype),
-                            "device": protocol.encode_device("remote", stream.local_index)}, handle])
-        return t
+            return op.redispatch(capture.ANY_DEVICE_KEYS, size, *fill_value, dtype=dtype, layout=layout,
+                                 device=device, pin_memory=pin_memory)
+        return _one_op(name, [list(shape), value] if fill else [list(shape)], shape, dtype, device)
 
     return kernel
 

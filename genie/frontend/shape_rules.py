@@ -264,7 +264,6 @@ def plan_sdpa(bound: dict) -> Plan | None:
     return _dense_output(dtype, (b, h, length, ev))
 
 
-
 def _floating_2d(t) -> bool:
     """A non-empty 2-D floating tensor of any strides: the fused cell ops' results are contiguous
     whatever their inputs' layout (torch's CUDA kernels allocate them so; the CPU daemon's
@@ -317,8 +316,8 @@ def plan_fused_gru_cell_backward(bound: dict) -> Plan | None:
     contiguous gate gradients (batch, 3 * hidden) for input and hidden, grad_hx like grad_hy, and
     bias gradients of 3 * hidden, or None without biases."""
     grad, workspace, has_bias = bound.get("grad_hy"), bound.get("workspace"), bound.get("has_bias")
-    if not (_floating_2d(grad) and _floating_2d(workspace) and workspace.dtype == grad.dtype and tuple(workspace.shape) == (grad.shape[0], 5 * grad.shape[1])
-            and type(has_bias) is bool):
+    if not (_floating_2d(grad) and _floating_2d(workspace) and workspace.dtype == grad.dtype
+            and tuple(workspace.shape) == (grad.shape[0], 5 * grad.shape[1]) and type(has_bias) is bool):
         return None
     batch, hidden = grad.shape
     gate_grad = _dense_output(grad.dtype, (batch, 3 * hidden)).outputs
