@@ -16,7 +16,7 @@ import torch
 from genie.transport import cuda_ipc, protocol
 from genie.transport.cuda_ipc import SharedCudaTensor
 from genie.transport.errors import ProtocolError
-from genie.transport.protocol import BulkTensor, DeviceRef, Exec, HandleRef, InlineTensor, OpCall
+from genie.transport.protocol import BulkTensor, DeviceRef, Exec, GeneratorRef, HandleRef, InlineTensor, OpCall
 from genie.transport.tensors import (bytes_as_tensor, check_shape, dense_bytes, dtype_name, frames_to_tensor, is_dense,
                                      tensor_to_buffer, tensor_to_frames)
 
@@ -29,6 +29,7 @@ from .memory_guard import is_allocation_failure
 log = logging.getLogger("genie.daemon")
 
 SEED_OP = "genie::manual_seed"
+FREE_GENERATORS_OP = "genie::free_generators"  # [ids]: torch.Generators the client dropped
 RNG_STATE_OP = "genie::rng_state"  # -> a copy of this client's generator state on the device (CPU uint8)
 SET_RNG_STATE_OP = "genie::set_rng_state"  # [state]: this client's generator on the device takes it
 PERSIST_OP = "genie::mark_persistent"
@@ -94,6 +95,7 @@ class Executor:
         # Genie's own ops, by name: (client, call, frames, device) -> result.
         self._genie_ops = {
             SEED_OP: lambda c, call, f, d: self._seed(c, call, d),
+            FREE_GENERATORS_OP: lambda c, call, f, d: self._free_generators(c, call),
             RNG_STATE_OP: self._rng_state,
             SET_RNG_STATE_OP: self._rng_state,
             PERSIST_OP: lambda c, call, f, d: self._persist(c, call),
@@ -393,6 +395,13 @@ class Executor:
         client.generator(device).manual_seed(call.args[0] & ((1 << 64) - 1))
         return None
 
+    def _free_generators(self, client: ClientState, call: OpCall):
+        if call.outs is not None or not all(type(a) is int for a in call.args):
+            raise ProtocolError(f"{FREE_GENERATORS_OP} takes generator ids and no output")
+        for uid in call.args:
+            client.own_generators.pop(uid, None)
+        return None
+
     def _rng_state(self, client: ClientState, call: OpCall, frames: list, device: torch.device):
         """get_rng_state / set_rng_state of this client's generator on `device`, in program order
         (activation checkpointing replays dropout with the state saved in the forward)."""
@@ -557,6 +566,8 @@ class Executor:
             if value.index >= len(self.devices):
                 raise ProtocolError(f"device index {value.index} out of range ({len(self.devices)} devices)")
             return self.devices[value.index]
+        if type(value) is GeneratorRef:
+            return client.drawing_generator(value, device)
         if isinstance(value, dict):
             raise ProtocolError("maps are not valid operator arguments")
         return value

@@ -12,6 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+from genie.transport.errors import ProtocolError
+
+MAX_OWN_GENERATORS = 4096  # torch.Generators one client may draw from at once (each has a twin here)
+
 
 @dataclass(frozen=True, slots=True)
 class Poison:
@@ -65,6 +69,8 @@ class ClientState:
         self._keys: dict[int, int] = {}
         self._account = account
         self.generators: dict[str, torch.Generator] = {}
+        # the client's torch.Generator objects: id -> (seedings seen, device, twin generator)
+        self.own_generators: dict[int, tuple[int, torch.device, torch.Generator]] = {}
         self.persistent: set[int] = set()  # handles marked as long-lived state (KV caches)
         from .streams import ClientStreams
 
@@ -111,6 +117,23 @@ class ClientState:
             self.free(handle)
         self.programs.clear()
         self.program_handles.clear()
+
+    def drawing_generator(self, ref, device: torch.device) -> torch.Generator:
+        """The twin of the client's torch.Generator `ref` (a protocol.GeneratorRef) for an op on
+        `device`, (re)seeded when the client seeded its generator since the twin last drew."""
+        entry = self.own_generators.get(ref.id)
+        if entry is not None:
+            if entry[1] != device:
+                raise ProtocolError(f"generator {ref.id} belongs to {entry[1]}, not {device}")
+            if entry[0] == ref.version:
+                return entry[2]
+        elif len(self.own_generators) >= MAX_OWN_GENERATORS:
+            raise ProtocolError(f"a client may draw from at most {MAX_OWN_GENERATORS} torch.Generators at once; "
+                                "drop some")
+        gen = torch.Generator(device=device)
+        gen.manual_seed(ref.seed)
+        self.own_generators[ref.id] = (ref.version, device, gen)
+        return gen
 
     def generator(self, device: torch.device) -> torch.Generator:
         """This client's own RNG on `device`, so one client's seed never moves another's stream."""

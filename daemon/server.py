@@ -640,6 +640,7 @@ class DaemonServer:
             "resident_peak": self.account.peak,
             "handles": sum(len(c.tensors) for c in self.clients.values()),
             "persistent_handles": sum(len(c.persistent) for c in self.clients.values()),
+            "generators": sum(len(c.own_generators) for c in self.clients.values()),
             "clients": len(self.clients),
             "mailbox_bytes": self.mailbox.bytes,
             "parked_requests": sum(len(q) for q in self._parked.values()),

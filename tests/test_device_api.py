@@ -124,15 +124,6 @@ def test_empty_cache_lets_go_of_idle_buffers(dev):
     assert link.request("empty_cache", {}).body["released"] == 0
 
 
-def test_a_device_generator_is_refused_with_what_to_use(dev):
-    from genie.frontend import native_guard
-
-    if not native_guard.loaded():
-        pytest.skip("needs Genie's C++ hooks, which need a C++ compiler")
-    with pytest.raises(RuntimeError, match=r"not supported: random numbers are drawn on the daemon.*manual_seed"):
-        torch.Generator(device=dev)
-
-
 def test_more_of_the_torch_cuda_memory_api(dev):
     """Calls that training scripts make on torch.cuda, with figures from the daemon."""
     ra = torch.remote_accelerator

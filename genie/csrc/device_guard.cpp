@@ -7,15 +7,20 @@
 // device Genie connected to (deviceCount never throws), and gives events timestamps. The remote work
 // itself is ordered by Genie's streams; these guard-level events are complete
 // when recorded, because everything before them was already submitted in order.
+#include <ATen/core/Generator.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/GeneratorImpl.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/Generator.h>
 
 #include <atomic>
 #include <chrono>
+#include <mutex>
 #include <unordered_map>
+#include <vector>
 
 namespace {
 
@@ -100,6 +105,57 @@ struct RemoteGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   }
 };
 
+// A torch.Generator(device="remote_accelerator"). Its random stream lives on the daemon: this
+// object holds what the client knows, a seed and a count of (re)seedings, under an id unique in
+// this process. Genie reads them (genie_generator_info) when an op draws from the generator and,
+// when the count moved since the daemon last heard, queues a seed for the daemon's twin first.
+// Its position in the stream exists only on the daemon, so state and offset calls are refused.
+std::atomic<int64_t> g_next_generator{1};
+// torch.Generator() starts from this seed on every device (CPU and CUDA alike): so does this one.
+constexpr uint64_t kDefaultSeed = 67280421310721ULL;
+constexpr const char* kNoGeneratorState =
+    "a remote_accelerator generator's position lives on the genie-daemon: get_state/set_state, "
+    "offsets and clones are not supported. Re-seed it with manual_seed(s) to replay its draws";
+
+// Ids of generators destroyed since Genie last asked (genie_generators_dropped): their twins
+// on the daemons can go. (Python wrappers of one generator come and go, so only this side knows.)
+std::mutex g_dropped_mutex;
+std::vector<int64_t> g_dropped;
+
+struct RemoteGeneratorImpl final : public c10::GeneratorImpl {
+  explicit RemoteGeneratorImpl(c10::DeviceIndex index)
+      : c10::GeneratorImpl(c10::Device(c10::DeviceType::PrivateUse1, index),
+                           c10::DispatchKeySet(c10::DispatchKey::PrivateUse1)),
+        uid(g_next_generator.fetch_add(1)) {}
+  ~RemoteGeneratorImpl() override {
+    std::lock_guard<std::mutex> lock(g_dropped_mutex);
+    g_dropped.push_back(uid);
+  }
+
+  void set_current_seed(uint64_t s) override {
+    seed_.store(s);
+    version.fetch_add(1);
+  }
+  uint64_t current_seed() const override { return seed_.load(); }
+  uint64_t seed() override {
+    uint64_t s = c10::detail::getNonDeterministicRandom();
+    set_current_seed(s);
+    return s;
+  }
+  void set_offset(uint64_t /*offset*/) override { TORCH_CHECK(false, kNoGeneratorState); }
+  uint64_t get_offset() const override { TORCH_CHECK(false, kNoGeneratorState); }
+  void set_state(const c10::TensorImpl& /*state*/) override { TORCH_CHECK(false, kNoGeneratorState); }
+  c10::intrusive_ptr<c10::TensorImpl> get_state() const override { TORCH_CHECK(false, kNoGeneratorState); }
+  static c10::DeviceType device_type() { return c10::DeviceType::PrivateUse1; }
+
+  const int64_t uid;
+  std::atomic<int64_t> version{1};  // 1: the daemon has not heard the starting seed yet
+
+ private:
+  RemoteGeneratorImpl* clone_impl() const override { TORCH_CHECK(false, kNoGeneratorState); }
+  std::atomic<uint64_t> seed_{kDefaultSeed};
+};
+
 // Backend hooks. PyTorch makes a registered PrivateUse1 backend the current accelerator, so
 // `t.pin_memory()` and DataLoader(pin_memory=True) ask these hooks for pinned memory. A remote
 // device needs none; page-locked memory still helps local CUDA copies, so: CUDA's pinned
@@ -118,17 +174,20 @@ struct RemoteHooks final : public at::PrivateUse1HooksInterface {
     const auto& cuda = at::detail::getCUDAHooks();
     return cuda.hasCUDA() ? cuda.getPinnedMemoryAllocator() : c10::GetCPUAllocator();
   }
-  // A generator object here could not drive the daemon's random streams: say what does.
+  // The default generator is this client's on the daemon, driven by torch.manual_seed and
+  // torch.remote_accelerator.{manual_seed,get_rng_state,set_rng_state}; no object here stands for it.
   const at::Generator& getDefaultGenerator(c10::DeviceIndex /*device_index*/) const override {
-    TORCH_CHECK(false, kNoGenerator);
+    TORCH_CHECK(false, kNoDefaultGenerator);
   }
-  at::Generator getNewGenerator(c10::DeviceIndex /*device_index*/) const override {
-    TORCH_CHECK(false, kNoGenerator);
+  at::Generator getNewGenerator(c10::DeviceIndex device_index) const override {
+    // The index is checked where the generator is used: daemons may not be connected yet.
+    return at::make_generator<RemoteGeneratorImpl>(device_index < 0 ? t_device : device_index);
   }
-  static constexpr const char* kNoGenerator =
-      "torch.Generator(device=\"remote_accelerator\") is not supported: random numbers are drawn on the "
-      "daemon, from this client's generator there. Seed it with torch.manual_seed(s) or "
-      "torch.remote_accelerator.manual_seed(s), and draw without a generator= argument";
+  static constexpr const char* kNoDefaultGenerator =
+      "remote_accelerator's default generator lives on the genie-daemon: seed it with "
+      "torch.manual_seed(s) or torch.remote_accelerator.manual_seed(s), save and restore it with "
+      "torch.remote_accelerator.get_rng_state() / set_rng_state(), or make your own with "
+      "torch.Generator(device=\"remote_accelerator\")";
 };
 
 // Storage for remote_accelerator tensors lives on a daemon: this process has none to hand out.
@@ -160,6 +219,29 @@ int genie_install_hooks() {
   } catch (const std::exception&) {
     return 1;
   }
+}
+// What Genie needs of a torch.Generator (the Python object) an op draws from: out = [id, number of
+// seedings, seed's bits]. 0 for a remote_accelerator generator, 1 for any other (out untouched).
+// The caller passes a live torch.Generator and holds the GIL.
+int genie_generator_info(PyObject* generator, int64_t* out) {
+  const at::Generator& gen = reinterpret_cast<THPGenerator*>(generator)->cdata;
+  if (!gen.defined() || gen.device().type() != c10::DeviceType::PrivateUse1) return 1;
+  auto* impl = dynamic_cast<RemoteGeneratorImpl*>(gen.unsafeGetGeneratorImpl());
+  if (impl == nullptr) return 1;
+  out[0] = impl->uid;
+  out[1] = impl->version.load();
+  out[2] = static_cast<int64_t>(impl->current_seed());
+  return 0;
+}
+// Moves up to `capacity` ids of destroyed generators into `out`; how many it moved.
+int genie_generators_dropped(int64_t* out, int capacity) {
+  std::lock_guard<std::mutex> lock(g_dropped_mutex);
+  int n = 0;
+  while (n < capacity && !g_dropped.empty()) {
+    out[n++] = g_dropped.back();
+    g_dropped.pop_back();
+  }
+  return n;
 }
 // Called by Genie after (re)connecting: the number of remote devices.
 void genie_set_device_count(int n) { g_device_count.store(n > 0 ? n : 1); }

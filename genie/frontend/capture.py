@@ -20,7 +20,7 @@ from genie.runtime.stream import thread_streams
 from genie.transport import cuda_ipc, protocol
 from genie.transport.tensors import DTYPE_NAMES, parse_dtype, tensor_to_frames
 
-from . import meta, shape_rules
+from . import generators, meta, shape_rules
 from .lazy_tensor import LazyTensor
 
 log = logging.getLogger("genie.capture")
@@ -100,6 +100,8 @@ def _walk(value, w: _Walk, seen: dict):
         if value.type != REMOTE:
             w.foreign_device = True
         return value
+    if isinstance(value, torch.Generator):  # plans do not depend on which one; the cache must not keep it alive
+        return (torch.Generator, value.device)
     return (type(value), value)
 
 
@@ -173,8 +175,7 @@ def _encode(value, stream):
     if isinstance(value, complex):
         return protocol.encode_complex(value)
     if isinstance(value, torch.Generator):
-        raise UnsupportedOperationError("generator", "a local torch.Generator cannot drive a remote device; "
-                                        "seed with torch.manual_seed instead")
+        return generators.encode(value, stream)
     raise UnsupportedOperationError(type(value).__name__, f"cannot send an argument of type {type(value).__name__}")
 
 

@@ -144,6 +144,8 @@ def plan_op(func, args, kwargs, flat_tensors: list[torch.Tensor], storage_sizes:
             return type(v)(convert(x) for x in v)
         if isinstance(v, torch.device) and v.type == _REMOTE_TYPE:
             return META
+        if isinstance(v, torch.Generator):  # shapes never depend on it, and some meta kernels refuse one
+            return None
         return v
 
     before = [(m.shape, m.stride(), m.storage_offset()) for m in metas]

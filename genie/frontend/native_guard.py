@@ -47,7 +47,7 @@ def _build(source: str, target: str) -> None:
     with tempfile.TemporaryDirectory(dir=os.path.dirname(target)) as tmp:
         out = os.path.join(tmp, "guard.so")
         cmd = [compiler, "-shared", "-fPIC", "-O2", "-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-               "-I", os.path.join(torch_dir, "include"), source, "-L", os.path.join(torch_dir, "lib"),
+               "-I", os.path.join(torch_dir, "include"), "-I", sysconfig.get_paths()["include"], source, "-L", os.path.join(torch_dir, "lib"),
                "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{os.path.join(torch_dir, 'lib')}", "-o", out]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
@@ -76,6 +76,10 @@ def load() -> bool:
         lib.genie_install_guard()
         lib.genie_set_device_count.argtypes = [ctypes.c_int]
         lib.genie_install_hooks.restype = ctypes.c_int
+        lib.genie_generator_info.argtypes = [ctypes.py_object, ctypes.POINTER(ctypes.c_int64)]
+        lib.genie_generator_info.restype = ctypes.c_int
+        lib.genie_generators_dropped.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
+        lib.genie_generators_dropped.restype = ctypes.c_int
     except Exception as e:  # noqa: BLE001 - any failure: keep the Python guard and say so
         warnings.warn(f"genie: using PyTorch's single-device Python guard for remote_accelerator ({e}); "
                       "autograd and device guards on remote_accelerator:1 and above will not work", RuntimeWarning)
@@ -104,6 +108,28 @@ def install_hooks() -> bool:
     if not installed:
         log.warning("PrivateUse1 hooks were registered before Genie's: t.pin_memory() will not work")
     return installed
+
+
+def generator_info(generator: torch.Generator) -> tuple[int, int, int] | None:
+    """(id, number of seedings, seed) of a remote_accelerator generator; None for any other."""
+    fields = (ctypes.c_int64 * 3)()  # one per call: ctypes lets other threads run during it
+    if _lib is None or _lib.genie_generator_info(generator, fields) != 0:
+        return None
+    uid, version, seed = fields
+    return uid, version, seed & 0xFFFF_FFFF_FFFF_FFFF
+
+
+def generators_dropped() -> list[int]:
+    """Ids of remote_accelerator generators destroyed since the last call."""
+    if _lib is None:
+        return []
+    dropped = []
+    while True:
+        fields = (ctypes.c_int64 * 64)()
+        n = _lib.genie_generators_dropped(fields, 64)
+        dropped.extend(fields[:n])
+        if n < 64:
+            return dropped
 
 
 def set_device_count(n: int) -> None:

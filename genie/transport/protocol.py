@@ -74,7 +74,8 @@ ADOPT_OP = "genie::adopt"
 # The op that lets a recorded program (genie.graph) go; the client queues it when the Graph dies.
 DROP_PROGRAM_OP = "genie::drop_program"
 
-EXT_HANDLE, EXT_TENSOR, EXT_DTYPE, EXT_DEVICE, EXT_MEMFMT, EXT_LAYOUT, EXT_COMPLEX, EXT_BULK, EXT_CUDA_IPC = range(1, 10)
+EXT_HANDLE, EXT_TENSOR, EXT_DTYPE, EXT_DEVICE, EXT_MEMFMT, EXT_LAYOUT, EXT_COMPLEX, EXT_BULK, EXT_CUDA_IPC, EXT_GENERATOR = (
+    range(1, 11))
 
 MEMORY_FORMATS = {
     "contiguous_format": torch.contiguous_format,
@@ -134,6 +135,15 @@ class BulkTensor:
 
 
 @dataclass(frozen=True, slots=True)
+class GeneratorRef:
+    """A torch.Generator of the client's, by its id; `version` counts its seedings, `seed` is the
+    latest. The daemon keeps a twin per id and re-seeds it when the version it holds differs."""
+    id: int
+    version: int
+    seed: int
+
+
+@dataclass(frozen=True, slots=True)
 class DeviceRef:
     type: str  # "remote" (the exec's device) or "cpu"
     index: int
@@ -165,9 +175,12 @@ def encode_cuda_ipc(fields: list) -> msgpack.ExtType:
     return msgpack.ExtType(EXT_CUDA_IPC, msgpack.packb(fields, use_bin_type=True))
 
 
+def encode_generator(uid: int, version: int, seed: int) -> msgpack.ExtType:
+    return msgpack.ExtType(EXT_GENERATOR, msgpack.packb([uid, version, seed]))
+
+
 # The encoders of dtypes, devices, memory formats and layouts are cached: factory calls and
 # .to() pass them with every op, and an ExtType (a namedtuple, immutable) costs microseconds to build.
-@functools.lru_cache(maxsize=None)
 @functools.lru_cache(maxsize=None)
 def encode_dtype(dtype: torch.dtype) -> msgpack.ExtType:
     from .tensors import dtype_name
@@ -243,6 +256,11 @@ def decode_ext(code: int, data: bytes, bulk_seen: list | None = None) -> Any:
         if name not in LAYOUTS:
             raise ProtocolError(f"unknown layout {name!r}")
         return LAYOUTS[name]
+    if code == EXT_GENERATOR:
+        uid, version, seed = _unpack_list(data, 3, "generator")
+        if not all(type(v) is int and 0 <= v < 1 << 64 for v in (uid, version, seed)):
+            raise ProtocolError("bad generator payload")
+        return GeneratorRef(uid, version, seed)
     if code == EXT_COMPLEX:
         re_, im = _unpack_list(data, 2, "complex")
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (re_, im)):

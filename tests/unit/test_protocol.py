@@ -19,6 +19,7 @@ def test_extension_values_roundtrip():
         protocol.encode_handle(42), protocol.encode_dtype(torch.bfloat16), protocol.encode_device("remote", 0),
         protocol.encode_memory_format(torch.channels_last), protocol.encode_layout(torch.strided),
         protocol.encode_complex(1 + 2j), protocol.encode_inline(3, "int64", [2, 5]),
+        protocol.encode_generator(7, 2, (1 << 64) - 1),
     ]
     out = roundtrip(values)
     assert out[0] == protocol.HandleRef(42)
@@ -27,6 +28,7 @@ def test_extension_values_roundtrip():
     assert out[3] is torch.channels_last and out[4] is torch.strided
     assert out[5] == 1 + 2j
     assert out[6] == protocol.InlineTensor((3,), torch.int64, (2, 5))
+    assert out[7] == protocol.GeneratorRef(7, 2, (1 << 64) - 1)
 
 
 @pytest.mark.parametrize("ext", [
@@ -37,6 +39,10 @@ def test_extension_values_roundtrip():
     msgpack.ExtType(protocol.EXT_TENSOR, msgpack.packb([0, "float32"])),
     msgpack.ExtType(protocol.EXT_MEMFMT, b"sideways"),
     msgpack.ExtType(protocol.EXT_COMPLEX, msgpack.packb(["a", 1])),
+    msgpack.ExtType(protocol.EXT_GENERATOR, msgpack.packb([1, 2])),
+    msgpack.ExtType(protocol.EXT_GENERATOR, msgpack.packb([1, -2, 3])),
+    msgpack.ExtType(protocol.EXT_GENERATOR, msgpack.packb([1, 2, 3.5])),
+    msgpack.ExtType(protocol.EXT_GENERATOR, msgpack.packb([1, True, 3])),
     msgpack.ExtType(99, b""),
 ])
 def test_bad_extension_values_are_refused(ext):

@@ -1,0 +1,64 @@
+"""torch.Generator(device="remote_accelerator") as an op argument.
+
+The generator object is Genie's C++ one (genie/csrc/device_guard.cpp): it knows its id, its
+seed and how often it was seeded. Each op that draws from it carries all three; the daemon keeps
+a twin generator per id for this client and re-seeds the twin when the count it saw differs, so
+`g.manual_seed(s)` followed by draws gives the same numbers every time, as on CUDA. A generator
+the program drops (its C++ object destroyed: Python wrappers of one generator come and go) is
+dropped on the daemon too, with the next op that draws from a generator on the same device.
+"""
+from __future__ import annotations
+
+import torch
+
+from genie.errors import GenieError, UnsupportedOperationError
+from genie.transport import protocol
+
+from . import native_guard
+
+REMOTE = "remote_accelerator"
+
+FREE_GENERATORS_OP = "genie::free_generators"  # [ids]: generators the client dropped
+
+_homes: dict[int, object] = {}  # generator id -> the DeviceStream it last drew on (its daemon has a twin)
+_dropped: list[int] = []  # ids of generators gone from this process, not yet dropped on their daemon
+
+
+def encode(generator: torch.Generator, stream) -> protocol.msgpack.ExtType:
+    """The wire form of `generator` for an op queued on `stream` (stream lock held)."""
+    if generator.device.type != REMOTE:
+        raise RuntimeError(f"Expected a '{REMOTE}' device type for generator but found '{generator.device.type}'")
+    info = native_guard.generator_info(generator)
+    if info is None:
+        raise UnsupportedOperationError("generator", "remote_accelerator generators need Genie's C++ device "
+                                        "guard, which could not be built here (see the warning at import)")
+    if generator.device.index != stream.device.index:
+        raise RuntimeError(f"Expected a generator on {stream.device}, but found one on {generator.device}")
+    if stream.recording is not None:
+        raise GenieError("an op in a genie.graph cannot draw from a torch.Generator (its position would "
+                         "be fixed at recording): draw from the default generator, seeded with torch.manual_seed")
+    uid, version, seed = info
+    _homes[uid] = stream
+    _dropped.extend(native_guard.generators_dropped())
+    if _dropped:
+        _drop_generators(stream)
+    return protocol.encode_generator(uid, version, seed)
+
+
+def _drop_generators(stream) -> None:
+    """Queue the drop of dropped generators that last drew on `stream` (queued after their last
+    draw: another device's batches on the same daemon may still be unsent). The entry goes
+    straight into the open batch: posting it here would send payloads already attached for the
+    op being encoded without that op."""
+    here, elsewhere = [], []
+    while _dropped:
+        uid = _dropped.pop()
+        home = _homes.get(uid)
+        if home is None:
+            continue
+        (here if home is stream else elsewhere).append(uid)
+    for uid in here:
+        del _homes[uid]
+    _dropped.extend(elsewhere)
+    if here:
+        stream.ops.append([FREE_GENERATORS_OP, here, {}, None])

@@ -1,0 +1,123 @@
+"""torch.Generator(device="remote_accelerator"): seeded draws that repeat, as on CUDA."""
+import gc
+
+import pytest
+import torch
+
+import genie
+from genie.frontend import native_guard
+from genie.runtime import get_runtime
+
+pytestmark = pytest.mark.skipif(not native_guard.loaded(), reason="device generators need Genie's C++ guard "
+                                "(no C++ compiler here)")
+
+# Each draws from `g` on the device `d`; the same call on the CPU with a CPU generator seeded alike
+# gives the same numbers, because a CPU daemon's twin of `g` is a CPU generator.
+DRAWS = {
+    "randn": lambda d, g: torch.randn(4, 3, device=d, generator=g),
+    "rand": lambda d, g: torch.rand(7, device=d, generator=g),
+    "randint": lambda d, g: torch.randint(0, 100, (9,), device=d, generator=g),
+    "randperm": lambda d, g: torch.randperm(10, device=d, generator=g),
+    "normal_": lambda d, g: torch.zeros(5, device=d).normal_(2.0, 0.5, generator=g),
+    "uniform_": lambda d, g: torch.zeros(5, device=d).uniform_(-1, 1, generator=g),
+    "bernoulli": lambda d, g: torch.bernoulli(torch.full((16,), 0.3, device=d), generator=g),
+    "multinomial": lambda d, g: torch.multinomial(torch.arange(1.0, 6.0, device=d), 3, generator=g),
+    "exponential_": lambda d, g: torch.empty(4, device=d).exponential_(generator=g),
+}
+
+
+def _cpu_twin(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("name", sorted(DRAWS))
+def test_seeded_draws_repeat_and_match_a_cpu_generator(dev, name):
+    draw = DRAWS[name]
+    g = torch.Generator(device=dev)
+    assert g.device == torch.device(dev)
+    g.manual_seed(1234)
+    first, second = draw(dev, g).cpu(), draw(dev, g).cpu()
+    g.manual_seed(1234)
+    again = draw(dev, g).cpu()
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+    cpu = _cpu_twin(1234)
+    torch.testing.assert_close(first, draw("cpu", cpu), rtol=0, atol=0)
+    torch.testing.assert_close(second, draw("cpu", cpu), rtol=0, atol=0)
+
+
+def test_generators_are_independent_of_each_other_and_of_the_default_stream(dev):
+    torch.manual_seed(7)
+    expected_default = [torch.randn(3, device=dev).cpu() for _ in range(2)]
+    torch.manual_seed(7)
+    a, b = torch.Generator(device=dev).manual_seed(1), torch.Generator(device=dev).manual_seed(1)
+    from_default = [torch.randn(3, device=dev).cpu()]
+    a1 = torch.randn(3, device=dev, generator=a).cpu()  # drawing from a moves neither b nor the default
+    from_default.append(torch.randn(3, device=dev).cpu())
+    b1 = torch.randn(3, device=dev, generator=b).cpu()
+    torch.testing.assert_close(a1, b1, rtol=0, atol=0)
+    for got, want in zip(from_default, expected_default):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # A fresh generator starts from torch's usual default seed, as on the CPU and CUDA.
+    fresh = torch.Generator(device=dev)
+    assert fresh.initial_seed() == torch.Generator().initial_seed()
+    torch.testing.assert_close(torch.rand(4, device=dev, generator=fresh).cpu(), torch.rand(4, generator=torch.Generator()),
+                               rtol=0, atol=0)
+
+
+def test_seed_picks_a_new_random_seed(dev):
+    g = torch.Generator(device=dev)
+    s = g.seed()
+    assert g.initial_seed() == s
+    got = torch.rand(5, device=dev, generator=g).cpu()
+    torch.testing.assert_close(got, torch.rand(5, generator=_cpu_twin(s)), rtol=0, atol=0)
+
+
+def test_diffusers_style_noise_from_a_seeded_device_generator(dev):
+    """generator=torch.Generator(device).manual_seed(s), then randn of latents, twice: the same noise."""
+    def latents():
+        g = torch.Generator(device=dev).manual_seed(0)
+        noise = torch.randn((1, 4, 8, 8), generator=g, device=dev, dtype=torch.float32)
+        return (noise * 0.5 + torch.randn((1, 4, 8, 8), generator=g, device=dev)).cpu()
+
+    torch.testing.assert_close(latents(), latents(), rtol=0, atol=0)
+
+
+def test_wrong_generators_are_refused(dev):
+    with pytest.raises(RuntimeError, match="Expected a 'remote_accelerator' device type for generator but found 'cpu'"):
+        torch.randn(3, device=dev, generator=torch.Generator())
+    g = torch.Generator(device=dev)
+    for call in (g.get_state, lambda: g.set_state(torch.Generator().get_state()), g.get_offset,
+                 lambda: g.set_offset(1)):
+        with pytest.raises(RuntimeError, match="position lives on the genie-daemon.*manual_seed"):
+            call()
+
+
+def test_a_generator_in_a_recorded_graph_is_refused(dev):
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.zeros(4, device=dev)
+    with pytest.raises(genie.GenieError, match="genie.graph cannot draw from a torch.Generator"):
+        with genie.graph(genie.Graph()):
+            x.add_(torch.rand(4, device=dev, generator=g))
+
+
+def test_dropped_generators_are_dropped_on_the_daemon(dev):
+    link = get_runtime().stream(0).link
+
+    def twins():
+        get_runtime().stream(0).synchronize()
+        return link.request("stats", {"dev": 0}).body["generators"]
+
+    keep = torch.Generator(device=dev)
+    torch.rand(1, device=dev, generator=keep)
+    before = twins()
+    for seed in range(20):
+        g = torch.Generator(device=dev).manual_seed(seed)
+        torch.rand(2, device=dev, generator=g)
+        del g
+    gc.collect()
+    torch.rand(1, device=dev, generator=keep).cpu()  # the next draw takes the drops along
+    assert twins() <= before
+    del keep
+    gc.collect()
+    torch.rand(1, device=dev, generator=torch.Generator(device=dev)).cpu()
+    assert twins() <= before
