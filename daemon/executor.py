@@ -22,7 +22,7 @@ from genie.transport.tensors import (bytes_as_tensor, check_shape, dense_bytes, 
 
 from . import attention
 from . import ops as op_table
-from . import programs, rnn_cells
+from . import layouts, programs, rnn_cells
 from .handles import ClientState, Poison
 from .memory_guard import is_allocation_failure
 
@@ -177,7 +177,8 @@ class Executor:
             aten = self._aten_ops.get(call.name)
             if aten is None:
                 op = op_table.resolve(call.name)
-                aten = self._aten_ops[call.name] = (op, attention.replacement(call.name) or _callable_of(op),
+                aten = self._aten_ops[call.name] = (op, attention.replacement(call.name) or layouts.replacement(call.name)
+                                                    or _callable_of(op),
                                                     op_table.unsafe_flags(op), op_table.takes_generator(op),
                                                     op_table.seeded_without_generator(op))
             op, kernel, unsafe, takes_generator, seeded_without_generator = aten

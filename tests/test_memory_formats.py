@@ -1,0 +1,87 @@
+"""Channels-last tensors: planned strides equal the daemon's, so views and reshapes of results
+are right. Convolution and reflection/replication padding leave their result's layout to the
+backend (see daemon/layouts.py); every other op here must agree by PyTorch's own rules."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import genie
+
+CL, CL3 = torch.channels_last, torch.channels_last_3d
+
+
+def _x4():
+    return torch.randn(2, 4, 8, 8).to(memory_format=CL)
+
+
+def _x5():
+    return torch.randn(2, 4, 4, 4, 4).to(memory_format=CL3)
+
+
+W4, W4_DEPTHWISE, W4_T, W5 = (torch.randn(6, 4, 3, 3), torch.randn(4, 1, 3, 3), torch.randn(4, 6, 3, 3),
+                              torch.randn(3, 4, 2, 2, 2))
+CASES = {
+    "conv2d, both channels-last": (_x4, lambda t, d: F.conv2d(t, W4.to(d, memory_format=CL), padding=1)),
+    "conv2d, input channels-last": (_x4, lambda t, d: F.conv2d(t, W4.to(d), padding=1)),
+    "conv2d, weight channels-last": (lambda: _x4().contiguous(), lambda t, d: F.conv2d(t, W4.to(d, memory_format=CL))),
+    "conv2d, neither": (lambda: _x4().contiguous(), lambda t, d: F.conv2d(t, W4.to(d))),
+    "depthwise conv2d": (_x4, lambda t, d: F.conv2d(t, W4_DEPTHWISE.to(d, memory_format=CL), padding=1, groups=4)),
+    "conv_transpose2d": (_x4, lambda t, d: F.conv_transpose2d(t, W4_T.to(d, memory_format=CL), padding=1)),
+    "conv3d": (_x5, lambda t, d: F.conv3d(t, W5.to(d, memory_format=CL3))),
+    "reflection pad 2d": (_x4, lambda t, d: F.pad(t, (1, 1, 1, 1), mode="reflect")),
+    "replication pad 2d": (_x4, lambda t, d: F.pad(t, (1, 2, 1, 2), mode="replicate")),
+    "reflection pad 3d": (_x5, lambda t, d: F.pad(t, (1, 1, 1, 1, 1, 1), mode="reflect")),
+    "replication pad 3d": (_x5, lambda t, d: F.pad(t, (1, 1, 1, 1, 1, 1), mode="replicate")),
+    "max pool": (_x4, lambda t, d: F.max_pool2d(t, 2)),
+    "bilinear upsample": (_x4, lambda t, d: F.interpolate(t, scale_factor=2, mode="bilinear")),
+    "batch norm": (_x4, lambda t, d: F.batch_norm(t, None, None, training=True)),
+    "adaptive average pool": (_x4, lambda t, d: F.adaptive_avg_pool2d(t, 3)),
+}
+
+
+def _flat_storage_order(t):
+    """The values in the order the result's memory holds them (needs the right strides to be right)."""
+    return t.as_strided((t.numel(),), (1,))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_results_have_the_strides_the_client_planned(dev, name):
+    make, op = CASES[name]
+    torch.manual_seed(0)
+    x = make()
+    expected = op(x, "cpu")
+    got = op(x.to(dev), dev)
+    assert got.stride() == expected.stride()  # the CPU kernels' own layout, planned on the client
+    torch.testing.assert_close(got.cpu(), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(_flat_storage_order(got).cpu(), _flat_storage_order(expected), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got.reshape(-1).cpu(), expected.reshape(-1), atol=1e-4, rtol=1e-4)
+
+
+def test_a_channels_last_cnn_trains_like_the_cpu(dev):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.ReflectionPad2d(1), nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.AdaptiveAvgPool2d(2), nn.Flatten(),
+                          nn.Linear(32, 5)).to(memory_format=CL)
+    remote = copy.deepcopy(model).to(dev, memory_format=CL)
+    x = torch.randn(4, 3, 8, 8).to(memory_format=CL)
+    target = torch.tensor([0, 1, 2, 3])
+    F.cross_entropy(model(x), target).backward()
+    F.cross_entropy(remote(x.to(dev)), target.to(dev)).backward()
+    for (name, p), q in zip(model.named_parameters(), remote.parameters()):
+        assert q.grad.stride() == p.grad.stride(), name
+        torch.testing.assert_close(q.grad.cpu(), p.grad, atol=1e-4, rtol=1e-3, msg=name)
+
+
+def test_a_replayed_channels_last_conv_keeps_the_planned_layout(dev):
+    w = W4.to(dev, memory_format=CL)
+    x = _x4()
+    rx, out = x.to(dev), torch.zeros(2 * 6 * 8 * 8, device=dev)
+    g = genie.Graph()
+    with genie.graph(g):
+        out.copy_(F.conv2d(rx, w, padding=1).reshape(-1))  # reshape: a view only if the layout is as planned
+    g.replay()
+    torch.testing.assert_close(out.cpu(), F.conv2d(x, W4.to(memory_format=CL), padding=1).reshape(-1),
+                               atol=1e-4, rtol=1e-4)

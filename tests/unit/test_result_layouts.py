@@ -1,0 +1,27 @@
+"""daemon/layouts.py: results of backend-layout ops follow the agreed rule whatever the kernel returns."""
+import torch
+
+from daemon import layouts
+
+CL = torch.channels_last
+
+
+def test_a_kernel_that_returns_another_layout_is_made_to_follow_the_rule():
+    contiguous_conv = layouts._convolution(lambda *a, **k: torch.ops.aten.convolution(*a, **k).contiguous())
+    x, w = torch.randn(1, 3, 6, 6).to(memory_format=CL), torch.randn(4, 3, 3, 3)
+    out = contiguous_conv(x, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1)
+    assert out.is_contiguous(memory_format=CL)
+    torch.testing.assert_close(out, torch.nn.functional.conv2d(x, w))
+    to_cl_pad = layouts._padding(lambda t, p: torch.ops.aten.reflection_pad2d(t, p).contiguous(memory_format=CL))
+    assert to_cl_pad(torch.randn(1, 3, 4, 4), [1, 1, 1, 1]).is_contiguous()  # contiguous input: contiguous
+
+
+def test_the_rule_is_channels_last_when_input_or_weight_suggests_it():
+    x, w = torch.randn(1, 3, 6, 6), torch.randn(4, 3, 3, 3)
+    assert layouts.convolution_format(x, w) == torch.contiguous_format
+    assert layouts.convolution_format(x.to(memory_format=CL), w) == CL
+    assert layouts.convolution_format(x, w.to(memory_format=CL)) == CL
+    assert layouts.convolution_format(torch.randn(1, 3, 6), torch.randn(4, 3, 3)) == torch.contiguous_format
+    for name in ("aten::convolution", "aten::convolution_backward", "aten::reflection_pad2d", "aten::replication_pad3d"):
+        assert layouts.replacement(name) is not None
+    assert layouts.replacement("aten::add.Tensor") is None
