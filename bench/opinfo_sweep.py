@@ -4,7 +4,12 @@ For every OpInfo whose results are deterministic, every float32 sample input is
 run on the CPU and on `remote_accelerator:0`, and the results are compared with
 `torch.testing.assert_close`. Prints the pass rate and the failing ops.
 
-    python -m bench.opinfo_sweep [--ops add,mul] [--json out.json] [--max-samples N]
+With `--layout channels_last` every 4-D (5-D) tensor of a sample is made channels-last
+(channels-last-3d) first, with `--layout permuted` every tensor of 2 or more dimensions gets
+its dimensions' order in memory reversed (same values, column-major strides): the sweep then
+also shows ops whose planned layout disagrees with the CPU kernels' for such inputs.
+
+    python -m bench.opinfo_sweep [--ops add,mul] [--json out.json] [--max-samples N] [--layout L]
 """
 from __future__ import annotations
 
@@ -48,31 +53,73 @@ def to_cpu(tree):
     return pytree.tree_unflatten(leaves, spec)
 
 
+def _dense(shape, stride) -> bool:
+    """Whether a layout covers its storage exactly once (a permutation of row-major)."""
+    expected = 1
+    for st, n in sorted((st, n) for n, st in zip(shape, stride) if n > 1):
+        if st != expected:
+            return False
+        expected *= n
+    return True
+
+
 def layout_differs(expected, got) -> bool:
-    """Whether a remote result's metadata (what the client planned) lays out any output otherwise
-    than the CPU did, which here is what the daemon holds: strides compared over dimensions of
-    more than one element (the others address nothing)."""
+    """Whether the daemon holds any output laid out otherwise than the client planned it (the
+    strides the result reports): the output's memory, read in storage order on the daemon,
+    must equal the CPU's values laid out by the planned strides. A mismatch makes views of the
+    result wrong or fail. Checked for dense layouts (the others leave gaps in the storage)."""
     for e, g in zip(pytree.tree_leaves(expected), pytree.tree_leaves(got)):
-        if (isinstance(e, torch.Tensor) and isinstance(g, genie.LazyTensor) and e.layout == torch.strided
-                and e.shape == g.shape
-                and [st for n, st in zip(e.shape, e.stride()) if n > 1]
-                != [st for n, st in zip(g.shape, g.stride()) if n > 1]):
+        if not (isinstance(e, torch.Tensor) and isinstance(g, genie.LazyTensor) and e.layout == torch.strided
+                and e.shape == g.shape and g.numel() > 1 and _dense(g.shape, g.stride())):
+            continue
+        planned = torch.empty_strided(g.shape, g.stride(), dtype=e.dtype).copy_(e)
+        held = g.as_strided((g.numel(),), (1,), g.storage_offset()).cpu()
+        flat = planned.as_strided((planned.numel(),), (1,))
+        if held.dtype == torch.complex32:  # torch.equal has no kernel for it
+            held, flat = held.to(torch.complex64), flat.to(torch.complex64)
+        if torch.equal(held, flat):
+            continue
+        if not (held.is_floating_point() or held.is_complex()) or not torch.allclose(
+                held, flat, equal_nan=True, rtol=1e-4, atol=1e-5):
             return True
     return False
 
 
-def run_sample(op, sample, dev) -> bool:
+def _channels_last(t: torch.Tensor) -> torch.Tensor:
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(t.dim())
+    return t.contiguous(memory_format=fmt) if fmt is not None and t.layout == torch.strided else t
+
+
+def _permuted(t: torch.Tensor) -> torch.Tensor:
+    if t.dim() < 2 or t.layout != torch.strided:
+        return t
+    order = list(range(t.dim()))[::-1]
+    return t.permute(order).contiguous().permute(order)  # same shape and values, memory order reversed
+
+
+LAYOUTS = {"as_given": None, "channels_last": _channels_last, "permuted": _permuted}
+
+
+def laid_out(sample, layout: str) -> tuple[tuple, dict]:
+    """The sample's positional and keyword arguments, tensors laid out as `layout` says."""
+    args, kwargs = (sample.input, *sample.args), sample.kwargs
+    change = LAYOUTS[layout]
+    if change is None:
+        return args, kwargs
+    return (pytree.tree_map_only(torch.Tensor, change, args), pytree.tree_map_only(torch.Tensor, change, kwargs))
+
+
+def run_sample(op, args: tuple, kwargs: dict, dev) -> bool:
     """Checks the remote result's values against the CPU's; returns whether its layout differs."""
-    args = (sample.input, *sample.args)
-    expected = op(*args, **sample.kwargs)
-    remote = op(*to_device(args, dev), **to_device(sample.kwargs, dev))
+    expected = op(*args, **kwargs)
+    remote = op(*to_device(args, dev), **to_device(kwargs, dev))
     differs = layout_differs(expected, remote)
     torch.testing.assert_close(to_cpu(remote), expected, equal_nan=True, check_device=False)
     return differs
 
 
 def sweep(only: set[str] | None = None, max_samples: int | None = None, dev: str = "remote_accelerator:0",
-          verbose: bool = False) -> dict:
+          verbose: bool = False, layout: str = "as_given") -> dict:
     from torch.testing._internal.common_methods_invocations import op_db
 
     passed = failed = skipped = 0
@@ -98,7 +145,8 @@ def sweep(only: set[str] | None = None, max_samples: int | None = None, dev: str
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    expected = opinfo.op(sample.input, *sample.args, **sample.kwargs)
+                    args, kwargs = laid_out(sample, layout)
+                    expected = opinfo.op(*args, **kwargs)
                 del expected
             except Exception:
                 skipped += 1  # the CPU itself rejects this sample
@@ -106,7 +154,7 @@ def sweep(only: set[str] | None = None, max_samples: int | None = None, dev: str
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    if run_sample(opinfo.op, sample, dev):
+                    if run_sample(opinfo.op, args, kwargs, dev):
                         layouts[opinfo.name] += 1
                 passed += 1
                 counts[0] += 1
@@ -134,14 +182,19 @@ def main(argv=None) -> int:
     p.add_argument("--max-samples", type=int, default=None)
     p.add_argument("--json", default="")
     p.add_argument("--verbose", action="store_true")
+    p.add_argument("--layout", choices=sorted(LAYOUTS), default="as_given",
+                   help="lay the samples' tensors out this way first")
     args = p.parse_args(argv)
     only = {o for o in args.ops.split(",") if o} or None
-    result = sweep(only, args.max_samples, verbose=args.verbose)
+    result = sweep(only, args.max_samples, verbose=args.verbose, layout=args.layout)
     for name, msgs in sorted(result["failures"].items()):
         print(f"  {name}: {msgs[0]}")
     print(f"OpInfo float32 samples: {result['passed']} passed, {result['failed']} failed "
           f"({result['pass_rate'] * 100:.1f}% pass) over {result['ops']} ops "
           f"({result['ops_all_pass']} fully passing), {result['seconds']:.0f}s")
+    if result["layout_differs"]:
+        print("planned layout differs from the CPU's: " + ", ".join(
+            f"{name} ({n})" for name, n in sorted(result["layout_differs"].items())))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
