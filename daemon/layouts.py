@@ -79,15 +79,38 @@ def _into(result, planned):
     return result
 
 
+def _signature(value):
+    """What the meta kernel's result layout depends on: tensors' metadata and the other arguments."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype, tuple(value.shape), value.stride()
+    if isinstance(value, (list, tuple)):
+        return tuple(_signature(v) for v in value)
+    return value
+
+
+_PLANNED_MAX = 1024
+_planned: dict = {}  # (op, signature) -> the meta kernel's result: a repeated call skips it (fft 115 -> ~5 us)
+
+
 def _following_meta(op, always: bool):
     def run(*args, **kwargs):
         result = op(*args, **kwargs)
         if not always and all(t.is_contiguous() for t in args if isinstance(t, torch.Tensor)):
             return result  # row-major inputs: the kernels agree (see the module notes)
         try:
-            planned = op(*_meta_like(args), **_meta_like(kwargs))
-        except Exception:  # noqa: BLE001 - no meta kernel for these arguments: the client ran it remotely
-            return result
+            key = (op, _signature(args), _signature(tuple(sorted(kwargs.items()))))
+            planned = _planned.get(key)
+        except TypeError:  # an unhashable argument
+            key = planned = None
+        if planned is None:
+            try:
+                planned = op(*_meta_like(args), **_meta_like(kwargs))
+            except Exception:  # noqa: BLE001 - no meta kernel for these arguments: the client ran it remotely
+                return result
+            if key is not None:
+                if len(_planned) >= _PLANNED_MAX:
+                    _planned.clear()
+                _planned[key] = planned
         return _into(result, planned)
     return run
 
