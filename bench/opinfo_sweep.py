@@ -184,6 +184,8 @@ def main(argv=None) -> int:
     p.add_argument("--verbose", action="store_true")
     p.add_argument("--layout", choices=sorted(LAYOUTS), default="as_given",
                    help="lay the samples' tensors out this way first")
+    p.add_argument("--strict-layouts", action="store_true",
+                   help="exit with status 1 when the daemon holds any result otherwise than planned")
     args = p.parse_args(argv)
     only = {o for o in args.ops.split(",") if o} or None
     result = sweep(only, args.max_samples, verbose=args.verbose, layout=args.layout)
@@ -193,8 +195,10 @@ def main(argv=None) -> int:
           f"({result['pass_rate'] * 100:.1f}% pass) over {result['ops']} ops "
           f"({result['ops_all_pass']} fully passing), {result['seconds']:.0f}s")
     if result["layout_differs"]:
-        print("planned layout differs from the CPU's: " + ", ".join(
+        print("the daemon holds results otherwise than planned: " + ", ".join(
             f"{name} ({n})" for name, n in sorted(result["layout_differs"].items())))
+        if args.strict_layouts:
+            return 1
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
