@@ -121,6 +121,30 @@ def test_deepcopy_of_remote_module(dev):
     torch.testing.assert_close(c.weight.detach().cpu(), m.weight.detach().cpu())
 
 
+def test_assigning_data_replaces_the_values(dev):
+    """`p.data = ...` (old-style init, vector_to_parameters, dtype changes) takes effect, as on
+    the CPU; it was a silent no-op before (the remote handle stayed the old one)."""
+    torch.manual_seed(0)
+    local = nn.Linear(3, 2)
+    remote = nn.Linear(3, 2).to(dev)
+    remote.load_state_dict(local.state_dict())
+    for m in (local, remote):
+        m.weight.data = m.weight.data * 2
+        m.bias.data = torch.zeros(2, device=m.bias.device)
+    torch.testing.assert_close(remote.weight.detach().cpu(), local.weight.detach())
+    torch.testing.assert_close(remote.bias.detach().cpu(), torch.zeros(2))
+    vector = torch.arange(8.0)
+    torch.nn.utils.vector_to_parameters(vector.to(dev), remote.parameters())
+    torch.nn.utils.vector_to_parameters(vector, local.parameters())
+    torch.testing.assert_close(torch.nn.utils.parameters_to_vector(remote.parameters()).cpu(), vector)
+    x = torch.randn(4, 3)
+    local(x).sum().backward()
+    remote(x.to(dev)).sum().backward()  # still parameters, still trained
+    torch.testing.assert_close(remote.weight.grad.cpu(), local.weight.grad)
+    with pytest.raises(RuntimeError, match="move it first"):
+        remote.weight.data = torch.zeros(2, 3)
+
+
 def test_attention_under_autograd_is_one_fused_op_each_way_and_trains_like_cpu(dev, sent_ops):
     import torch.nn.functional as F
 

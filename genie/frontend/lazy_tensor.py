@@ -13,6 +13,7 @@ from genie.runtime.stream import DeviceStream, HandleRef
 
 
 _NO_KWARGS: dict = {}
+_TENSOR_DATA = torch._C.TensorBase.__dict__["data"]  # Tensor.data's C getter and setter
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 
@@ -77,6 +78,23 @@ class LazyTensor(torch.Tensor):
         raise NotImplementedError(
             "torch.compile does not work on remote_accelerator tensors: run the model eagerly (Genie "
             "captures and batches its ops anyway), or record a step once with genie.graph and replay it")
+
+    @property
+    def data(self):
+        return _TENSOR_DATA.__get__(self)
+
+    @data.setter
+    def data(self, new) -> None:
+        # `t.data = new`: PyTorch copies new's metadata into t, but the remote tensor t names is
+        # Genie's (`_genie`), which PyTorch does not know of: without this, t kept naming its old
+        # values (a silent no-op, measured). t names its own alias of new's tensor instead.
+        if not isinstance(new, LazyTensor):
+            raise RuntimeError(f"cannot set the data of a {self.device} tensor to a tensor on {new.device}: "
+                               f"move it first, e.g. t.data = new.to('{self.device}')")
+        with torch.no_grad():
+            alias = torch.Tensor.detach(new)  # a new handle on the daemon, sharing new's storage
+        _TENSOR_DATA.__set__(self, alias)
+        self._genie = alias._genie
 
     def __deepcopy__(self, memo):
         # A copy is a new remote tensor made by the daemon, never a copy of the handle.
