@@ -106,3 +106,34 @@ def test_llama_decode_step_recorded_with_a_static_cache_and_replayed(dev):
             step.replay()
             tokens.append(token.item())
     assert tokens == expected[0, length:].tolist()
+
+
+@pytest.mark.parametrize("make", [_gpt2, _llama], ids=["gpt2-tied-embeddings", "llama"])
+def test_save_pretrained_of_a_remote_model_round_trips(dev, make, tmp_path):
+    """save_pretrained reads storages' data_ptr() to find tied weights (it raised for remote
+    tensors); the saved file loads back to the same weights, tied ones tied."""
+    torch.manual_seed(0)
+    model = make()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    model.to(dev).save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path)
+    assert set(loaded.state_dict()) == set(expected)
+    for name, value in loaded.state_dict().items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=name)
+    if make is _gpt2:
+        assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+
+
+def test_storage_identity_of_remote_tensors(dev, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    a, b = torch.randn(4, device=dev), torch.randn(4, device=dev)
+    first = a.untyped_storage().data_ptr()
+    assert first != 0 and a.untyped_storage().data_ptr() == first and a.storage().data_ptr() == first
+    assert b.untyped_storage().data_ptr() != first
+    with pytest.raises(RuntimeError):
+        a.untyped_storage().cpu()  # still no memory to read through
+    path = str(tmp_path / "ab.safetensors")
+    save_file({"a": a, "b": b}, path)
+    back = load_file(path)
+    torch.testing.assert_close(back["a"], a.cpu(), rtol=0, atol=0)

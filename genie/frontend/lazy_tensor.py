@@ -14,6 +14,7 @@ from genie.runtime.stream import DeviceStream, HandleRef
 
 _NO_KWARGS: dict = {}
 _TENSOR_DATA = torch._C.TensorBase.__dict__["data"]  # Tensor.data's C getter and setter
+_UNTYPED_STORAGE = torch._C.TensorBase.untyped_storage
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 
@@ -95,6 +96,17 @@ class LazyTensor(torch.Tensor):
             alias = torch.Tensor.detach(new)  # a new handle on the daemon, sharing new's storage
         _TENSOR_DATA.__set__(self, alias)
         self._genie = alias._genie
+
+    def untyped_storage(self):
+        # A wrapper's storage has no memory, and PyTorch refuses its data_ptr(). Libraries read it
+        # as the storage's identity: safetensors and Hugging Face's save_pretrained (finding tied
+        # weights) failed on remote models. This storage's address in this process stands in for
+        # it: stable while the tensor lives, distinct between storages; nothing can read through it.
+        storage = _UNTYPED_STORAGE(self)
+        if "data_ptr" not in storage.__dict__:
+            identity = storage._cdata
+            storage.data_ptr = lambda: identity
+        return storage
 
     def __deepcopy__(self, memo):
         # A copy is a new remote tensor made by the daemon, never a copy of the handle.
