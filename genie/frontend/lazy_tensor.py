@@ -18,6 +18,19 @@ _UNTYPED_STORAGE = torch._C.TensorBase.untyped_storage
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 
+def _warn_compile_once() -> None:
+    global _compile_warned
+    if not _compile_warned:
+        _compile_warned = True
+        import warnings
+
+        warnings.warn("torch.compile runs code on remote_accelerator tensors eagerly (Genie captures and "
+                      "batches its ops); genie.graph records and replays a steady step", stacklevel=2)
+
+
+_compile_warned = False
+
+
 def _dispatch(func, args, kwargs):
     # Replaced by genie.frontend.capture.dispatch when that module loads (it imports this one).
     from .capture import dispatch
@@ -75,10 +88,17 @@ class LazyTensor(torch.Tensor):
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
-        # Reached by torch.compile, which rebuilds subclass tensors as fakes to trace them.
-        raise NotImplementedError(
-            "torch.compile does not work on remote_accelerator tensors: run the model eagerly (Genie "
-            "captures and batches its ops anyway), or record a step once with genie.graph and replay it")
+        # Reached by torch.compile, which rebuilds subclass tensors as fakes to trace them. A graph
+        # break instead: compiled code runs its remote_accelerator parts eagerly, as on any
+        # untraceable code (fullgraph=True and torch.export raise this explanation).
+        from torch._dynamo.exc import unimplemented
+
+        _warn_compile_once()
+        unimplemented(
+            gb_type="remote_accelerator tensor", context="genie.LazyTensor",
+            explanation="torch.compile cannot trace remote_accelerator tensors: that code runs eagerly "
+                        "(Genie captures and batches its ops anyway)",
+            hints=["Record a steady step once with genie.graph and replay it for the lowest overhead."])
 
     @property
     def data(self):
