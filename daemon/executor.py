@@ -55,6 +55,54 @@ def _callable_of(op):
     return inner if callable(inner) else op
 
 
+_NOT_RESIZABLE = "Trying to resize storage that is not resizable"
+
+
+def _make_resizable(client: ClientState, call: OpCall) -> bool:
+    """An op had to grow a tensor whose memory is a received message (uploads are kept where
+    they landed, and such memory cannot grow): move the storages of the call's tensors that are
+    like that into memory of the daemon's own, for every handle that shares them, so the op can
+    be run again. Whether any moved (False, changing nothing more, if moving failed)."""
+    moved = False
+    try:
+        for ref in _handle_refs([*call.args, *call.kwargs.values()]):
+            tensor = client.tensors.get(ref.id)
+            if not isinstance(tensor, torch.Tensor) or tensor.untyped_storage().resizable():
+                continue
+            old = tensor.untyped_storage()
+            sharing = [(h, t) for h, t in client.tensors.items()
+                       if isinstance(t, torch.Tensor) and t.device == tensor.device
+                       and t.untyped_storage().data_ptr() == old.data_ptr()]
+            # The failed resize already gave the tensor its new sizes: the new memory must hold them.
+            nbytes = max([old.nbytes(), *(_extent(t) for _, t in sharing)])
+            new = torch.UntypedStorage(nbytes, device=tensor.device)  # the daemon's own: resizable
+            new[:old.nbytes()].copy_(old)
+            with torch.no_grad():
+                for handle, t in sharing:
+                    t.set_(new, t.storage_offset(), t.shape, t.stride())
+                    client.put(handle, t)  # accounted under its new storage
+            moved = True
+    except Exception as e:  # noqa: BLE001 - the op's own error is the one to report
+        log.debug("could not move %s's tensors to resizable memory: %s", call.name, e)
+    return moved
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Bytes of storage `t` reaches, from the storage's start."""
+    if t.numel() == 0:
+        return t.storage_offset() * t.element_size()
+    last = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return (last + 1) * t.element_size()
+
+
+def _handle_refs(values, depth: int = 0):
+    for v in values:
+        if isinstance(v, HandleRef):
+            yield v
+        elif isinstance(v, list) and depth < protocol.MAX_NESTING:
+            yield from _handle_refs(v, depth + 1)
+
+
 class _Poisoned(Exception):
     def __init__(self, poison: Poison) -> None:
         self.poison = poison
@@ -220,6 +268,8 @@ class Executor:
                 raise _RemoteOpError(p.poison) from None
             return None
         except Exception as e:  # the op failed (or was refused): record it where the client will look
+            if _NOT_RESIZABLE in str(e) and _make_resizable(client, call):
+                return self._run_op(client, call, frames, device, raise_errors)  # once: now they can grow
             return self._fail(client, call, e, raise_errors)
 
     def _fail(self, client: ClientState, call: OpCall, e: Exception, raise_errors: bool):

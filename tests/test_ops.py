@@ -169,3 +169,24 @@ def test_dtype_casts_of_views_keep_layouts_and_values(dev, sent_ops):
             assert (got.dtype, got.shape, got.stride()) == (want.dtype, want.shape, want.stride())
             assert torch.equal(got.cpu(), want)
     assert "aten::_to_copy" in sent_ops
+
+
+def test_uploaded_tensors_grow_like_any_other(dev):
+    """An upload's memory on the daemon is the received message, which cannot grow: resize_ and
+    out= results of another size failed ('storage that is not resizable'). The daemon moves it
+    to memory of its own, for every handle sharing it, and runs the op again."""
+    out = torch.zeros(2).to(dev)
+    torch.add(torch.ones(5, device=dev), 1, out=out)
+    torch.testing.assert_close(out.cpu(), torch.full((5,), 2.0))
+    local = torch.tensor([1.0, 2.0])
+    remote = local.to(dev)
+    remote_view, local_view = remote.view(2), local.view(2)
+    for t, view in ((local, local_view), (remote, remote_view)):
+        t.resize_(4)
+        t[2:] = 7
+        view.mul_(10)  # still a view of the grown tensor's storage
+    torch.testing.assert_close(remote.cpu(), local)
+    torch.testing.assert_close(remote_view.cpu(), local_view)
+    cat_out = torch.tensor([], device=dev)
+    torch.cat([torch.ones(2, device=dev), torch.zeros(1, device=dev)], out=cat_out)
+    torch.testing.assert_close(cat_out.cpu(), torch.tensor([1.0, 1.0, 0.0]))

@@ -10,6 +10,7 @@ the CPU or between remote devices materialize.
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 
@@ -18,7 +19,7 @@ from genie.errors import GenieConnectionError, UnsupportedOperationError
 from genie.runtime import get_runtime
 from genie.runtime.stream import thread_streams
 from genie.transport import cuda_ipc, protocol
-from genie.transport.tensors import DTYPE_NAMES, parse_dtype, tensor_to_frames
+from genie.transport.tensors import DTYPE_NAMES, is_dense, parse_dtype, tensor_to_frames
 
 from . import generators, meta, shape_rules
 from .lazy_tensor import LazyTensor
@@ -144,6 +145,11 @@ def _encode(value, stream):
         xfer = stream.send_bulk(value)
         if xfer is not None:
             return protocol.encode_bulk(xfer, DTYPE_NAMES[value.dtype], value.shape)
+        if not _borrowing.source and is_dense(value):
+            # An inline payload leaves with its batch, later: a copy taken now is what the daemon
+            # gets, as `.to(device)` promises, whatever the program writes into `value` meanwhile
+            # (and numpy's export, below, then pins the copy's storage size, not the program's).
+            value = value.clone()
         frames = [stream.add_frame(b) for b in tensor_to_frames(value)]
         if len(frames) == 1:
             return protocol.encode_inline_one(frames[0], DTYPE_NAMES[value.dtype], value.shape)
@@ -630,11 +636,25 @@ def _try_adopt(dst: LazyTensor, src: torch.Tensor) -> bool:
     return True
 
 
+class _Borrowing(threading.local):
+    source = False  # encoding a non_blocking copy: its source's memory may leave as it is, later
+
+
+_borrowing = _Borrowing()
+
+
 def _copy_(func, args, kwargs):
     dst, src = args[0], args[1]
-    if type(dst) is LazyTensor and type(src) is not LazyTensor and isinstance(src, torch.Tensor) \
-            and _try_adopt(dst, src):
-        return dst
+    if type(dst) is LazyTensor and type(src) is not LazyTensor and isinstance(src, torch.Tensor):
+        # non_blocking=True: the program promises, as with CUDA, not to write the source until the
+        # copy is done (synchronize), so its memory goes out without a copy.
+        _borrowing.source = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+        try:
+            if _try_adopt(dst, src):
+                return dst
+            return capture(func, args, kwargs)
+        finally:
+            _borrowing.source = False
     if type(dst) is not LazyTensor:
         from .materialize import to_cpu
 

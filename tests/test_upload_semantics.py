@@ -1,0 +1,45 @@
+"""`.to(device)` copies at the call, as PyTorch promises: what the program writes into the source
+afterwards never reaches the remote tensor (inline payloads leave with their batch, later; before,
+the daemon got the source's memory as it was then: a reused buffer gave every upload its last
+values), and the source is left as it was (its storage still resizable)."""
+import torch
+
+import genie
+
+
+def test_writes_after_an_upload_do_not_reach_it(dev):
+    for n in (3, 256 * 1024, 5 * 1024 * 1024 // 4):  # a few bytes, 1 MiB inline, 5 MiB over the bulk lane
+        source = torch.zeros(n)
+        remote = source.to(dev)
+        operand = torch.zeros(n)
+        summed = torch.ones(n, device=dev) + operand  # a CPU operand is uploaded the same way
+        source.fill_(5)
+        operand.fill_(5)
+        assert torch.equal(remote.cpu(), torch.zeros(n)), n
+        assert torch.equal(summed.cpu(), torch.ones(n)), n
+
+
+def test_a_reused_host_buffer_gives_each_upload_its_own_values(dev):
+    buffer = torch.empty(4, 4)
+    uploads = []
+    for step in range(6):
+        buffer.fill_(step)
+        uploads.append(buffer.to(dev) * 1)
+    assert [u.cpu()[0, 0].item() for u in uploads] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+def test_the_source_is_left_as_it_was(dev):
+    source = torch.arange(4.0)
+    source.to(dev).cpu()
+    assert source.untyped_storage().resizable()  # numpy's export of it had pinned its size
+    source.resize_(8)  # raised "Trying to resize storage that is not resizable"
+    assert source.shape == (8,)
+
+
+def test_non_blocking_uploads_are_right_after_synchronize(dev):
+    source = torch.arange(8.0)
+    remote = source.to(dev, non_blocking=True)  # the source's memory may leave as it is, later
+    torch.remote_accelerator.synchronize()
+    source.fill_(-1)
+    assert torch.equal(remote.cpu(), torch.arange(8.0))
+    assert genie.LazyTensor is type(remote)
