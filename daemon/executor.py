@@ -727,7 +727,12 @@ class Executor:
                 return {"error": protocol.error_body(e)}
             if xfer is not None:
                 return {"bulk": xfer, "dtype": dtype_name(found.dtype), "shape": list(found.shape)}
-        chunks = tensor_to_frames(found.detach())
+        # A copy: the answer's frames may still be leaving (a zmq send without copy, a partial send
+        # queued on the direct lane) when a later request writes the tensor in place (measured:
+        # 8-10 of 40 async reads of 0.25-0.5 MiB then got values written after them).
+        # (A GPU tensor's bytes are copied to the host on the way anyway.)
+        src = found.detach()
+        chunks = tensor_to_frames(src.clone() if src.device.type == "cpu" else src)
         first = len(out_frames)
         out_frames.extend(chunks)
         ref = first if len(chunks) == 1 else list(range(first, first + len(chunks)))
