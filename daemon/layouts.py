@@ -7,10 +7,10 @@ convolution's meta kernel says contiguous while the CPU kernels and cuDNN return
 when the input or the weight is channels-last (measured: a channels-last conv2d's result on a
 CPU daemon was channels-last, the client planned contiguous, and `y.reshape(-1)` then failed on
 the daemon); reflection and replication padding follow the input's layout on the CPU and are
-contiguous on CUDA. For these, both sides use the rule below: the input's suggested memory
-format (for convolution, channels-last when the input or the weight suggests it, as cuDNN and
-the CPU kernels decide). The client plans it and the daemon makes its result follow it, a copy
-only where a kernel chose otherwise.
+contiguous on CUDA. For these, both sides use the rule in genie/transport/layout_contract.py:
+the input's suggested memory format (for convolution, channels-last when the input or the
+weight suggests it, as cuDNN and the CPU kernels decide). The client plans it and the daemon
+makes its result follow it, a copy only where a kernel chose otherwise.
 
 Other ops are planned by their meta kernels, and for some of those the CPU kernels lay results
 out otherwise: found by comparing every aten op's CPU and meta results over PyTorch's OpInfo
@@ -23,16 +23,8 @@ row-major for the ops that differ on such inputs alone (some binary ops, batch n
 from __future__ import annotations
 
 import torch
-from torch._prims_common import suggest_memory_format
 
-_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
-
-
-def convolution_format(input: torch.Tensor, weight: torch.Tensor) -> torch.memory_format:  # noqa: A002
-    channels_last = _CHANNELS_LAST.get(input.dim())
-    if channels_last is not None and channels_last in (suggest_memory_format(input), suggest_memory_format(weight)):
-        return channels_last
-    return torch.contiguous_format
+from genie.transport.layout_contract import PADDING_OPS, convolution_format, padding_format
 
 
 def _convolution(op):
@@ -52,7 +44,7 @@ def _convolution_backward(op):
 
 def _padding(op):
     def run(input, *args, **kwargs):  # noqa: A002
-        return op(input, *args, **kwargs).contiguous(memory_format=suggest_memory_format(input))
+        return op(input, *args, **kwargs).contiguous(memory_format=padding_format(input))
     return run
 
 
@@ -138,8 +130,7 @@ def _wire_name(name: str) -> str:
 _RULES = {
     "aten::convolution": (_aten.convolution.default, _convolution),
     "aten::convolution_backward": (_aten.convolution_backward.default, _convolution_backward),
-    **{f"aten::{name}": (getattr(_aten, name).default, _padding)
-       for name in ("reflection_pad2d", "reflection_pad3d", "replication_pad2d", "replication_pad3d")},
+    **{f"aten::{name}": (getattr(_aten, name).default, _padding) for name in PADDING_OPS},
 }
 _KERNELS = {name: wrap(op) for name, (op, wrap) in _RULES.items()}
 _KERNELS.update({_wire_name(n): _following_meta(_overload(n), True) for n in _META_ALWAYS})

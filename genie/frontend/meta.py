@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch._prims_common import suggest_memory_format
 
 from genie.errors import UnsupportedOperationError
+from genie.transport import layout_contract
 
 _REMOTE_TYPE = "remote_accelerator"
 META = torch.device("meta")
@@ -133,40 +133,27 @@ def import_lazy_dependencies() -> None:
         import torch.distributed.tensor  # noqa: F401
 
 
-# Ops whose result layout PyTorch leaves to the backend (its meta kernels say contiguous): the
-# client plans, and the daemon makes (daemon/layouts.py, with the measurements), the input's
-# suggested memory format; for convolution channels-last when the input or the weight suggests
-# it, as cuDNN and the CPU kernels choose.
-_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
-
-
-def _convolution_format(input: torch.Tensor, weight: torch.Tensor) -> torch.memory_format:  # noqa: A002
-    channels_last = _CHANNELS_LAST.get(input.dim())
-    if channels_last is not None and channels_last in (suggest_memory_format(input), suggest_memory_format(weight)):
-        return channels_last
-    return torch.contiguous_format
-
-
+# Ops whose result layout PyTorch leaves to the backend (its meta kernels say contiguous): planned
+# by the rule both ends keep (genie/transport/layout_contract.py).
 def _convolution_layout(out, bound):
-    return out.contiguous(memory_format=_convolution_format(bound["input"], bound["weight"]))
+    return out.contiguous(memory_format=layout_contract.convolution_format(bound["input"], bound["weight"]))
 
 
 def _convolution_backward_layout(out, bound):
-    fmt = _convolution_format(bound["input"], bound["weight"])
+    fmt = layout_contract.convolution_format(bound["input"], bound["weight"])
     grad_input, grad_weight, grad_bias = out
     return (None if grad_input is None else grad_input.contiguous(memory_format=fmt),
             None if grad_weight is None else grad_weight.contiguous(memory_format=fmt), grad_bias)
 
 
 def _padding_layout(out, bound):
-    return out.contiguous(memory_format=suggest_memory_format(bound["self"]))
+    return out.contiguous(memory_format=layout_contract.padding_format(bound["self"]))
 
 
 _BACKEND_LAYOUTS = {
     torch.ops.aten.convolution.default: _convolution_layout,
     torch.ops.aten.convolution_backward.default: _convolution_backward_layout,
-    **{getattr(torch.ops.aten, name).default: _padding_layout
-       for name in ("reflection_pad2d", "reflection_pad3d", "replication_pad2d", "replication_pad3d")},
+    **{getattr(torch.ops.aten, name).default: _padding_layout for name in layout_contract.PADDING_OPS},
 }
 
 

@@ -2,6 +2,7 @@
 import torch
 
 from daemon import layouts
+from genie.transport.layout_contract import convolution_format
 
 CL = torch.channels_last
 
@@ -18,10 +19,10 @@ def test_a_kernel_that_returns_another_layout_is_made_to_follow_the_rule():
 
 def test_the_rule_is_channels_last_when_input_or_weight_suggests_it():
     x, w = torch.randn(1, 3, 6, 6), torch.randn(4, 3, 3, 3)
-    assert layouts.convolution_format(x, w) == torch.contiguous_format
-    assert layouts.convolution_format(x.to(memory_format=CL), w) == CL
-    assert layouts.convolution_format(x, w.to(memory_format=CL)) == CL
-    assert layouts.convolution_format(torch.randn(1, 3, 6), torch.randn(4, 3, 3)) == torch.contiguous_format
+    assert convolution_format(x, w) == torch.contiguous_format
+    assert convolution_format(x.to(memory_format=CL), w) == CL
+    assert convolution_format(x, w.to(memory_format=CL)) == CL
+    assert convolution_format(torch.randn(1, 3, 6), torch.randn(4, 3, 3)) == torch.contiguous_format
     for name in ("aten::convolution", "aten::convolution_backward", "aten::reflection_pad2d", "aten::replication_pad3d"):
         assert layouts.replacement(name) is not None
     assert layouts.replacement("aten::add.Tensor") is None
