@@ -17,8 +17,9 @@ from genie.transport import cuda_ipc, protocol
 from genie.transport.cuda_ipc import SharedCudaTensor
 from genie.transport.errors import ProtocolError
 from genie.transport.protocol import BulkTensor, DeviceRef, Exec, GeneratorRef, HandleRef, InlineTensor, OpCall
-from genie.transport.tensors import (bytes_as_tensor, check_shape, dense_bytes, dtype_name, frames_to_tensor, is_dense,
-                                     tensor_to_buffer, tensor_to_frames)
+from genie.transport.hostmem import snapshot
+from genie.transport.tensors import (bytes_as_tensor, check_shape, dense, dense_bytes, dtype_name, frames_to_tensor,
+                                     is_dense, tensor_to_buffer, tensor_to_frames)
 
 from . import attention
 from . import ops as op_table
@@ -732,7 +733,9 @@ class Executor:
         # 8-10 of 40 async reads of 0.25-0.5 MiB then got values written after them).
         # (A GPU tensor's bytes are copied to the host on the way anyway.)
         src = found.detach()
-        chunks = tensor_to_frames(src.clone() if src.device.type == "cpu" else src)
+        if src.device.type == "cpu":
+            src = snapshot(src) if is_dense(src) else dense(src)  # dense() of another layout is a copy already
+        chunks = tensor_to_frames(src)
         first = len(out_frames)
         out_frames.extend(chunks)
         ref = first if len(chunks) == 1 else list(range(first, first + len(chunks)))

@@ -19,6 +19,7 @@ from genie.errors import GenieConnectionError, UnsupportedOperationError
 from genie.runtime import get_runtime
 from genie.runtime.stream import thread_streams
 from genie.transport import cuda_ipc, protocol
+from genie.transport.hostmem import snapshot
 from genie.transport.tensors import DTYPE_NAMES, is_dense, parse_dtype, tensor_to_frames
 
 from . import generators, meta, shape_rules
@@ -149,7 +150,7 @@ def _encode(value, stream):
             # An inline payload leaves with its batch, later: a copy taken now is what the daemon
             # gets, as `.to(device)` promises, whatever the program writes into `value` meanwhile
             # (and numpy's export, below, then pins the copy's storage size, not the program's).
-            value = value.clone()
+            value = snapshot(value)
         frames = [stream.add_frame(b) for b in tensor_to_frames(value)]
         if len(frames) == 1:
             return protocol.encode_inline_one(frames[0], DTYPE_NAMES[value.dtype], value.shape)

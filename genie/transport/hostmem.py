@@ -63,17 +63,19 @@ def allocate_host(nbytes: int) -> torch.Tensor:
 class HostBufferPool:
     """Size-classed free lists of host blocks; `take` returns a uint8 view of exactly `nbytes`."""
 
-    def __init__(self, max_idle_bytes: int) -> None:
+    def __init__(self, max_idle_bytes: int, min_bytes: int = POOL_MIN_BYTES, class_bytes: int = _CLASS_BYTES) -> None:
         self.max_idle_bytes = max_idle_bytes
+        self.min_bytes = min_bytes  # smaller takes are plain allocations
+        self.class_bytes = class_bytes  # block sizes are multiples of this
         self._blocks: dict[int, list[torch.Tensor]] = {}
         self._lock = threading.Lock()
         self.reuses = 0
         self.allocations = 0
 
     def take(self, nbytes: int) -> torch.Tensor:
-        if nbytes < POOL_MIN_BYTES or self.max_idle_bytes <= 0:
+        if nbytes < self.min_bytes or self.max_idle_bytes <= 0:
             return torch.empty(nbytes, dtype=torch.uint8)
-        size = -(-nbytes // _CLASS_BYTES) * _CLASS_BYTES
+        size = -(-nbytes // self.class_bytes) * self.class_bytes
         with self._lock:
             for block in self._blocks.get(size, ()):
                 if _storage_users(block) == 1:
@@ -116,3 +118,21 @@ class HostBufferPool:
     def clear(self) -> None:
         with self._lock:
             self._blocks.clear()
+
+
+# Snapshots of payloads that leave later than they are taken (inline payloads; the daemon's inline
+# answers): copies into fresh memory cost a page fault per 4 KiB and made 1 MiB transfers ~40%
+# slower (measured: uploads 1.9-2.2 -> 0.9-1.4 GB/s); recycled blocks do not. Below 64 KiB
+# allocations are cheap (and ZeroMQ copies such frames anyway).
+_SNAPSHOTS = HostBufferPool(max_idle_bytes=64 << 20, min_bytes=64 << 10, class_bytes=64 << 10)
+
+
+def snapshot(t: torch.Tensor) -> torch.Tensor:
+    """A copy of dense CPU tensor `t` (same dtype, shape and strides), in a recycled block when
+    it is large. The block is reused once nothing views it any more."""
+    nbytes = t.numel() * t.element_size()
+    if nbytes < _SNAPSHOTS.min_bytes:
+        return t.clone()
+    # Dense: its elements fill exactly numel() places from its lowest one, so the same strides fit.
+    out = _SNAPSHOTS.take(nbytes).view(t.dtype).as_strided(t.shape, t.stride())
+    return out.copy_(t)

@@ -48,3 +48,21 @@ def test_huge_pages_are_asked_for_only_where_a_fault_never_compacts_memory(tmp_p
         assert hostmem._huge_pages_without_stalls() is safe, line
     setting.unlink()
     assert hostmem._huge_pages_without_stalls() is False  # no THP in this kernel: nothing to ask for
+
+
+def test_snapshots_copy_and_recycle_their_blocks_only_when_free():
+    from genie.transport.hostmem import snapshot
+
+    source = torch.randn(64, 1024).t()  # 256 KiB, dense but not row-major
+    first = snapshot(source)
+    assert first.stride() == source.stride() and torch.equal(first, source)
+    address = first.data_ptr()
+    source.add_(1)
+    assert not torch.equal(first, source)  # a copy, not a view
+    second = snapshot(source)
+    assert second.data_ptr() != address  # `first` still views its block
+    del first
+    third = snapshot(source)
+    assert third.data_ptr() == address and torch.equal(third, source)  # the free block again
+    small = torch.arange(4.0)
+    assert torch.equal(snapshot(small), small)
