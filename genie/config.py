@@ -13,7 +13,7 @@ GENIE_MAX_INFLIGHT_MB payload MiB sent to one daemon and not yet acknowledged be
                       further sends wait (backpressure; default 256).
 GENIE_FRAME_MB        payloads larger than this MiB are sent as several frames (default 1024).
 GENIE_BULK_MIN_KB     payloads of at least this many KiB go over the daemon's bulk lane, a
-                      plain stream socket beside ZeroMQ (default 4096; 0: never).
+                      plain stream socket beside ZeroMQ (default 1024; 0: never).
 GENIE_HOST_POOL_MB    MiB of idle receive buffers kept for reuse (default 1024).
 GENIE_HEARTBEAT       seconds between keep-alive pings to each daemon (default 1).
 GENIE_HEARTBEAT_TIMEOUT seconds a ping may stay unanswered before the daemon is declared
@@ -90,7 +90,7 @@ def load() -> Config:
         batch_bytes=int(_float("GENIE_BATCH_BYTES", 8 << 20)),
         max_inflight_bytes=int(_float("GENIE_MAX_INFLIGHT_MB", 256) * (1 << 20)),
         max_frame_bytes=int(_float("GENIE_FRAME_MB", 1024) * (1 << 20)),
-        bulk_min_bytes=int(_float("GENIE_BULK_MIN_KB", 4096) * 1024),
+        bulk_min_bytes=int(_float("GENIE_BULK_MIN_KB", 1024) * 1024),
         shared_min_bytes=int(_float("GENIE_SHARED_MIN_KB", 1024) * 1024),
         host_pool_bytes=int(_float("GENIE_HOST_POOL_MB", 1024) * (1 << 20)),
         heartbeat=_float("GENIE_HEARTBEAT", 1.0),

@@ -225,7 +225,7 @@ def test_a_result_in_the_daemons_segment_outlives_the_daemon():
 def test_shared_memory_can_be_turned_off_on_either_side(extra, client):  # daemon flag; client GENIE_SHARED_MEMORY=0
     with _ipc_daemon(extra, **client) as d:
         info = genie.transport_info()["links"][d.endpoint]
-        assert info["path"] == "zmq+bulk-unix" and info["bulk_min_bytes"] == 4 << 20
+        assert info["path"] == "zmq+bulk-unix" and info["bulk_min_bytes"] == 1 << 20
         src = torch.arange(BIG, dtype=torch.float32)
         assert torch.equal((src.to("remote_accelerator:0") + 1).cpu(), src + 1)
         assert _lane().bytes_received >= BIG * 4
