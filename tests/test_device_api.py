@@ -118,6 +118,14 @@ def test_torch_compile_runs_remote_code_eagerly(dev):
         torch.compile(torch.nn.Linear(4, 2).to(dev), fullgraph=True)(x)
 
 
+def test_torch_export_refuses_with_the_way_out(dev):
+    """torch.export cannot trace a remote tensor (no graph break to fall back on): the error
+    says to export on CPU and move the model afterwards."""
+    model = torch.nn.Linear(3, 2).to(dev)
+    with pytest.raises(Exception, match="export the model while it is on CPU"):
+        torch.export.export(model, (torch.randn(2, 3, device=dev),))
+
+
 def _compile_warned() -> bool:
     from genie.frontend import lazy_tensor
 

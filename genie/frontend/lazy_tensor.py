@@ -98,7 +98,9 @@ class LazyTensor(torch.Tensor):
             gb_type="remote_accelerator tensor", context="genie.LazyTensor",
             explanation="torch.compile cannot trace remote_accelerator tensors: that code runs eagerly "
                         "(Genie captures and batches its ops anyway)",
-            hints=["Record a steady step once with genie.graph and replay it for the lowest overhead."])
+            hints=["Record a steady step once with genie.graph and replay it for the lowest overhead.",
+                   "torch.export: export the model while it is on CPU (or on meta tensors), then "
+                   "move it to remote_accelerator."])
 
     @property
     def data(self):
