@@ -12,7 +12,7 @@ import genie
 
 
 def test_writes_after_an_upload_do_not_reach_it(dev):
-    for n in (3, 256 * 1024, 5 * 1024 * 1024 // 4):  # a few bytes, 1 MiB inline, 5 MiB over the bulk lane
+    for n in (3, 256 * 1024, 5 * 1024 * 1024 // 4):  # a few bytes, 1 MiB, 5 MiB (inline or bulk by GENIE_BULK_MIN_KB)
         source = torch.zeros(n)
         remote = source.to(dev)
         operand = torch.zeros(n)
@@ -38,6 +38,18 @@ def test_the_source_is_left_as_it_was(dev):
     assert source.untyped_storage().resizable()  # numpy's export of it had pinned its size
     source.resize_(8)  # raised "Trying to resize storage that is not resizable"
     assert source.shape == (8,)
+
+
+def test_non_blocking_uploads_of_pageable_memory_can_be_overwritten_at_once(dev):
+    """CUDA's non_blocking copy from pageable (not pinned) memory has taken the bytes when it
+    returns, and the common loop refills one host buffer right away (it gave every upload the
+    last fill here when non_blocking borrowed the memory of any source)."""
+    buffer = torch.empty(5)
+    uploads = []
+    for step in range(5):
+        buffer.fill_(step)
+        uploads.append(buffer.to(dev, non_blocking=True))
+    assert [u.cpu().tolist() for u in uploads] == [[float(step)] * 5 for step in range(5)]
 
 
 def test_non_blocking_uploads_are_right_after_synchronize(dev):

@@ -647,9 +647,12 @@ _borrowing = _Borrowing()
 def _copy_(func, args, kwargs):
     dst, src = args[0], args[1]
     if type(dst) is LazyTensor and type(src) is not LazyTensor and isinstance(src, torch.Tensor):
-        # non_blocking=True: the program promises, as with CUDA, not to write the source until the
-        # copy is done (synchronize), so its memory goes out without a copy.
-        _borrowing.source = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+        # non_blocking=True from pinned memory: the program promises, as with CUDA, not to write the
+        # source until the copy is done (synchronize), so its memory goes out without a copy. From
+        # pageable memory CUDA's copy has taken the bytes when it returns (the program may write
+        # the source at once, and does: a refilled host buffer), so it is copied here too.
+        _borrowing.source = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False)) \
+            and src.is_pinned()
         try:
             if _try_adopt(dst, src):
                 return dst
