@@ -455,18 +455,23 @@ class Executor:
         return None
 
     def _rng_state(self, client: ClientState, call: OpCall, frames: list, device: torch.device):
-        """get_rng_state / set_rng_state of this client's generator on `device`, in program order
-        (activation checkpointing replays dropout with the state saved in the forward)."""
-        generator = client.generator(device)
+        """get_rng_state / set_rng_state of this client's generator on `device`, or of the twin of
+        one of its torch.Generators (a last argument), in program order (activation checkpointing
+        replays dropout with the state saved in the forward)."""
+        args = call.args
+        if args and type(args[-1]) is GeneratorRef:
+            generator, args = client.drawing_generator(args[-1], device), args[:-1]
+        else:
+            generator = client.generator(device)
         if call.name == RNG_STATE_OP:
-            if call.args or type(call.outs) is not int:
-                raise ProtocolError(f"{RNG_STATE_OP} takes no arguments and one output handle")
+            if args or type(call.outs) is not int:
+                raise ProtocolError(f"{RNG_STATE_OP} takes [generator] and one output handle")
             state = generator.get_state()
             client.put(call.outs, state)
             return state
-        if len(call.args) != 1 or call.outs is not None:
-            raise ProtocolError(f"{SET_RNG_STATE_OP} takes one state tensor and no output")
-        state = self._resolve(client, call.args[0], frames, device, 0)
+        if len(args) != 1 or call.outs is not None:
+            raise ProtocolError(f"{SET_RNG_STATE_OP} takes one state tensor, [generator], and no output")
+        state = self._resolve(client, args[0], frames, device, 0)
         if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.dim() != 1:
             raise ProtocolError(f"{SET_RNG_STATE_OP}: a state is a 1-D uint8 tensor")
         generator.set_state(state.cpu())  # raises on a state of the wrong size for this generator

@@ -86,10 +86,42 @@ def test_wrong_generators_are_refused(dev):
     with pytest.raises(RuntimeError, match="Expected a 'remote_accelerator' device type for generator but found 'cpu'"):
         torch.randn(3, device=dev, generator=torch.Generator())
     g = torch.Generator(device=dev)
-    for call in (g.get_state, lambda: g.set_state(torch.Generator().get_state()), g.get_offset,
-                 lambda: g.set_offset(1)):
-        with pytest.raises(RuntimeError, match="position lives on the genie-daemon.*manual_seed"):
+    for call in (g.get_offset, lambda: g.set_offset(1)):
+        with pytest.raises(RuntimeError, match="position lives on the genie-daemon.*get_state"):
             call()
+
+
+def test_get_state_and_set_state_replay_draws_in_program_order(dev):
+    """g.get_state() is the twin's state after the ops queued before it; g.set_state(s) applies
+    before the ops queued after it, as on CUDA (both raised before)."""
+    g = torch.Generator(device=dev).manual_seed(3)
+    fresh = g.get_state()
+    assert fresh.dtype == torch.uint8 and fresh.device.type == "cpu"
+    assert torch.equal(fresh, _cpu_twin(3).get_state())  # a CPU daemon's twin is a CPU generator
+    first = torch.randn(4, device=dev, generator=g)  # queued, not read: get_state must follow it
+    after_first = g.get_state()
+    second = torch.randn(4, device=dev, generator=g)
+    g.set_state(fresh)
+    again = torch.randn(4, device=dev, generator=g)
+    g.set_state(after_first)
+    second_again = torch.randn(4, device=dev, generator=g)
+    assert torch.equal(again.cpu(), first.cpu())
+    assert torch.equal(second_again.cpu(), second.cpu())
+    assert not torch.equal(first.cpu(), second.cpu())
+    other = torch.Generator(device=dev).manual_seed(3)  # setting g's state moved no other stream
+    assert torch.equal(torch.randn(4, device=dev, generator=other).cpu(), first.cpu())
+    g.manual_seed(3)  # a seed after set_state starts over from the seed
+    assert torch.equal(torch.randn(4, device=dev, generator=g).cpu(), first.cpu())
+
+
+def test_a_state_of_the_wrong_size_fails_and_the_generator_carries_on(dev):
+    g = torch.Generator(device=dev).manual_seed(5)
+    expected = torch.randn(3, device=dev, generator=torch.Generator(device=dev).manual_seed(5)).cpu()
+    g.set_state(torch.zeros(7, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="size"):
+        torch.randn(2, device=dev, generator=g).cpu()
+    g.manual_seed(5)
+    assert torch.equal(torch.randn(3, device=dev, generator=g).cpu(), expected)
 
 
 def test_a_generator_in_a_recorded_graph_is_refused(dev):
@@ -121,3 +153,20 @@ def test_dropped_generators_are_dropped_on_the_daemon(dev):
     gc.collect()
     torch.rand(1, device=dev, generator=torch.Generator(device=dev)).cpu()
     assert twins() <= before
+
+
+def test_malformed_generator_state_requests_get_an_error(dev):
+    from genie.frontend.device import RNG_STATE_OP, SET_RNG_STATE_OP
+    from genie.transport import protocol
+
+    stream = get_runtime().stream(0)
+    ref = protocol.encode_generator(999, 1, 1)
+    with stream.lock:
+        stream.append([SET_RNG_STATE_OP, [ref], {}, None])  # a generator but no state
+    with pytest.raises(RuntimeError, match="takes one state tensor"):
+        stream.synchronize()
+    with stream.lock:
+        stream.append([RNG_STATE_OP, [ref, ref], {}, None])
+    with pytest.raises(RuntimeError, match="takes \\[generator\\] and one output handle"):
+        stream.synchronize()
+    assert torch.rand(2, device=dev).cpu().shape == (2,)  # the daemon carried on

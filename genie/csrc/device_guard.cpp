@@ -7,6 +7,7 @@
 // device Genie connected to (deviceCount never throws), and gives events timestamps. The remote work
 // itself is ordered by Genie's streams; these guard-level events are complete
 // when recorded, because everything before them was already submitted in order.
+#include <ATen/EmptyTensor.h>
 #include <ATen/core/Generator.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
@@ -18,6 +19,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -109,13 +111,48 @@ struct RemoteGuardImpl final : public c10::impl::DeviceGuardImplInterface {
 // object holds what the client knows, a seed and a count of (re)seedings, under an id unique in
 // this process. Genie reads them (genie_generator_info) when an op draws from the generator and,
 // when the count moved since the daemon last heard, queues a seed for the daemon's twin first.
-// Its position in the stream exists only on the daemon, so state and offset calls are refused.
+// Its position in the stream exists only on the daemon: get_state/set_state ask Genie's Python
+// side (hooks registered by genie_set_generator_state_hooks) to read or set the twin's state in
+// program order; offsets and clones are refused.
 std::atomic<int64_t> g_next_generator{1};
 // torch.Generator() starts from this seed on every device (CPU and CUDA alike): so does this one.
 constexpr uint64_t kDefaultSeed = 67280421310721ULL;
 constexpr const char* kNoGeneratorState =
-    "a remote_accelerator generator's position lives on the genie-daemon: get_state/set_state, "
-    "offsets and clones are not supported. Re-seed it with manual_seed(s) to replay its draws";
+    "a remote_accelerator generator's position lives on the genie-daemon: offsets and clones are "
+    "not supported. Save and restore it with get_state()/set_state(), or re-seed it with manual_seed(s)";
+constexpr const char* kNoStateHooks =
+    "remote_accelerator generator state needs Genie's device module (import genie)";
+
+// get(id, seedings, seed, device index) -> bytes; set(id, seedings, seed, device index, bytes).
+// Borrowed: genie.frontend.device keeps both alive for the life of the process.
+PyObject* g_get_state_hook = nullptr;
+PyObject* g_set_state_hook = nullptr;
+
+// Holds the GIL for a call into the hooks (THPGenerator's methods hold it already; other C++
+// callers may not). Released on every way out, exceptions included.
+struct GilHeld {
+  PyGILState_STATE state = PyGILState_Ensure();
+  ~GilHeld() { PyGILState_Release(state); }
+};
+
+// The pending Python exception of a hook, as a c10::Error (a RuntimeError to the program) with
+// its message. The GIL is held.
+[[noreturn]] void throw_hook_error() {
+  PyObject *type = nullptr, *value = nullptr, *traceback = nullptr;
+  PyErr_Fetch(&type, &value, &traceback);
+  std::string message = "remote_accelerator generator state: the hook failed";
+  if (value != nullptr) {
+    if (PyObject* text = PyObject_Str(value)) {
+      if (const char* utf8 = PyUnicode_AsUTF8(text)) message = utf8;
+      Py_DECREF(text);
+    }
+  }
+  PyErr_Clear();
+  Py_XDECREF(type);
+  Py_XDECREF(value);
+  Py_XDECREF(traceback);
+  TORCH_CHECK(false, message);
+}
 
 // Ids of generators destroyed since Genie last asked (genie_generators_dropped): their twins
 // on the daemons can go. (Python wrappers of one generator come and go, so only this side knows.)
@@ -144,8 +181,41 @@ struct RemoteGeneratorImpl final : public c10::GeneratorImpl {
   }
   void set_offset(uint64_t /*offset*/) override { TORCH_CHECK(false, kNoGeneratorState); }
   uint64_t get_offset() const override { TORCH_CHECK(false, kNoGeneratorState); }
-  void set_state(const c10::TensorImpl& /*state*/) override { TORCH_CHECK(false, kNoGeneratorState); }
-  c10::intrusive_ptr<c10::TensorImpl> get_state() const override { TORCH_CHECK(false, kNoGeneratorState); }
+  // The twin's state, after every op queued before this call (a CPU uint8 tensor, as CUDA's is).
+  c10::intrusive_ptr<c10::TensorImpl> get_state() const override {
+    TORCH_CHECK(g_get_state_hook != nullptr, kNoStateHooks);
+    GilHeld gil;
+    PyObject* answer = PyObject_CallFunction(
+        g_get_state_hook, "LLKi", static_cast<long long>(uid), static_cast<long long>(version.load()),
+        static_cast<unsigned long long>(current_seed()), static_cast<int>(device().index()));
+    if (answer == nullptr) throw_hook_error();
+    char* bytes = nullptr;
+    Py_ssize_t n = 0;
+    if (PyBytes_AsStringAndSize(answer, &bytes, &n) != 0) {
+      Py_DECREF(answer);
+      throw_hook_error();
+    }
+    at::TensorBase state = at::detail::empty_cpu({static_cast<int64_t>(n)}, c10::ScalarType::Byte);
+    std::memcpy(state.mutable_data_ptr(), bytes, static_cast<size_t>(n));
+    Py_DECREF(answer);
+    return state.getIntrusivePtr();
+  }
+  // Queues the twin's new state after the ops queued so far (PyTorch checked it is a ByteTensor).
+  void set_state(const c10::TensorImpl& state) override {
+    TORCH_CHECK(g_set_state_hook != nullptr, kNoStateHooks);
+    TORCH_CHECK(state.device().is_cpu() && state.dtype().itemsize() == 1 && state.is_contiguous(),
+                "a generator state is a contiguous CPU uint8 tensor, as get_state() returns");
+    GilHeld gil;
+    PyObject* bytes = PyBytes_FromStringAndSize(static_cast<const char*>(state.data()),
+                                                static_cast<Py_ssize_t>(state.numel()));
+    if (bytes == nullptr) throw_hook_error();
+    PyObject* answer = PyObject_CallFunction(
+        g_set_state_hook, "LLKiO", static_cast<long long>(uid), static_cast<long long>(version.load()),
+        static_cast<unsigned long long>(current_seed()), static_cast<int>(device().index()), bytes);
+    Py_DECREF(bytes);
+    if (answer == nullptr) throw_hook_error();
+    Py_DECREF(answer);
+  }
   static c10::DeviceType device_type() { return c10::DeviceType::PrivateUse1; }
 
   const int64_t uid;
@@ -242,6 +312,11 @@ int genie_generators_dropped(int64_t* out, int capacity) {
     g_dropped.pop_back();
   }
   return n;
+}
+// Genie's Python functions behind get_state/set_state (borrowed: the caller keeps them alive).
+void genie_set_generator_state_hooks(PyObject* get, PyObject* set) {
+  g_get_state_hook = get;
+  g_set_state_hook = set;
 }
 // Called by Genie after (re)connecting: the number of remote devices.
 void genie_set_device_count(int n) { g_device_count.store(n > 0 ? n : 1); }

@@ -15,7 +15,7 @@ import torch
 
 from genie.runtime import get_runtime
 
-from . import capture
+from . import capture, generators
 from .streams import Event, Stream, current_stream, default_stream, set_stream, stream
 
 NAME = "remote_accelerator"
@@ -273,6 +273,26 @@ def set_rng_state(new_state: torch.Tensor, device=None) -> None:
         s.append([SET_RNG_STATE_OP, capture.encode_call([new_state.detach().cpu().contiguous()], {}, s)[0], {}, None])
 
 
+def _generator_state(uid: int, version: int, seed: int, index: int) -> bytes:
+    """torch.Generator(device="remote_accelerator").get_state(), called by the C++ generator: its
+    twin's state on the daemon, after the ops queued so far."""
+    s = _stream(index)
+    with s.lock:
+        handle = s.new_handle()
+        ref = generators.encode_fields(uid, version, seed, s)
+    report = s.run_reported([RNG_STATE_OP, [ref], {}, handle])
+    return capture._from_report(report, s).cpu().numpy().tobytes()
+
+
+def _set_generator_state(uid: int, version: int, seed: int, index: int, state: bytes) -> None:
+    """generator.set_state(state), called by the C++ generator: queued in program order."""
+    s = _stream(index)
+    value = torch.frombuffer(bytearray(state), dtype=torch.uint8)
+    with s.lock:
+        ref = generators.encode_fields(uid, version, seed, s)
+        s.append([SET_RNG_STATE_OP, capture.encode_call([value], {}, s)[0] + [ref], {}, None])
+
+
 def get_rng_state_all() -> list[torch.Tensor]:
     return [get_rng_state(i) for i in range(device_count())]
 
@@ -344,6 +364,7 @@ def register() -> types.ModuleType:
     serialization.register()
     if native_guard.load():
         get_runtime().on_start.append(lambda: native_guard.set_device_count(len(get_runtime().streams)))
+        native_guard.set_generator_state_hooks(_generator_state, _set_generator_state)  # module functions: alive for good
     get_runtime().on_start.append(_apply_pending_seed)
     get_runtime().on_start.append(_mark_initialized)
     from .meta import import_lazy_dependencies

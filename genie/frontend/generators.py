@@ -6,6 +6,8 @@ a twin generator per id for this client and re-seeds the twin when the count it 
 `g.manual_seed(s)` followed by draws gives the same numbers every time, as on CUDA. A generator
 the program drops (its C++ object destroyed: Python wrappers of one generator come and go) is
 dropped on the daemon too, with the next op that draws from a generator on the same device.
+`g.get_state()` / `g.set_state(s)` read or set the twin's state in program order (the C++
+generator calls genie.frontend.device's hooks).
 """
 from __future__ import annotations
 
@@ -37,7 +39,12 @@ def encode(generator: torch.Generator, stream) -> protocol.msgpack.ExtType:
     if stream.recording is not None:
         raise GenieError("an op in a genie.graph cannot draw from a torch.Generator (its position would "
                          "be fixed at recording): draw from the default generator, seeded with torch.manual_seed")
-    uid, version, seed = info
+    return encode_fields(*info, stream)
+
+
+def encode_fields(uid: int, version: int, seed: int, stream) -> protocol.msgpack.ExtType:
+    """The wire form of the generator with these fields (generator_info's) for an op queued on
+    `stream` (stream lock held): the daemon then holds its twin there until it is dropped."""
     _homes[uid] = stream
     _dropped.extend(native_guard.generators_dropped())
     if _dropped:

@@ -80,6 +80,7 @@ def load() -> bool:
         lib.genie_generator_info.restype = ctypes.c_int
         lib.genie_generators_dropped.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
         lib.genie_generators_dropped.restype = ctypes.c_int
+        lib.genie_set_generator_state_hooks.argtypes = [ctypes.py_object, ctypes.py_object]
     except Exception as e:  # noqa: BLE001 - any failure: keep the Python guard and say so
         warnings.warn(f"genie: using PyTorch's single-device Python guard for remote_accelerator ({e}); "
                       "autograd and device guards on remote_accelerator:1 and above will not work", RuntimeWarning)
@@ -117,6 +118,13 @@ def generator_info(generator: torch.Generator) -> tuple[int, int, int] | None:
         return None
     uid, version, seed = fields
     return uid, version, seed & 0xFFFF_FFFF_FFFF_FFFF
+
+
+def set_generator_state_hooks(get, set_) -> None:
+    """Python functions behind a remote_accelerator generator's get_state/set_state. The C++ side
+    borrows them: the caller keeps both alive for the life of the process."""
+    if _lib is not None:
+        _lib.genie_set_generator_state_hooks(get, set_)
 
 
 def generators_dropped() -> list[int]:
