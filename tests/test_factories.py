@@ -125,3 +125,21 @@ def test_zeros_ones_full_are_one_op(dev, sent_ops, make):
     assert torch.equal(got.cpu(), want)
     if not want.is_complex():
         assert len(sent_ops) == 1 and sent_ops[0] in ("aten::zeros", "aten::ones", "aten::full")
+
+
+def test_forward_mode_autodiff_and_hessians(dev):
+    """Forward-mode AD makes zero tangents with torch._efficientzerotensor, which had no kernel
+    for the device (torch.func.hessian and jacfwd raised NotImplementedError)."""
+    from torch.func import hessian, jacfwd, jvp
+
+    def f(x):
+        return (x.sin() * x.pow(2)).sum(-1)
+
+    x, v = torch.randn(3, 4), torch.randn(3, 4)
+    torch.testing.assert_close(hessian(lambda z: f(z).sum())(x[0].to(dev)).cpu(), hessian(lambda z: f(z).sum())(x[0]),
+                               atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(jacfwd(f)(x.to(dev)).cpu(), jacfwd(f)(x), atol=1e-5, rtol=1e-4)
+    _, tangent = jvp(f, (x.to(dev),), (v.to(dev),))
+    torch.testing.assert_close(tangent.cpu(), jvp(f, (x,), (v,))[1], atol=1e-5, rtol=1e-4)
+    zeros = torch._efficientzerotensor((2, 3), dtype=torch.float64, device=dev)
+    assert zeros.dtype == torch.float64 and torch.equal(zeros.cpu(), torch.zeros(2, 3, dtype=torch.float64))

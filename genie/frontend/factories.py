@@ -124,6 +124,13 @@ def _dense_factory(name: str, op, fill: bool):
     return kernel
 
 
+def efficient_zero_tensor(size, dtype=None, layout=None, device=None, pin_memory=None):
+    """torch._efficientzerotensor (forward-mode AD's zero tangents: torch.func.hessian, jacfwd).
+    CUDA makes a tensor without memory that reads as zeros; a remote tensor names memory the
+    daemon holds, so this is a zeros tensor there: the same values, at one allocation."""
+    return torch.zeros(size, dtype=dtype, layout=layout, device=device)
+
+
 def empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
     return _new_empty("aten::empty.memory_format", size, None, dtype, device, memory_format)
 
@@ -176,6 +183,7 @@ def register() -> None:
     lib.impl("_copy_from", copy_from, "PrivateUse1")
     lib.impl("_copy_from_and_resize", copy_from_and_resize, "PrivateUse1")
     lib.impl("_local_scalar_dense", local_scalar_dense, "PrivateUse1")
+    lib.impl("_efficientzerotensor", efficient_zero_tensor, "PrivateUse1")
     lib.impl("arange.start_step", arange_start_step, "PrivateUse1")
     lib.impl("arange.start", arange_start_step, "PrivateUse1")
     lib.impl("arange", functools.partial(arange_start_step, 0), "PrivateUse1")
