@@ -35,11 +35,17 @@ def required_alignment(dtype: torch.dtype) -> int:
     return 16 if dtype.is_complex else dtype.itemsize
 
 
+_QUANTIZED = frozenset(getattr(torch, n) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
+                       if hasattr(torch, n))
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     try:
         return DTYPE_NAMES[dtype]
     except KeyError:
-        raise ProtocolError(f"dtype {dtype} cannot be sent over the wire") from None
+        hint = (": quantized tensors are not supported on remote_accelerator (quantize and run quantized "
+                "models on the CPU)" if dtype in _QUANTIZED else "")
+        raise ProtocolError(f"dtype {dtype} cannot be sent over the wire{hint}") from None
 
 
 def parse_dtype(name: object) -> torch.dtype:

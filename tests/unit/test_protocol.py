@@ -140,3 +140,9 @@ def test_large_payloads_split_into_frames_and_join(monkeypatch):
     assert torch.equal(back, t)
     ext = protocol.encode_inline([0, 1, 2, 3], "float32", [10, 100])
     assert roundtrip([ext])[0].frames == (0, 1, 2, 3)
+
+
+def test_quantized_dtypes_are_refused_saying_why():
+    with pytest.raises(ProtocolError, match="quantized tensors are not supported on remote_accelerator"):
+        tensors.dtype_name(torch.qint8)
+    assert tensors.dtype_name(torch.float32)
