@@ -127,9 +127,15 @@ def test_a_state_of_the_wrong_size_fails_and_the_generator_carries_on(dev):
 def test_a_generator_in_a_recorded_graph_is_refused(dev):
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.zeros(4, device=dev)
-    with pytest.raises(genie.GenieError, match="genie.graph cannot draw from a torch.Generator"):
+    with pytest.raises(genie.GenieError, match="genie.graph cannot use a torch.Generator"):
         with genie.graph(genie.Graph()):
             x.add_(torch.rand(4, device=dev, generator=g))
+    state = g.get_state()
+    for call in (g.get_state, lambda: g.set_state(state)):
+        with pytest.raises(RuntimeError, match="genie.graph cannot use a torch.Generator"):
+            with genie.graph(genie.Graph()):
+                x.add_(1)
+                call()
 
 
 def test_dropped_generators_are_dropped_on_the_daemon(dev):

@@ -36,15 +36,15 @@ def encode(generator: torch.Generator, stream) -> protocol.msgpack.ExtType:
                                         "guard, which could not be built here (see the warning at import)")
     if generator.device.index != stream.device.index:
         raise RuntimeError(f"Expected a generator on {stream.device}, but found one on {generator.device}")
-    if stream.recording is not None:
-        raise GenieError("an op in a genie.graph cannot draw from a torch.Generator (its position would "
-                         "be fixed at recording): draw from the default generator, seeded with torch.manual_seed")
     return encode_fields(*info, stream)
 
 
 def encode_fields(uid: int, version: int, seed: int, stream) -> protocol.msgpack.ExtType:
     """The wire form of the generator with these fields (generator_info's) for an op queued on
     `stream` (stream lock held): the daemon then holds its twin there until it is dropped."""
+    if stream.recording is not None:
+        raise GenieError("an op in a genie.graph cannot use a torch.Generator (its position would be "
+                         "fixed at recording): draw from the default generator, seeded with torch.manual_seed")
     _homes[uid] = stream
     _dropped.extend(native_guard.generators_dropped())
     if _dropped:
