@@ -18,8 +18,8 @@ from genie.transport.cuda_ipc import SharedCudaTensor
 from genie.transport.errors import ProtocolError
 from genie.transport.protocol import BulkTensor, DeviceRef, Exec, GeneratorRef, HandleRef, InlineTensor, OpCall
 from genie.transport.hostmem import snapshot
-from genie.transport.tensors import (bytes_as_tensor, check_shape, dense, dense_bytes, dtype_name, frames_to_tensor,
-                                     is_dense, tensor_to_buffer, tensor_to_frames)
+from genie.transport.tensors import (bytes_as_tensor, check_shape, dense, dense_bytes, dtype_name, elements_spanned,
+                                     frames_to_tensor, is_dense, tensor_to_buffer, tensor_to_frames)
 
 from . import attention
 from . import ops as op_table
@@ -92,8 +92,7 @@ def _extent(t: torch.Tensor) -> int:
     """Bytes of storage `t` reaches, from the storage's start."""
     if t.numel() == 0:
         return t.storage_offset() * t.element_size()
-    last = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
-    return (last + 1) * t.element_size()
+    return elements_spanned(t.storage_offset(), t.shape, t.stride()) * t.element_size()
 
 
 def _handle_refs(values, depth: int = 0):
@@ -530,7 +529,7 @@ class Executor:
         dtype, offset, sizes, strides = args[1:]
         storage = source.untyped_storage()
         itemsize = torch.empty((), dtype=dtype).element_size()
-        extent = 0 if 0 in sizes else offset + 1 + sum((n - 1) * st for n, st in zip(sizes, strides))
+        extent = elements_spanned(offset, sizes, strides)
         if offset < 0 or extent * itemsize > storage.nbytes():
             raise ProtocolError(f"{ALIAS_STORAGE_OP}: a view reaching element {extent} of {dtype} lies outside the "
                                 f"{storage.nbytes()}-byte storage")

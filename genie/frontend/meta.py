@@ -20,6 +20,7 @@ import torch
 
 from genie.errors import UnsupportedOperationError
 from genie.transport import layout_contract
+from genie.transport.tensors import elements_spanned
 
 _REMOTE_TYPE = "remote_accelerator"
 META = torch.device("meta")
@@ -114,9 +115,7 @@ class MetaCache:
 
 def meta_like(t: torch.Tensor, storage_nbytes: int) -> torch.Tensor:
     """A meta tensor with t's dtype, shape, stride, offset and storage size."""
-    needed = 0
-    if t.numel() > 0:
-        needed = (t.storage_offset() + sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+    needed = elements_spanned(t.storage_offset(), t.shape, t.stride()) * t.element_size()
     storage = torch.UntypedStorage(max(storage_nbytes, needed), device=META)
     return torch.empty(0, dtype=t.dtype, device=META).set_(storage, t.storage_offset(), t.shape, t.stride())
 

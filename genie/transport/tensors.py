@@ -127,6 +127,14 @@ def check_frames(frame, limit: int) -> list[int]:
     return frames
 
 
+def elements_spanned(offset: int, sizes, strides) -> int:
+    """Elements of storage, from its start, that a view with these offset, sizes and strides
+    reaches (non-negative strides); 0 for a view with no elements."""
+    if 0 in sizes:
+        return 0
+    return offset + 1 + sum((n - 1) * st for n, st in zip(sizes, strides))
+
+
 def check_shape(shape: object) -> tuple[int, ...]:
     if not isinstance(shape, (list, tuple)) or len(shape) > 64:
         raise ProtocolError(f"bad shape {shape!r}")
