@@ -255,42 +255,43 @@ def initial_seed() -> int:
     return _state["initial_seed"]
 
 
-def get_rng_state(device=None) -> torch.Tensor:
-    """This client's generator state on the device (a CPU uint8 tensor), after the ops queued so far."""
-    s = _stream(device)
+def _read_rng_state(s, generator_fields=None) -> torch.Tensor:
+    """The state of this client's generator on stream `s`'s device, or of the twin of the
+    torch.Generator with these (id, seedings, seed), after the ops queued so far."""
     with s.lock:
         handle = s.new_handle()
-    report = s.run_reported([RNG_STATE_OP, [], {}, handle])
+        args = [] if generator_fields is None else [generators.encode_fields(*generator_fields, s)]
+    report = s.run_reported([RNG_STATE_OP, args, {}, handle])
     return capture._from_report(report, s).cpu()
+
+
+def _queue_rng_state(s, state: torch.Tensor, generator_fields=None) -> None:
+    """Queue `state` (a CPU uint8 tensor) for the generator _read_rng_state names, in program order."""
+    with s.lock:
+        args = [] if generator_fields is None else [generators.encode_fields(*generator_fields, s)]
+        s.append([SET_RNG_STATE_OP, capture.encode_call([state], {}, s)[0] + args, {}, None])
+
+
+def get_rng_state(device=None) -> torch.Tensor:
+    """This client's generator state on the device (a CPU uint8 tensor), after the ops queued so far."""
+    return _read_rng_state(_stream(device))
 
 
 def set_rng_state(new_state: torch.Tensor, device=None) -> None:
     """Give this client's generator on the device a state from get_rng_state (queued in order)."""
     if not isinstance(new_state, torch.Tensor) or new_state.dtype != torch.uint8:
         raise TypeError("an RNG state is a uint8 tensor, as get_rng_state returns")
-    s = _stream(device)
-    with s.lock:
-        s.append([SET_RNG_STATE_OP, capture.encode_call([new_state.detach().cpu().contiguous()], {}, s)[0], {}, None])
+    _queue_rng_state(_stream(device), new_state.detach().cpu().contiguous())
 
 
 def _generator_state(uid: int, version: int, seed: int, index: int) -> bytes:
-    """torch.Generator(device="remote_accelerator").get_state(), called by the C++ generator: its
-    twin's state on the daemon, after the ops queued so far."""
-    s = _stream(index)
-    with s.lock:
-        handle = s.new_handle()
-        ref = generators.encode_fields(uid, version, seed, s)
-    report = s.run_reported([RNG_STATE_OP, [ref], {}, handle])
-    return capture._from_report(report, s).cpu().numpy().tobytes()
+    """torch.Generator(device="remote_accelerator").get_state(), called by the C++ generator."""
+    return _read_rng_state(_stream(index), (uid, version, seed)).numpy().tobytes()
 
 
 def _set_generator_state(uid: int, version: int, seed: int, index: int, state: bytes) -> None:
-    """generator.set_state(state), called by the C++ generator: queued in program order."""
-    s = _stream(index)
-    value = torch.frombuffer(bytearray(state), dtype=torch.uint8)
-    with s.lock:
-        ref = generators.encode_fields(uid, version, seed, s)
-        s.append([SET_RNG_STATE_OP, capture.encode_call([value], {}, s)[0] + [ref], {}, None])
+    """generator.set_state(state), called by the C++ generator."""
+    _queue_rng_state(_stream(index), torch.frombuffer(bytearray(state), dtype=torch.uint8), (uid, version, seed))
 
 
 def get_rng_state_all() -> list[torch.Tensor]:
