@@ -4,7 +4,7 @@ the first `torch.autocast("remote_accelerator")`).
 
 Each is compiled with the system C++ compiler against the torch that is actually
 imported (its headers, its libc10, its C++ ABI flag), once, into a cache
-directory keyed by the source and the torch build; loaded with ctypes. Where no
+directory keyed by the source, the torch build and the Python ABI; loaded with ctypes. Where no
 compiler is available, Genie keeps PyTorch's Python guard, which knows a single
 device: multi-device autograd and `set_device` inside guards then do not work,
 and a warning says so; autocast then raises, saying why.
@@ -58,7 +58,9 @@ def _build(source: str, target: str) -> None:
 def _built(source: str) -> ctypes.CDLL:
     """The library built from `source` for this torch (compiled on first use), loaded."""
     with open(source, "rb") as f:
-        key = hashlib.sha256(f.read() + torch.__version__.encode() + sysconfig.get_platform().encode()).hexdigest()[:16]
+        # SOABI: the sources include Python.h (the GIL is taken in C++), whose ABI is per Python version.
+        build = f"{torch.__version__} {sysconfig.get_platform()} {sysconfig.get_config_var('SOABI')}"
+        key = hashlib.sha256(f.read() + build.encode()).hexdigest()[:16]
     stem = os.path.splitext(os.path.basename(source))[0]
     target = os.path.join(_cache_dir(), f"{stem}-{key}.so")
     if not os.path.exists(target):
