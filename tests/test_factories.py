@@ -58,6 +58,27 @@ def test_to_device_roundtrip_keeps_values_and_dtypes(dev):
         assert torch.equal(back, src)
 
 
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+                                   "float8_e8m0fnu"])
+def test_low_precision_floats_travel_and_convert(dev, dtype):
+    """FP8 and MX-scale dtypes: bytes exact both ways, and conversions on the daemon equal the CPU's."""
+    dtype = getattr(torch, dtype)
+    values = torch.tensor([0.5, 1.0, 2.0, 4.0, 0.25, 8.0])
+    src = values.to(dtype)
+    back = src.to(dev).cpu()
+    assert back.dtype == dtype and torch.equal(back.view(torch.uint8), src.view(torch.uint8))
+    assert torch.equal(values.to(dev).to(dtype).cpu().view(torch.uint8), src.view(torch.uint8))
+    assert torch.equal(src.to(dev)[1:4].float().cpu(), src[1:4].float())
+
+
+def test_packed_fp4_travels_as_bytes(dev):
+    src = torch.tensor([0x12, 0x3F, 0xA7, 0x00], dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    remote = src.to(dev)
+    assert remote.dtype == torch.float4_e2m1fn_x2
+    assert torch.equal(torch.cat([remote, remote[:2]]).cpu().view(torch.uint8),
+                       torch.cat([src, src[:2]]).view(torch.uint8))
+
+
 def test_noncontiguous_upload(dev):
     src = torch.arange(12.).reshape(3, 4).t()
     r = src.to(dev)

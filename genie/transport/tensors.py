@@ -20,7 +20,10 @@ DTYPES: dict[str, torch.dtype] = {
     for name in (
         "float32", "float64", "float16", "bfloat16", "complex32", "complex64", "complex128",
         "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool",
-        "float8_e4m3fn", "float8_e5m2",
+        # Low-precision formats (the "fnuz" variants; MX scales and packed FP4 of the MX formats):
+        # only bytes on the wire; which ops they have is up to the daemon's torch, as on CUDA.
+        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+        "float4_e2m1fn_x2",
     )
     if hasattr(torch, name)
 }
