@@ -20,6 +20,17 @@ def test_triggers(dev):
     assert torch.equal(x, x.clone())
 
 
+def test_tensors_needing_grad_print_and_convert_as_torch_does(dev):
+    leaf = torch.tensor([1.0, 2.0], device=dev, requires_grad=True)
+    total = (leaf * 2).sum()
+    assert repr(leaf).endswith("device='remote_accelerator:0', requires_grad=True)")
+    assert repr(total) == "tensor(6., device='remote_accelerator:0', grad_fn=<SumBackward0>)"
+    for t in (leaf, total):  # as on the CPU: detach first, or force
+        with pytest.raises(RuntimeError, match="requires grad"):
+            t.numpy()
+    assert leaf.numpy(force=True).tolist() == [1.0, 2.0] and leaf.detach().numpy().tolist() == [1.0, 2.0]
+
+
 def test_data_dependent_control_flow(dev):
     x = torch.tensor([1.0, 2.0, 3.0], device=dev)
     steps = 0

@@ -150,7 +150,13 @@ class LazyTensor(torch.Tensor):
 
         text = repr(to_cpu(self))
         suffix = f", device='{self.device}'"
-        if self.requires_grad:
+        grad_fn = self.grad_fn
+        if grad_fn is not None:  # as torch prints it: the node that made the tensor, else the flag
+            name = type(grad_fn).__name__
+            if name == "CppFunction":
+                name = grad_fn.name().rsplit("::", 1)[-1]
+            suffix += f", grad_fn=<{name}>"
+        elif self.requires_grad:
             suffix += ", requires_grad=True"
         return text[:-1] + suffix + ")"
 
@@ -162,6 +168,8 @@ class LazyTensor(torch.Tensor):
     def numpy(self, *, force: bool = False):
         from .materialize import to_cpu
 
+        if self.requires_grad and not force:  # torch's own refusal, before anything is fetched
+            raise RuntimeError("Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead.")
         return to_cpu(self).numpy()
 
     def tolist(self):
