@@ -161,6 +161,19 @@ def _schema_names(func) -> tuple:
     return tuple(a.name for a in func._schema.arguments)
 
 
+def _check_in_bounds(t: torch.Tensor) -> None:
+    """Raise as the CPU and CUDA do where a view reaches past its storage: meta kernels do not
+    check (as_strided with too large an offset or strides plans fine on meta tensors), and the
+    daemon's refusal would only surface at the next read."""
+    needed = elements_spanned(t.storage_offset(), t.shape, t.stride()) * t.element_size()
+    available = t.untyped_storage().nbytes()
+    if needed > available:
+        raise RuntimeError(
+            f"setStorage: sizes {list(t.shape)}, strides {list(t.stride())}, storage offset {t.storage_offset()}, "
+            f"and itemsize {t.element_size()} requiring a storage size of {needed} are out of bounds for "
+            f"storage of size {available}")
+
+
 def plan_op(func, args, kwargs, flat_tensors: list[torch.Tensor], storage_sizes: list[int]) -> Plan:
     """Run `func` on meta stand-ins of the arguments and describe its outputs."""
     metas = [meta_like(t, n) for t, n in zip(flat_tensors, storage_sizes)]
@@ -204,6 +217,7 @@ def plan_op(func, args, kwargs, flat_tensors: list[torch.Tensor], storage_sizes:
                 raise NeedsRemoteExecution("op produced a non-meta tensor")
             if o.layout != torch.strided:
                 raise UnsupportedOperationError(func._schema.name, only_strided(o.layout))
+            _check_in_bounds(o)
             return NewTensor(o.dtype, tuple(o.shape), tuple(o.stride()), o.storage_offset(),
                              o.untyped_storage().nbytes())
         if isinstance(o, (list, tuple)):
@@ -213,6 +227,9 @@ def plan_op(func, args, kwargs, flat_tensors: list[torch.Tensor], storage_sizes:
         raise NeedsRemoteExecution("op returns a value that depends on data")
 
     outputs = describe(out)
+    for m, b in zip(metas, before):
+        if (m.shape, m.stride(), m.storage_offset()) != b:
+            _check_in_bounds(m)
     mutations = tuple(
         (i, tuple(m.shape), tuple(m.stride()), m.storage_offset(), m.untyped_storage().nbytes())
         for i, (m, b) in enumerate(zip(metas, before))

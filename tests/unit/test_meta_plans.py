@@ -59,6 +59,25 @@ def test_user_errors_surface_like_eager():
         plan(torch.ops.aten.add.Tensor, torch.ones(2), torch.ones(3))
 
 
+@pytest.mark.parametrize("func, args", [
+    (torch.ops.aten.as_strided.default, ((2, 2), (1, 2), 10)),
+    (torch.ops.aten.as_strided_.default, ((2, 2), (1, 2), 10)),
+    (torch.ops.aten.as_strided.default, ((6,), (1,))),
+], ids=["offset", "in_place", "size"])
+def test_views_past_their_storage_raise_as_the_cpu_does(func, args):
+    """Meta kernels accept these; the CPU and CUDA refuse them at the call, and so must planning."""
+    with pytest.raises(RuntimeError) as cpu:
+        func(torch.ones(5), *args)
+    with pytest.raises(RuntimeError) as planned:
+        plan(func, torch.ones(5), *args)
+    assert str(planned.value) == str(cpu.value)
+
+
+def test_views_within_their_storage_plan_as_before():
+    p = plan(torch.ops.aten.as_strided.default, torch.ones(20)[2:7], (2, 2), (1, 2), 10)
+    assert p.outputs == meta.NewTensor(torch.float32, (2, 2), (1, 2), 10, 80)
+
+
 def test_cache_counts_hits_and_misses():
     cache = meta.MetaCache(maxsize=2)
     p = plan(torch.ops.aten.neg.default, torch.ones(2))
