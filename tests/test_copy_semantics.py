@@ -77,3 +77,19 @@ def test_an_async_read_is_not_changed_by_writes_queued_after_it(dev):
         return wrong
 
     assert asyncio.run(reads()) == 0  # 8-10 of 40 such reads got later values before
+
+
+def test_parameters_upload_as_adopted_frames_and_keep_autograd(dev, sent_ops):
+    """module.to(dev) moves parameters, which require grad: they take the adopt path (the daemon
+    keeps the received bytes as the tensor) like any upload, not an allocation plus a copy there
+    (that path halved model upload throughput). Autograd is recorded above Genie either way."""
+    layer = torch.nn.Linear(512, 512)  # a 1 MiB weight: over the bulk lane; the bias inline
+    expected = [p.detach().clone() for p in layer.parameters()]
+    sent_ops.clear()
+    layer.to(dev)
+    torch.remote_accelerator.synchronize()
+    assert sent_ops.count("genie::adopt") == 2 and "aten::copy_" not in sent_ops, sent_ops
+    assert all(p.requires_grad and torch.equal(p.cpu(), e) for p, e in zip(layer.parameters(), expected))
+    leaf = torch.randn(3, requires_grad=True)
+    (leaf.to(dev) * 2).sum().backward()
+    assert torch.equal(leaf.grad, torch.full((3,), 2.0))

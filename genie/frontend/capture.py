@@ -626,7 +626,7 @@ def _try_adopt(dst: LazyTensor, src: torch.Tensor) -> bool:
     instead (no allocation, no copy on the daemon)."""
     stream = dst._genie.stream
     if (src.device.type not in ("cpu", "cuda") or src.dtype != dst.dtype or src.shape != dst.shape or not dst.is_contiguous()
-            or dst.storage_offset() != 0 or src.requires_grad):
+            or dst.storage_offset() != 0):
         return False
     with stream.lock:
         last = stream.ops[-1] if stream.ops else None
