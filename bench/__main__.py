@@ -23,6 +23,7 @@ RESULTS = results_dir()
 SUITE = {
     "capture_overhead": (["--repeats", "5"], ["--repeats", "3", "--ops", "8000", "--roundtrips", "200"]),
     "transport_throughput": (["--repeats", "3"], ["--repeats", "2", "--max-mb", "64"]),
+    "model_transfer": (["--repeats", "5"], ["--repeats", "2", "--layers", "2"]),
     "end_to_end": (["--repeats", "3"], ["--repeats", "2", "--tokens", "16"]),
     "hf_decode": (["--repeats", "5"], ["--repeats", "2", "--tokens", "16"]),
     "many_clients": ([], ["--clients", "1,4", "--requests", "100"]),
@@ -114,6 +115,10 @@ def summary() -> None:
             if big:
                 worst = min(worse_way(r) for r in big)
                 rows.append((f"{kind} transfer >= 4 MB vs raw socket (target >= 90%)", f"worst {worst * 100:.0f}%"))
+    mt = load("model_transfer")
+    for kind, r in mt.get("results", {}).items():
+        rows.append((f"model.to() of {r['bytes'] / 2**20:.0f} MiB in {r['tensors']} tensors, {kind}, vs raw socket",
+                     f"up {r['up_over_raw'] * 100:.0f}%, down {r['down_over_raw'] * 100:.0f}%"))
     e2e = load("end_to_end")
     if e2e:
         gpt = e2e["gpt"]

@@ -23,6 +23,7 @@ RUNS = {
     "rpc_peer": ["--tokens", "4", "--repeats", "1"],
     "capture_overhead": ["--ops", "400", "--repeats", "1", "--roundtrips", "20"],
     "hf_decode": ["--tokens", "4", "--repeats", "1"],
+    "model_transfer": ["--layers", "1", "--width", "64", "--vocab", "100", "--repeats", "1"],
 }
 
 
