@@ -41,6 +41,7 @@ EVENT_WAIT_OP = "genie::event_wait"
 ADOPT_OP = protocol.ADOPT_OP
 SHARE_CUDA_OP = "genie::share_cuda"  # a resident GPU tensor for a client on this host, by CUDA IPC
 ALIAS_STORAGE_OP = "genie::alias_storage"  # a tensor over one of the client's tensors' storage (torch.load)
+STORAGE_OF_OP = "genie::storage_of"  # a tensor's whole storage as uint8, its address, the tensor's place (torch.save)
 KV_APPEND_OP, KV_GET_OP, KV_CLOSE_OP = "genie::kv_append", "genie::kv_get", "genie::kv_close"
 DEFINE_PROGRAM_OP, REPLAY_OP, DROP_PROGRAM_OP = "genie::define_program", "genie::replay", protocol.DROP_PROGRAM_OP
 
@@ -153,6 +154,7 @@ class Executor:
             ADOPT_OP: self._adopt,
             SHARE_CUDA_OP: lambda c, call, f, d: self._share_cuda(c, call),
             ALIAS_STORAGE_OP: lambda c, call, f, d: self._alias_storage(c, call),
+            STORAGE_OF_OP: lambda c, call, f, d: self._storage_of(c, call),
             KV_APPEND_OP: self._kv, KV_GET_OP: self._kv, KV_CLOSE_OP: self._kv,
             REPLAY_OP: lambda c, call, f, d: self._replay(c, call, d),
             DEFINE_PROGRAM_OP: lambda c, call, f, d: self._define(c, call),
@@ -536,6 +538,23 @@ class Executor:
         tensor = torch.empty(0, dtype=dtype, device=source.device).set_(storage, offset, sizes, strides)
         client.put(call.outs, tensor)
         return tensor
+
+    def _storage_of(self, client: ClientState, call: OpCall):
+        """The whole storage of one of this client's tensors as a 1-D uint8 tensor, stored under
+        the first output handle, reported with the storage's address (the same for every tensor
+        sharing it) and the tensor's storage offset and strides: torch.save of remote tensors
+        writes each storage once and the tensors as views of it, as it does for CPU tensors."""
+        outs = call.outs
+        if (len(call.args) != 1 or not isinstance(call.args[0], HandleRef) or type(outs) is not list
+                or len(outs) != 4 or type(outs[0]) is not int or any(o is not None for o in outs[1:])):
+            raise ProtocolError(f"{STORAGE_OF_OP} takes one handle and outputs [handle, None, None, None]")
+        source = client.get(call.args[0].id)
+        if isinstance(source, Poison):
+            raise _Poisoned(source)
+        storage = source.untyped_storage()
+        whole = torch.empty(0, dtype=torch.uint8, device=source.device).set_(storage, 0, (storage.nbytes(),), (1,))
+        client.put(outs[0], whole)
+        return whole, storage.data_ptr(), source.storage_offset(), list(source.stride())
 
     def _share_cuda(self, client: ClientState, call: OpCall):
         """A snapshot of a resident GPU tensor as a CUDA IPC descriptor (reported), or None when

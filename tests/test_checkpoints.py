@@ -77,3 +77,42 @@ def test_only_loaded_storages_can_back_a_remote_tensor(dev):
     y = torch.arange(12.0).to(dev)
     with pytest.raises(genie.UnsupportedOperationError, match="only at a storage that torch.load placed"):
         torch.empty(0, device=dev).set_(y.untyped_storage(), 0, (3,), (1,))
+
+
+def test_saving_remote_views_keeps_them_views_of_one_storage(dev):
+    """torch.save keeps views (PyTorch's serialization notes): a base and its views saved together
+    load as views of one storage, written once, as from CPU tensors."""
+    base = torch.arange(24.0).reshape(4, 6)
+    local = {"x": base, "col": base[:, 1], "t": base.t(), "tail": base.view(-1)[20:]}
+    remote_base = base.to(dev)
+    remote = {"x": remote_base, "col": remote_base[:, 1], "t": remote_base.t(), "tail": remote_base.view(-1)[20:]}
+    from_cpu, from_remote = _saved(local), _saved(remote)
+    assert len(from_remote.getvalue()) == pytest.approx(len(from_cpu.getvalue()), abs=64)  # one storage
+    for map_location in ("cpu", dev):
+        loaded = torch.load(_saved(remote), map_location=map_location, weights_only=True)
+        for name, value in local.items():
+            got = loaded[name]
+            assert (got.shape, got.stride(), got.storage_offset()) == \
+                (value.shape, value.stride(), value.storage_offset()), name
+            assert torch.equal(got.cpu(), value), name
+        loaded["col"].mul_(-1)  # written through one view, seen through the others
+        assert loaded["x"][:, 1].cpu().tolist() == [-1.0, -7.0, -13.0, -19.0]
+        assert loaded["t"][1].cpu().tolist() == [-1.0, -7.0, -13.0, -19.0]
+
+
+def test_each_save_takes_the_values_of_its_moment(dev):
+    x = torch.zeros(4).to(dev)
+    first = _saved({"x": x, "v": x[1:]})
+    x.add_(1)
+    second = _saved({"x": x, "v": x[1:]})
+    assert torch.load(first, weights_only=True)["v"].tolist() == [0.0, 0.0, 0.0]
+    assert torch.load(second, weights_only=True)["v"].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_saved_remote_tensors_keep_requires_grad(dev):
+    w = torch.nn.Parameter(torch.randn(3).to(dev))
+    leaf = torch.ones(2, device=dev, requires_grad=True)
+    loaded = torch.load(_saved({"w": w, "leaf": leaf, "plain": leaf.detach()}), weights_only=True)
+    assert isinstance(loaded["w"], torch.nn.Parameter) and loaded["w"].requires_grad
+    assert loaded["leaf"].requires_grad and not loaded["plain"].requires_grad
+    assert torch.equal(loaded["w"].detach(), w.detach().cpu())

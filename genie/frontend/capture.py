@@ -617,6 +617,20 @@ def _fetch_by_cuda_ipc(src: LazyTensor, target: torch.device) -> torch.Tensor | 
     return cuda_ipc.client_importer().copy_in(shared, device, wait=True, check_owner=False)
 
 
+STORAGE_OF_OP = "genie::storage_of"
+
+
+def storage_of(t: LazyTensor) -> tuple[LazyTensor, tuple, int, tuple[int, ...]]:
+    """t's whole storage on its daemon as a 1-D uint8 remote tensor, with that storage's identity
+    (equal for every tensor sharing it) and t's place in it, storage offset and strides in
+    elements, as the daemon holds them. One round trip."""
+    stream = t._genie.stream
+    with stream.lock:
+        entry = [STORAGE_OF_OP, [t._genie.wire], {}, [stream.new_handle(), None, None, None]]
+    whole, address, offset, strides = _from_report(stream.run_reported(entry), stream)
+    return whole, (stream.link, address), offset, tuple(strides)
+
+
 ADOPT_OP = protocol.ADOPT_OP
 
 

@@ -7,6 +7,8 @@ naming the real tensor on a daemon. Every ATen op on it reaches
 """
 from __future__ import annotations
 
+import collections
+
 import torch
 
 from genie.runtime.stream import DeviceStream, HandleRef
@@ -182,10 +184,16 @@ class LazyTensor(torch.Tensor):
         return arr.astype(dtype, copy=False) if dtype is not None else arr
 
     def __reduce_ex__(self, protocol):
-        # torch.save / pickling of a remote tensor stores its values, fetched now.
-        from .materialize import to_cpu
+        # torch.save / pickling of a remote tensor stores its values, fetched now, as a CPU tensor
+        # (a checkpoint loads anywhere; map_location puts it back on a device). Tensors sharing a
+        # storage on the daemon share one in the checkpoint, as torch.save keeps views of CPU and
+        # CUDA tensors (see serialization.cpu_for_saving).
+        from .serialization import cpu_for_saving
 
-        return to_cpu(self).__reduce_ex__(protocol)
+        values = cpu_for_saving(self)
+        if getattr(self, "_is_param", False):  # nn.Parameter(remote) is this class marked as one
+            return torch._utils._rebuild_parameter, (values.detach(), self.requires_grad, collections.OrderedDict())
+        return values.__reduce_ex__(protocol)
 
     @property
     def genie_handle(self) -> int:

@@ -13,6 +13,9 @@ the uploaded tensor's handle, goes when torch.load drops its storages.
 """
 from __future__ import annotations
 
+import threading
+import weakref
+
 import torch
 
 NAME = "remote_accelerator"
@@ -37,7 +40,35 @@ def _deserialize(storage, location: str):
 
 
 def _tag(storage):
-    return None  # saving: remote tensors pickle as their CPU values already
+    return None  # saving: remote tensors pickle as CPU tensors (cpu_for_saving)
+
+
+# (daemon link, storage address there) -> the CPU copy of that storage, while something holds it:
+# during a torch.save, its table of storages to write does, so every tensor of that storage
+# saved by the same call becomes a view of one CPU storage, which torch.save writes once.
+# Nothing else keeps these copies, so a later save fetches the storage's values anew.
+_fetched_storages: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_fetch_lock = threading.Lock()
+
+
+def cpu_for_saving(t) -> torch.Tensor:
+    """The CPU tensor a remote tensor pickles as: a view, at t's offset and strides, of a CPU copy
+    of t's whole storage on the daemon. torch.save writes whole storages and restores views of
+    them (PyTorch's serialization notes: "saving and loading tensors preserves views"); a view of
+    a large storage therefore saves all of it, as on CPU and CUDA (save `t.clone()` to save less)."""
+    from .capture import storage_of
+    from .materialize import to_cpu
+
+    with _fetch_lock:
+        whole, key, offset, strides = storage_of(t)
+        storage = _fetched_storages.get(key) if whole.numel() else None
+        if storage is None:
+            storage = to_cpu(whole).untyped_storage()
+            if whole.numel():
+                _fetched_storages[key] = storage
+        del whole  # its handle on the daemon goes with it
+    view = torch.empty(0, dtype=t.dtype).set_(storage, offset, t.shape, strides)
+    return view.requires_grad_(t.requires_grad)  # as torch.save keeps it (a loaded tensor is a leaf)
 
 
 def uploaded(storage: torch.UntypedStorage, device: torch.device):
