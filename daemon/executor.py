@@ -13,7 +13,7 @@ import time
 import msgpack
 import torch
 
-from genie.transport import cuda_ipc, protocol
+from genie.transport import cuda_ipc, numerics, protocol
 from genie.transport.cuda_ipc import SharedCudaTensor
 from genie.transport.errors import ProtocolError
 from genie.transport.protocol import BulkTensor, DeviceRef, Exec, GeneratorRef, HandleRef, InlineTensor, OpCall
@@ -125,6 +125,8 @@ class Executor:
         self.cuda_ipc_offered = False  # set by the server: clients on this host may take GPU tensors by handle
         self._warm_ops: set[str] = set()  # op names run on a GPU before (see quick_to_start)
         self.bulk = bulk  # BulkListener, or None when the daemon offers no bulk lanes
+        # The numerics settings in force in this process (set per request: see numerics).
+        self._numerics = numerics.read() if numerics.AVAILABLE else None
         self.mailbox = mailbox
         self.send_to_peer = send_to_peer
         self.transfer_timeout = transfer_timeout
@@ -184,6 +186,15 @@ class Executor:
         self._unlanded = None
         if self._importer is not None:
             self._importer.release_finished()  # clients' memory whose copy here is done
+        if request.ops and self._numerics is not None:
+            wanted = request.numerics or numerics.DEFAULT
+            if wanted != self._numerics:
+                try:
+                    numerics.apply(wanted)
+                except BaseException:  # PyTorch refused one: the request fails with its reason
+                    self._numerics = numerics.read()  # what is in force now, part-applied or not
+                    raise
+                self._numerics = wanted
         try:
             # No autograd on a daemon (clients record it): inference mode skips its dispatch and
             # version-counter work on every op (traced step of the demo GPT: min 423 -> 367 us).

@@ -172,3 +172,12 @@ def test_storage_of_reports_a_tensors_storage_and_place_in_it(sock, args, outs, 
         assert re.search(expected, error_text(ok, body)), body
     (rid, ok, body), _ = call(sock, [protocol.pack(["ping", 79, {}])])
     assert rid == 79 and ok
+
+
+@pytest.mark.parametrize("settings", ["tf32", [], [True] * 17, ["fast"] + [True] * 16])
+def test_malformed_numerics_settings_get_an_error_and_the_daemon_carries_on(sock, settings):
+    ops = [op("aten::zeros", [[4]], 1, {"dtype": protocol.encode_dtype(torch.float32)})]
+    (rid, ok, body), _ = call(sock, [protocol.pack(["exec", 13, {"ops": ops, "fetch": [1], "num": settings}])])
+    assert rid == 13 and "numerics" in error_text(ok, body)
+    (rid, ok, body), _ = call(sock, [protocol.pack(["exec", 14, {"ops": ops, "fetch": [1]}])])
+    assert rid == 14 and ok and "error" not in str(body["fetched"][0])

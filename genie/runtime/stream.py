@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from genie.errors import GenieConnectionError, RemoteExecutionError
-from genie.transport import protocol
+from genie.transport import numerics, protocol
 from genie.transport.channel import RemoteError
 from genie.transport.bulk import tensor_bytes
 from genie.transport.errors import ProtocolError
@@ -235,6 +235,10 @@ class DeviceStream:
             frees.append(self.frees.popleft())
         body = {"dev": self.local_index, "stream": self.batch_stream, "ops": self.ops, "frees": frees,
                 "fetch": fetch, "report": report}
+        if self.ops:
+            settings = numerics.current()  # TF32, deterministic algorithms...: as this process has them now
+            if settings is not None:
+                body["num"] = settings
         lane = self.link.bulk_lane
         if fetch and lane is not None and not lane.closed and (largest is None or largest >= self.link.bulk_min_bytes):
             body["bulk_min"] = self.link.bulk_min_bytes

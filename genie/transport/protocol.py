@@ -8,8 +8,9 @@ Client -> daemon header: ``[kind, request_id, body]``
   hello  {}                                   -> {version, devices: [{name, type, total_memory, flops}]}
   hello  {} -> also {bulk: ["tcp", port] | ["unix", path]} when the daemon offers a bulk lane (see `bulk`)
   hello  {} -> also {cuda_ipc: {host, uid, gpus}} when it accepts CUDA IPC handles (see `cuda_ipc`)
-  exec   {dev, stream, ops, frees, fetch, report, bulk_min?, wait?} -> {fetched: [...], report: value | None, time: [t0, t1]}
-         (wait: true says the client is blocked on this reply, so an idle daemon may run it at once)
+  exec   {dev, stream, ops, frees, fetch, report, bulk_min?, wait?, num?} -> {fetched: [...], report: value | None, time: [t0, t1]}
+         (wait: true says the client is blocked on this reply, so an idle daemon may run it at once;
+         num: the numerics settings its ops run under, absent for PyTorch's defaults: see `numerics`)
   event  {query: [ids]} | {elapsed: [a, b]}    -> {done: [bool]} | {ms}  (answered without waiting)
   stats  {dev}                                -> {allocated, reserved, peak, handles, clients}
   ping   {}                                   -> {}
@@ -60,7 +61,7 @@ from typing import Any
 import msgpack
 import torch
 
-from . import cuda_ipc
+from . import cuda_ipc, numerics
 from .errors import ProtocolError
 from .tensors import check_frames, check_shape, parse_dtype
 
@@ -358,6 +359,7 @@ class Exec:
     # (transfer id, segment, bytes) of uploads named here instead of on the bulk lane: in the
     # client's shared segments, still being copied in (see bulk.Lane.send's `records`).
     segments: tuple = ()
+    numerics: list | None = None  # the client's numerics settings (see numerics); None: PyTorch's defaults
 
 
 _GOOD_NAMES: set[str] = set()  # op names already seen to be well formed (bounded below)
@@ -429,7 +431,9 @@ def parse_exec(body: dict) -> Exec:
                 for r in segments):
             raise ProtocolError("segments must be a list of [transfer id, segment, bytes]")
         segments = tuple(tuple(r) for r in segments)
+    settings = body.get("num")
     return Exec(
+        numerics=None if settings is None else numerics.parse(settings),
         segments=segments,
         waited=waited,
         bulk_min=bulk_min,

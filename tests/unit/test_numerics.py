@@ -1,0 +1,51 @@
+"""The numerics settings' wire form: read, checked, applied (no sockets)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from genie.transport import numerics
+from genie.transport.errors import ProtocolError
+
+pytestmark = pytest.mark.skipif(not numerics.AVAILABLE, reason="this PyTorch cannot report its numerics settings")
+
+
+@pytest.fixture
+def restore_defaults():
+    yield
+    numerics.apply(numerics.DEFAULT)
+    assert numerics.current() is None
+
+
+def test_defaults_travel_as_nothing(restore_defaults):
+    assert numerics.read() == numerics.DEFAULT
+    assert numerics.current() is None
+
+
+def test_what_a_program_sets_is_read_and_applied_back(restore_defaults):
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.benchmark = True
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    settings = numerics.current()
+    assert settings is not None and numerics.parse(settings) == settings
+    named = dict(zip(numerics.FIELDS, settings))
+    assert named["fp32_precision_cuda_matmul"] == "tf32" and named["cudnn_benchmark"]
+    assert named["deterministic_algorithms"] and named["deterministic_warn_only"]
+    assert named["cublas_bf16_reduction"][0] is False
+    numerics.apply(numerics.DEFAULT)
+    assert torch.get_float32_matmul_precision() == "highest" and not torch.are_deterministic_algorithms_enabled()
+    numerics.apply(settings)
+    assert numerics.read() == settings
+
+
+@pytest.mark.parametrize("bad", [
+    None, "tf32", [], numerics.DEFAULT[:-1], numerics.DEFAULT + [True],
+    ["fast", *numerics.DEFAULT[1:]],
+    [*numerics.DEFAULT[:7], [True], *numerics.DEFAULT[8:]],
+    [*numerics.DEFAULT[:7], [True, 1], *numerics.DEFAULT[8:]],
+    [*numerics.DEFAULT[:-1], 1],
+])
+def test_malformed_settings_are_refused(bad):
+    with pytest.raises(ProtocolError, match="numerics"):
+        numerics.parse(bad)
