@@ -150,3 +150,25 @@ def test_a_graph_replays_on_the_gpu(gpu_daemon):
         g.replay()
         torch.testing.assert_close(y.cpu(), torch.tanh(x.cpu() @ w.cpu()) + 1, rtol=1e-4, atol=1e-4)
     assert _daemon_stats()["program_segments"]["traced"] >= 1
+
+
+@pytest.mark.parametrize("precision", ["high", "highest"])
+def test_the_programs_tf32_setting_governs_its_matmuls_on_the_gpu(gpu_daemon, precision):
+    """TF32 where the program allows it: the daemon's matmul equals this process's own on its GPU,
+    and on GPUs with TF32 (Ampere and later) differs from the other precision's."""
+    from genie.transport import numerics
+
+    torch.manual_seed(0)
+    a, b = torch.randn(512, 1024), torch.randn(1024, 256)
+    try:
+        torch.set_float32_matmul_precision(precision)
+        remote = (a.to("remote_accelerator:0") @ b.to("remote_accelerator:0")).cpu()
+        local = (a.cuda() @ b.cuda()).cpu()
+        torch.set_float32_matmul_precision("highest" if precision == "high" else "high")
+        other = (a.to("remote_accelerator:0") @ b.to("remote_accelerator:0")).cpu()
+    finally:
+        numerics.apply(numerics.DEFAULT)
+    # TF32 rounds each product to 10 mantissa bits: over 1,024 terms ~0.02 off FP32 per element.
+    torch.testing.assert_close(remote, local, rtol=1e-4, atol=1e-3)
+    if torch.cuda.get_device_capability()[0] >= 8:
+        assert (remote - other).abs().max() > 1e-2
