@@ -56,6 +56,7 @@ def _choice(name: str, allowed: tuple[str, ...], default: str) -> str:
 class Config:
     server_url: str | None
     connect_timeout: float
+    connect_refused_timeout: float  # fail a connect refused this long in a row (see transport.reachability)
     request_timeout: float
     batch_ops: int
     batch_bytes: int
@@ -85,6 +86,7 @@ def load() -> Config:
     return Config(
         server_url=os.environ.get("GENIE_SERVER_URL") or None,
         connect_timeout=_float("GENIE_CONNECT_TIMEOUT", 60.0),
+        connect_refused_timeout=_float("GENIE_CONNECT_REFUSED_TIMEOUT", 10.0),
         request_timeout=_float("GENIE_REQUEST_TIMEOUT", 600.0),
         batch_ops=int(_float("GENIE_BATCH_OPS", 32)),
         batch_bytes=int(_float("GENIE_BATCH_BYTES", 8 << 20)),

@@ -80,7 +80,7 @@ def quick_connect(monkeypatch):
     import dataclasses
 
     rt = genie.get_runtime()
-    monkeypatch.setattr(rt, "config", dataclasses.replace(rt.config, connect_timeout=1.0))
+    monkeypatch.setattr(rt, "config", dataclasses.replace(rt.config, connect_timeout=1.0, connect_refused_timeout=0.5))
 
 
 def _free_port() -> int:
@@ -93,9 +93,6 @@ def _free_port() -> int:
 
 @pytest.mark.timeout(60)
 def test_a_connect_timeout_says_whether_anything_was_listening(quick_connect):
-    endpoint = f"tcp://127.0.0.1:{_free_port()}"
-    with pytest.raises(genie.GenieConnectionError, match="no connection could be made"):
-        genie.init(endpoint)
     ctx = zmq.Context()
     silent = ctx.socket(zmq.ROUTER)  # accepts the connection, never answers
     try:
@@ -105,3 +102,50 @@ def test_a_connect_timeout_says_whether_anything_was_listening(quick_connect):
     finally:
         silent.close(linger=0)
         ctx.term()
+
+
+@pytest.fixture
+def patient_connect(monkeypatch):
+    """A long connect timeout and a short one for refusals: refusals must not wait out the first."""
+    import dataclasses
+
+    rt = genie.get_runtime()
+    monkeypatch.setattr(rt, "config", dataclasses.replace(rt.config, connect_timeout=30.0, connect_refused_timeout=0.5))
+    monkeypatch.setattr(rt, "_unreachable_since", float("-inf"))
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_connection_fails_in_seconds_naming_the_cause(patient_connect, tmp_path):
+    for endpoint, cause in ((f"tcp://127.0.0.1:{_free_port()}", "Connection refused"),
+                            (f"ipc://{tmp_path}/no-daemon.sock", "no such socket file")):
+        started = time.monotonic()
+        with pytest.raises(genie.GenieConnectionError, match=f"nothing listens at {endpoint} .*{cause}"):
+            genie.init(endpoint)
+        assert time.monotonic() - started < 10  # not the 30 s connect timeout
+    with pytest.raises(genie.GenieConnectionError, match="cannot resolve the host"):
+        genie.init("tcp://no-such-host.invalid:5555")
+
+
+@pytest.mark.timeout(60)
+def test_device_count_after_a_failed_connect_answers_at_once(patient_connect, monkeypatch):
+    import dataclasses
+
+    import torch
+
+    rt = genie.get_runtime()
+    genie.shutdown()
+    monkeypatch.setattr(rt, "config", dataclasses.replace(rt.config, server_url=f"tcp://127.0.0.1:{_free_port()}"))
+    assert torch.remote_accelerator.device_count() == 0  # tried, and failed after the refusal timeout
+    started = time.monotonic()
+    assert not torch.remote_accelerator.is_available() and torch.remote_accelerator.device_count() == 0
+    assert time.monotonic() - started < 0.5
+
+
+def test_endpoints_are_read_for_the_plain_connection_attempt():
+    from genie.transport.reachability import parse
+
+    assert parse("tcp://127.0.0.1:5555") == ("tcp", ("127.0.0.1", 5555))
+    assert parse("tcp://[::1]:5555") == ("tcp", ("::1", 5555))
+    assert parse("tcp://eth0;gpu1:5555") == ("tcp", ("gpu1", 5555))
+    assert parse("ipc:///tmp/genie.sock") == ("ipc", "/tmp/genie.sock")
+    assert parse("ipc://@abstract") is None and parse("inproc://x") is None and parse("tcp://host") is None

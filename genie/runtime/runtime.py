@@ -12,6 +12,7 @@ import collections
 import concurrent.futures
 import itertools
 import logging
+import math
 import os
 import socket
 import threading
@@ -22,7 +23,7 @@ import zmq.asyncio
 
 from genie import config as config_module
 from genie.errors import GenieConnectionError, GenieError
-from genie.transport import bulk, cuda_ipc, protocol, stream_framing, ucx_lane
+from genie.transport import bulk, cuda_ipc, protocol, reachability, stream_framing, ucx_lane
 from genie.transport.channel import Channel, ChannelClosed, RemoteError
 from genie.transport.hostmem import HostBufferPool
 
@@ -126,8 +127,18 @@ class DaemonLink:
         self.channel.on_disconnect = self.lose
         await self.channel.open()
         start = time.perf_counter()
+        hello = asyncio.ensure_future(self.channel.post("hello", {"version": protocol.VERSION}))
+        # Beside it, a plain connection attempt: a refusal says at once what ZeroMQ's silent retries
+        # would only let the timeout say (nothing listens there).
+        watch = asyncio.ensure_future(reachability.wait_until_refused(
+            self.endpoint, min(self.runtime.config.connect_refused_timeout, timeout)))
         try:
-            reply = await asyncio.wait_for(self.channel.post("hello", {"version": protocol.VERSION}), timeout)
+            done, _ = await asyncio.wait({hello, watch}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if watch in done and watch.exception() is not None:
+                hello.cancel()
+                await self.channel.close()
+                raise GenieConnectionError(str(watch.exception())) from None
+            reply = await asyncio.wait_for(hello, max(0.0, timeout - (time.perf_counter() - start)))
         except asyncio.TimeoutError:
             await self.channel.close()
             why = ("the connection was made, but nothing answered on it" if self.channel.connected else
@@ -137,6 +148,8 @@ class DaemonLink:
         except RemoteError as e:
             await self.channel.close()
             raise GenieConnectionError(f"genie-daemon at {self.endpoint} refused hello: {e}") from None
+        finally:
+            watch.cancel()
         self.measured_rtt_s = time.perf_counter() - start
         if reply.body.get("version") != protocol.VERSION:
             await self.channel.close()
@@ -606,6 +619,7 @@ class Runtime:
         self._started = False
         self.current_device = 0
         self._atexit_registered = False
+        self._unreachable_since = -math.inf  # when device_count last found no daemon (monotonic clock)
         self.on_start: list = []  # callbacks run after each (re)connection, e.g. to replay a seed
         self.warm_ups: list = []  # work for the wait while daemons start or connect (e.g. imports)
         self.host_pool = HostBufferPool(self.config.host_pool_bytes)  # receive buffers of bulk downloads
@@ -729,10 +743,15 @@ class Runtime:
         return self.streams[index]
 
     def device_count(self) -> int:
+        # device_count never throws, like torch.cuda.device_count; and after a failed connect it
+        # answers 0 at once for a while, so that `is_available()` checks do not each wait it out.
+        if not self._started and time.monotonic() - self._unreachable_since < self.config.connect_timeout:
+            return 0
         try:
             self.ensure_started()
-        except Exception as e:  # device_count never throws, like torch.cuda.device_count
+        except Exception as e:
             log.warning("no remote devices reachable: %s", e)
+            self._unreachable_since = time.monotonic()
             return 0
         return len(self.streams)
 
