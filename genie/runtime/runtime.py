@@ -134,7 +134,7 @@ class DaemonLink:
             self.endpoint, min(self.runtime.config.connect_refused_timeout, timeout)))
         try:
             done, _ = await asyncio.wait({hello, watch}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-            if watch in done and watch.exception() is not None:
+            if watch in done and isinstance(watch.exception(), reachability.Unreachable):
                 hello.cancel()
                 await self.channel.close()
                 raise GenieConnectionError(str(watch.exception())) from None
@@ -150,6 +150,8 @@ class DaemonLink:
             raise GenieConnectionError(f"genie-daemon at {self.endpoint} refused hello: {e}") from None
         finally:
             watch.cancel()
+            if watch.done() and not watch.cancelled() and watch.exception() is not None:
+                log.debug("reachability watch of %s: %s", self.endpoint, watch.exception())  # read: never "unretrieved"
         self.measured_rtt_s = time.perf_counter() - start
         if reply.body.get("version") != protocol.VERSION:
             await self.channel.close()
