@@ -7,7 +7,9 @@ A failing op poisons its outputs and the tensors it writes (see `handles`).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
+import secrets
 import time
 
 import msgpack
@@ -41,7 +43,7 @@ EVENT_WAIT_OP = "genie::event_wait"
 ADOPT_OP = protocol.ADOPT_OP
 SHARE_CUDA_OP = "genie::share_cuda"  # a resident GPU tensor for a client on this host, by CUDA IPC
 ALIAS_STORAGE_OP = "genie::alias_storage"  # a tensor over one of the client's tensors' storage (torch.load)
-STORAGE_OF_OP = "genie::storage_of"  # a tensor's whole storage as uint8, its address, the tensor's place (torch.save)
+STORAGE_OF_OP = "genie::storage_of"  # a tensor's whole storage as uint8, its name, the tensor's place (torch.save)
 KV_APPEND_OP, KV_GET_OP, KV_CLOSE_OP = "genie::kv_append", "genie::kv_get", "genie::kv_close"
 DEFINE_PROGRAM_OP, REPLAY_OP, DROP_PROGRAM_OP = "genie::define_program", "genie::replay", protocol.DROP_PROGRAM_OP
 
@@ -125,6 +127,9 @@ class Executor:
         self.cuda_ipc_offered = False  # set by the server: clients on this host may take GPU tensors by handle
         self._warm_ops: set[str] = set()  # op names run on a GPU before (see quick_to_start)
         self.bulk = bulk  # BulkListener, or None when the daemon offers no bulk lanes
+        # Storages are named to clients by a keyed hash of their address: equal for tensors sharing
+        # one, and no daemon memory address leaves the process.
+        self._storage_name_key = secrets.token_bytes(16)
         # The numerics settings in force in this process (set per request: see numerics).
         self._numerics = numerics.read() if numerics.AVAILABLE else None
         self.mailbox = mailbox
@@ -552,9 +557,9 @@ class Executor:
 
     def _storage_of(self, client: ClientState, call: OpCall):
         """The whole storage of one of this client's tensors as a 1-D uint8 tensor, stored under
-        the first output handle, reported with the storage's address (the same for every tensor
-        sharing it) and the tensor's storage offset and strides: torch.save of remote tensors
-        writes each storage once and the tensors as views of it, as it does for CPU tensors."""
+        the first output handle, reported with the storage's name (the same for every tensor
+        sharing it; not its address) and the tensor's storage offset and strides: torch.save of
+        remote tensors writes each storage once and the tensors as views of it, as for CPU tensors."""
         outs = call.outs
         if (len(call.args) != 1 or not isinstance(call.args[0], HandleRef) or type(outs) is not list
                 or len(outs) != 4 or type(outs[0]) is not int or any(o is not None for o in outs[1:])):
@@ -565,7 +570,9 @@ class Executor:
         storage = source.untyped_storage()
         whole = torch.empty(0, dtype=torch.uint8, device=source.device).set_(storage, 0, (storage.nbytes(),), (1,))
         client.put(outs[0], whole)
-        return whole, storage.data_ptr(), source.storage_offset(), list(source.stride())
+        name = hashlib.blake2b(f"{source.device}:{storage.data_ptr()}".encode(), key=self._storage_name_key,
+                               digest_size=8).digest()
+        return whole, int.from_bytes(name, "little") >> 1, source.storage_offset(), list(source.stride())
 
     def _share_cuda(self, client: ClientState, call: OpCall):
         """A snapshot of a resident GPU tensor as a CUDA IPC descriptor (reported), or None when

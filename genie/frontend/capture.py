@@ -661,8 +661,8 @@ def storage_of(t: LazyTensor) -> tuple[LazyTensor, tuple, int, tuple[int, ...]]:
     stream = t._genie.stream
     with stream.lock:
         entry = [STORAGE_OF_OP, [t._genie.wire], {}, [stream.new_handle(), None, None, None]]
-    whole, address, offset, strides = _from_report(stream.run_reported(entry), stream)
-    return whole, (stream.link, address), offset, tuple(strides)
+    whole, name, offset, strides = _from_report(stream.run_reported(entry), stream)
+    return whole, (stream.link, name), offset, tuple(strides)
 
 
 ADOPT_OP = protocol.ADOPT_OP

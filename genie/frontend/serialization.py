@@ -43,7 +43,7 @@ def _tag(storage):
     return None  # saving: remote tensors pickle as CPU tensors (cpu_for_saving)
 
 
-# (daemon link, storage address there) -> the CPU copy of that storage, while something holds it:
+# (daemon link, the storage's name there) -> the CPU copy of that storage, while something holds it:
 # during a torch.save, its table of storages to write does, so every tensor of that storage
 # saved by the same call becomes a view of one CPU storage, which torch.save writes once.
 # Nothing else keeps these copies, so a later save fetches the storage's values anew.

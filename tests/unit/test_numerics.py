@@ -24,10 +24,12 @@ def test_defaults_travel_as_nothing(restore_defaults):
 
 def test_what_a_program_sets_is_read_and_applied_back(restore_defaults):
     torch.set_float32_matmul_precision("high")
-    torch.backends.cudnn.benchmark = True
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-    settings = numerics.current()
+    # The context manager, as PyTorch's test utilities (imported by other tests here) forbid
+    # setting cuDNN flags directly (torch.backends.disable_global_flags).
+    with torch.backends.cudnn.flags(enabled=True, benchmark=True, deterministic=False, allow_tf32=True):
+        settings = numerics.current()
     assert settings is not None and numerics.parse(settings) == settings
     named = dict(zip(numerics.FIELDS, settings))
     assert named["fp32_precision_cuda_matmul"] == "tf32" and named["cudnn_benchmark"]
