@@ -558,12 +558,13 @@ class Executor:
     def _storage_of(self, client: ClientState, call: OpCall):
         """The whole storage of one of this client's tensors as a 1-D uint8 tensor, stored under
         the first output handle, reported with the storage's name (the same for every tensor
-        sharing it; not its address) and the tensor's storage offset and strides: torch.save of
-        remote tensors writes each storage once and the tensors as views of it, as for CPU tensors."""
+        sharing it; not its address), the tensor's storage offset and strides, and its conjugate
+        and negative bits: torch.save of remote tensors writes each storage once and the tensors
+        as views of it, as for CPU tensors."""
         outs = call.outs
         if (len(call.args) != 1 or not isinstance(call.args[0], HandleRef) or type(outs) is not list
-                or len(outs) != 4 or type(outs[0]) is not int or any(o is not None for o in outs[1:])):
-            raise ProtocolError(f"{STORAGE_OF_OP} takes one handle and outputs [handle, None, None, None]")
+                or len(outs) != 5 or type(outs[0]) is not int or any(o is not None for o in outs[1:])):
+            raise ProtocolError(f"{STORAGE_OF_OP} takes one handle and outputs [handle, None, None, None, None]")
         source = client.get(call.args[0].id)
         if isinstance(source, Poison):
             raise _Poisoned(source)
@@ -572,7 +573,9 @@ class Executor:
         client.put(outs[0], whole)
         name = hashlib.blake2b(f"{source.device}:{storage.data_ptr()}".encode(), key=self._storage_name_key,
                                digest_size=8).digest()
-        return whole, int.from_bytes(name, "little") >> 1, source.storage_offset(), list(source.stride())
+        # A conjugate or negative view's storage holds the unconjugated, unnegated values: its bits too.
+        bits = [source.is_conj(), source.is_neg()]
+        return whole, int.from_bytes(name, "little") >> 1, source.storage_offset(), list(source.stride()), bits
 
     def _share_cuda(self, client: ClientState, call: OpCall):
         """A snapshot of a resident GPU tensor as a CUDA IPC descriptor (reported), or None when

@@ -116,3 +116,12 @@ def test_saved_remote_tensors_keep_requires_grad(dev):
     assert isinstance(loaded["w"], torch.nn.Parameter) and loaded["w"].requires_grad
     assert loaded["leaf"].requires_grad and not loaded["plain"].requires_grad
     assert torch.equal(loaded["w"].detach(), w.detach().cpu())
+
+
+def test_saved_conjugate_and_negative_views_keep_their_values(dev):
+    x = torch.complex(torch.arange(3.0), torch.ones(3))
+    remote = x.to(dev)
+    loaded = torch.load(_saved({"conj": remote.conj(), "neg": torch._neg_view(remote), "x": remote}), weights_only=True)
+    assert torch.equal(loaded["conj"].resolve_conj(), x.conj().resolve_conj())
+    assert torch.equal(loaded["neg"].resolve_neg(), -x)
+    assert torch.equal(loaded["x"], x)

@@ -145,12 +145,13 @@ def test_alias_storage_stays_inside_the_clients_own_storage(sock, offset, sizes,
 
 
 @pytest.mark.parametrize("args, outs, expected", [
-    ([protocol.encode_handle(1)], [2, None, None, None], None),
-    ([protocol.encode_handle(9)], [2, None, None, None], "9"),  # not this client's handle
+    ([protocol.encode_handle(1)], [2, None, None, None, None], None),
+    ([protocol.encode_handle(9)], [2, None, None, None, None], "9"),  # not this client's handle
     ([protocol.encode_handle(1)], 2, "takes one handle"),
-    ([protocol.encode_handle(1)], [2, 3, None, None], "takes one handle"),
-    ([1], [2, None, None, None], "takes one handle"),
-    ([], [2, None, None, None], "takes one handle"),
+    ([protocol.encode_handle(1)], [2, 3, None, None, None], "takes one handle"),
+    ([protocol.encode_handle(1)], [2, None, None, None], "takes one handle"),
+    ([1], [2, None, None, None, None], "takes one handle"),
+    ([], [2, None, None, None, None], "takes one handle"),
 ])
 def test_storage_of_reports_a_tensors_storage_and_place_in_it(sock, args, outs, expected):
     """genie::storage_of (torch.save of remote tensors) names the whole storage of one of the
@@ -163,9 +164,9 @@ def test_storage_of_reports_a_tensors_storage_and_place_in_it(sock, args, outs, 
     (rid, ok, body), _ = call(sock, [protocol.pack(["exec", 11, {"ops": ops, "report": True}])])
     if expected is None:
         assert ok, body
-        whole, address, offset, strides = body["report"]
-        assert whole["tensor"][1:] == ["uint8", [48], [1], 0, 48] and address != 0
-        assert (offset, strides) == (1, [1, 4])
+        whole, name, offset, strides, bits = body["report"]
+        assert whole["tensor"][1:] == ["uint8", [48], [1], 0, 48] and name != 0
+        assert (offset, strides, bits) == (1, [1, 4], [False, False])
         (_, ok, body), _ = call(sock, [protocol.pack(["exec", 12, {"fetch": [2]}])])
         assert ok and body["fetched"][0][2] == [48]
     else:

@@ -654,15 +654,15 @@ def _fetch_by_cuda_ipc(src: LazyTensor, target: torch.device) -> torch.Tensor | 
 STORAGE_OF_OP = "genie::storage_of"
 
 
-def storage_of(t: LazyTensor) -> tuple[LazyTensor, tuple, int, tuple[int, ...]]:
+def storage_of(t: LazyTensor) -> tuple[LazyTensor, tuple, int, tuple[int, ...], tuple[bool, bool]]:
     """t's whole storage on its daemon as a 1-D uint8 remote tensor, with that storage's identity
-    (equal for every tensor sharing it) and t's place in it, storage offset and strides in
-    elements, as the daemon holds them. One round trip."""
+    (equal for every tensor sharing it), t's place in it (storage offset and strides in elements)
+    and whether t is a conjugate / negative view of it, as the daemon holds them. One round trip."""
     stream = t._genie.stream
     with stream.lock:
-        entry = [STORAGE_OF_OP, [t._genie.wire], {}, [stream.new_handle(), None, None, None]]
-    whole, name, offset, strides = _from_report(stream.run_reported(entry), stream)
-    return whole, (stream.link, name), offset, tuple(strides)
+        entry = [STORAGE_OF_OP, [t._genie.wire], {}, [stream.new_handle(), None, None, None, None]]
+    whole, name, offset, strides, (conj, neg) = _from_report(stream.run_reported(entry), stream)
+    return whole, (stream.link, name), offset, tuple(strides), (bool(conj), bool(neg))
 
 
 ADOPT_OP = protocol.ADOPT_OP

@@ -60,7 +60,7 @@ def cpu_for_saving(t) -> torch.Tensor:
     from .materialize import to_cpu
 
     with _fetch_lock:
-        whole, key, offset, strides = storage_of(t)
+        whole, key, offset, strides, (conj, neg) = storage_of(t)
         storage = _fetched_storages.get(key) if whole.numel() else None
         if storage is None:
             storage = to_cpu(whole).untyped_storage()
@@ -68,6 +68,10 @@ def cpu_for_saving(t) -> torch.Tensor:
                 _fetched_storages[key] = storage
         del whole  # its handle on the daemon goes with it
     view = torch.empty(0, dtype=t.dtype).set_(storage, offset, t.shape, strides)
+    if conj:  # the storage holds the values unconjugated: a conjugate view of them, as torch.save keeps one
+        view = view.conj()
+    if neg:
+        view = torch._neg_view(view)
     return view.requires_grad_(t.requires_grad)  # as torch.save keeps it (a loaded tensor is a leaf)
 
 
