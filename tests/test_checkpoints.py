@@ -125,3 +125,16 @@ def test_saved_conjugate_and_negative_views_keep_their_values(dev):
     assert torch.equal(loaded["conj"].resolve_conj(), x.conj().resolve_conj())
     assert torch.equal(loaded["neg"].resolve_neg(), -x)
     assert torch.equal(loaded["x"], x)
+
+
+def test_conjugate_and_negative_views_load_onto_the_device_with_their_values(dev):
+    x = torch.complex(torch.arange(3.0), torch.ones(3))
+    checkpoint = {"conj": x.conj(), "neg": torch._neg_view(x), "x": x, "tail": x[1:].conj()}
+    loaded = torch.load(_saved(checkpoint), map_location=dev, weights_only=True)
+    for name, value in checkpoint.items():
+        want = value.resolve_conj().resolve_neg()
+        assert torch.equal(loaded[name].cpu(), want), name
+        assert torch.equal((loaded[name] * 1).cpu(), want), name  # ops see the view too
+    loaded["x"].mul_(2)  # still one storage on the daemon
+    assert torch.equal(loaded["conj"].cpu(), (2 * x).conj().resolve_conj())
+    assert torch.equal(loaded["tail"].cpu(), (2 * x[1:]).conj().resolve_conj())

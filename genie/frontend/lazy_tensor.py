@@ -17,6 +17,7 @@ from genie.runtime.stream import DeviceStream, HandleRef
 _NO_KWARGS: dict = {}
 _TENSOR_DATA = torch._C.TensorBase.__dict__["data"]  # Tensor.data's C getter and setter
 _UNTYPED_STORAGE = torch._C.TensorBase.untyped_storage
+_BACKWARD_HOOKS = torch._C.TensorBase.__dict__["_backward_hooks"]  # its C getter and setter
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 
@@ -120,6 +121,29 @@ class LazyTensor(torch.Tensor):
             alias = torch.Tensor.detach(new)  # a new handle on the daemon, sharing new's storage
         _TENSOR_DATA.__set__(self, alias)
         self._genie = alias._genie
+
+    @property
+    def _backward_hooks(self):
+        return _BACKWARD_HOOKS.__get__(self)
+
+    @_backward_hooks.setter
+    def _backward_hooks(self, hooks) -> None:
+        _BACKWARD_HOOKS.__set__(self, hooks)
+        # torch.load's rebuild (_rebuild_tensor_v2) gives a checkpoint's conjugate or negative view
+        # its bit with torch._C._set_tensor_metadata, on this wrapper only (no dispatch reaches
+        # Genie: reads and ops on the daemon's tensor then ignored it, measured), and sets this
+        # attribute next: the moment to make the daemon's tensor that view instead.
+        if torch.Tensor.is_conj(self) or torch.Tensor.is_neg(self):
+            self._view_bits_to_daemon()
+
+    def _view_bits_to_daemon(self) -> None:
+        conj, neg = torch.Tensor.is_conj(self), torch.Tensor.is_neg(self)
+        torch._C._set_conj(self, False)
+        torch._C._set_neg(self, False)
+        with torch.no_grad():
+            view = torch.ops.aten._conj.default(self) if conj else self
+            view = torch.ops.aten._neg_view.default(view) if neg else view
+        self._genie = view._genie  # as `t.data = new`: this wrapper now names the view
 
     def untyped_storage(self):
         # A wrapper's storage has no memory, and PyTorch refuses its data_ptr(). Libraries read it
