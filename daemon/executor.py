@@ -111,6 +111,14 @@ class _Poisoned(Exception):
         self.poison = poison
 
 
+def _held(client: ClientState, ref: HandleRef) -> torch.Tensor:
+    """The tensor the client holds under `ref`; raises if that handle is poisoned (KeyError if unknown)."""
+    found = client.get(ref.id)
+    if isinstance(found, Poison):
+        raise _Poisoned(found)
+    return found
+
+
 class OutOfMemoryError(RuntimeError):
     """An op would take the daemon past its memory limit."""
 
@@ -541,9 +549,7 @@ class Executor:
                 or type(args[2]) is not int or not _dims(args[3]) or not _dims(args[4])
                 or len(args[3]) != len(args[4]) or type(call.outs) is not int):
             raise ProtocolError(f"{ALIAS_STORAGE_OP} takes [handle, dtype, offset, sizes, strides] and one output handle")
-        source = client.get(args[0].id)
-        if isinstance(source, Poison):
-            raise _Poisoned(source)
+        source = _held(client, args[0])
         dtype, offset, sizes, strides = args[1:]
         storage = source.untyped_storage()
         itemsize = torch.empty((), dtype=dtype).element_size()
@@ -565,9 +571,7 @@ class Executor:
         if (len(call.args) != 1 or not isinstance(call.args[0], HandleRef) or type(outs) is not list
                 or len(outs) != 5 or type(outs[0]) is not int or any(o is not None for o in outs[1:])):
             raise ProtocolError(f"{STORAGE_OF_OP} takes one handle and outputs [handle, None, None, None, None]")
-        source = client.get(call.args[0].id)
-        if isinstance(source, Poison):
-            raise _Poisoned(source)
+        source = _held(client, call.args[0])
         storage = source.untyped_storage()
         whole = torch.empty(0, dtype=torch.uint8, device=source.device).set_(storage, 0, (storage.nbytes(),), (1,))
         client.put(outs[0], whole)
@@ -582,9 +586,7 @@ class Executor:
         it cannot go that way (the client then fetches its bytes)."""
         if len(call.args) != 1 or not isinstance(call.args[0], HandleRef):
             raise ProtocolError(f"{SHARE_CUDA_OP} takes one handle")
-        found = client.get(call.args[0].id)
-        if isinstance(found, Poison):
-            raise _Poisoned(found)
+        found = _held(client, call.args[0])
         if not self.cuda_ipc_offered or found.device.type != "cuda":
             return None
         return protocol.encode_cuda_ipc(cuda_ipc.describe(found))
@@ -595,9 +597,7 @@ class Executor:
 
         if len(call.args) != 3 or not isinstance(call.args[0], HandleRef) or not isinstance(call.args[1], str):
             raise ProtocolError(f"{SEND_OP} takes [handle, peer endpoint, transfer id]")
-        found = client.get(call.args[0].id)
-        if isinstance(found, Poison):
-            raise _Poisoned(found)
+        found = _held(client, call.args[0])
         self.send_to_peer(call.args[1], check_transfer_id(call.args[2]), found)
         return None
 
@@ -625,10 +625,7 @@ class Executor:
         if type(value) in _PLAIN:
             return value
         if isinstance(value, HandleRef):
-            found = client.get(value.id)
-            if isinstance(found, Poison):
-                raise _Poisoned(found)
-            return found
+            return _held(client, value)
         if isinstance(value, list):
             if depth >= protocol.MAX_NESTING:
                 raise ProtocolError("arguments nested too deeply")

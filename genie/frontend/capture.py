@@ -293,10 +293,7 @@ def _capture_hot(func, args: tuple):
 
     The walk stays inline here, not in a helper: one function on the hottest path is what
     keeps capture near 2x the floor (a shared walk helper measured 7-15% slower per op)."""
-    key, wire, seen, stream = [], [], None, None
-    blind = _scalar_blind.get(id(func))
-    if blind is None:
-        blind = _blind_to_scalars(func)
+    key, wire, seen, stream, blind = [], [], None, None, None
     for a in args:
         t = type(a)
         if t is LazyTensor:
@@ -318,6 +315,10 @@ def _capture_hot(func, args: tuple):
                 key.append((True, i, ref.meta_key))
             wire.append(ref.wire)
         elif t is float or t is bool or (t is int and _INT64_MIN <= a <= _UINT64_MAX):
+            if blind is None:  # looked up only for ops given numbers
+                blind = _scalar_blind.get(id(func))
+                if blind is None:
+                    blind = _blind_to_scalars(func)
             key.append((t,) if blind else (t, a))
             wire.append(a)
         elif a is None:

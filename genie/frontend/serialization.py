@@ -61,10 +61,10 @@ def cpu_for_saving(t) -> torch.Tensor:
 
     with _fetch_lock:
         whole, key, offset, strides, (conj, neg) = storage_of(t)
-        storage = _fetched_storages.get(key) if whole.numel() else None
+        storage = _fetched_storages.get(key)  # never an empty one: those all share one name
         if storage is None:
             storage = to_cpu(whole).untyped_storage()
-            if whole.numel():
+            if storage.nbytes():
                 _fetched_storages[key] = storage
         del whole  # its handle on the daemon goes with it
     view = torch.empty(0, dtype=t.dtype).set_(storage, offset, t.shape, strides)
