@@ -26,7 +26,7 @@ from genie.transport.tensors import (bytes_as_tensor, check_shape, dense, dense_
 from . import attention
 from . import ops as op_table
 from . import layouts, programs, rnn_cells
-from .handles import ClientState, Poison
+from .handles import MAX_COPY_MEMOS, ClientState, Poison
 from .memory_guard import is_allocation_failure
 
 log = logging.getLogger("genie.daemon")
@@ -44,6 +44,7 @@ ADOPT_OP = protocol.ADOPT_OP
 SHARE_CUDA_OP = "genie::share_cuda"  # a resident GPU tensor for a client on this host, by CUDA IPC
 ALIAS_STORAGE_OP = "genie::alias_storage"  # a tensor over one of the client's tensors' storage (torch.load)
 STORAGE_OF_OP = "genie::storage_of"  # a tensor's whole storage as uint8, its name, the tensor's place (torch.save)
+COPY_STORAGE_OP = "genie::copy_storage"  # a tensor in a copy of its storage, one copy per storage per memo (deepcopy)
 KV_APPEND_OP, KV_GET_OP, KV_CLOSE_OP = "genie::kv_append", "genie::kv_get", "genie::kv_close"
 DEFINE_PROGRAM_OP, REPLAY_OP, DROP_PROGRAM_OP = "genie::define_program", "genie::replay", protocol.DROP_PROGRAM_OP
 
@@ -170,6 +171,7 @@ class Executor:
             SHARE_CUDA_OP: lambda c, call, f, d: self._share_cuda(c, call),
             ALIAS_STORAGE_OP: lambda c, call, f, d: self._alias_storage(c, call),
             STORAGE_OF_OP: lambda c, call, f, d: self._storage_of(c, call),
+            COPY_STORAGE_OP: self._copy_storage,
             KV_APPEND_OP: self._kv, KV_GET_OP: self._kv, KV_CLOSE_OP: self._kv,
             REPLAY_OP: lambda c, call, f, d: self._replay(c, call, d),
             DEFINE_PROGRAM_OP: lambda c, call, f, d: self._define(c, call),
@@ -580,6 +582,42 @@ class Executor:
         # A conjugate or negative view's storage holds the unconjugated, unnegated values: its bits too.
         bits = [source.is_conj(), source.is_neg()]
         return whole, int.from_bytes(name, "little") >> 1, source.storage_offset(), list(source.stride()), bits
+
+    def _copy_storage(self, client: ClientState, call: OpCall, frames: list, device: torch.device):
+        """copy.deepcopy of one of this client's tensors, as PyTorch copies a CPU one: the same
+        view (offset, sizes, strides) of a copy of its whole storage, stored under the output
+        handle. The second argument names the copy's memo (a handle the client frees when its
+        deepcopy is over): tensors sharing a storage share one copy of it within one memo, so
+        views of one another stay views of one another in the copy."""
+        args = call.args
+        if (len(args) != 2 or not isinstance(args[0], HandleRef) or not isinstance(args[1], HandleRef)
+                or type(call.outs) is not int):
+            raise ProtocolError(f"{COPY_STORAGE_OP} takes [handle, memo handle] and one output handle")
+        source = _held(client, args[0])
+        memo = client.copy_memos.get(args[1].id)
+        if memo is None:
+            if args[1].id in client.tensors:
+                raise ProtocolError(f"{COPY_STORAGE_OP}: handle {args[1].id} names a tensor, not a copy memo")
+            if len(client.copy_memos) >= MAX_COPY_MEMOS:
+                raise ProtocolError(f"a client may keep at most {MAX_COPY_MEMOS} copy memos at once; free some")
+            memo = client.copy_memos[args[1].id] = {}
+        storage = source.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        copied = memo.get(key)
+        if copied is None:
+            # The source storage is kept with its copy: its address names it while the memo lives.
+            copied = memo[key] = (storage, storage.clone())
+        copy = torch.empty(0, dtype=source.dtype, device=source.device).set_(
+            copied[1], source.storage_offset(), source.shape, source.stride())
+        # A conjugate or negative view's storage holds the values unconjugated, unnegated: the
+        # copy is the same view of the copy (torch makes a plain tensor of the same values there).
+        if source.is_conj():
+            copy = torch._conj(copy)
+        if source.is_neg():
+            copy = torch._neg_view(copy)
+        client.put(call.outs, copy)
+        self._enforce_limit(client, call)
+        return copy
 
     def _share_cuda(self, client: ClientState, call: OpCall):
         """A snapshot of a resident GPU tensor as a CUDA IPC descriptor (reported), or None when

@@ -15,6 +15,7 @@ import torch
 from genie.transport.errors import ProtocolError
 
 MAX_OWN_GENERATORS = 4096  # torch.Generators one client may draw from at once (each has a twin here)
+MAX_COPY_MEMOS = 256  # copy.deepcopy calls of one client whose memo is not freed yet (nested ones included)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +79,9 @@ class ClientState:
         self.last_seen = time.monotonic()
         self.programs: dict = {}  # program id -> executor.Program (recorded genie.graph blocks)
         self.program_handles: dict[int, list] = {}  # handle a program writes -> those programs
+        # memo handle -> {(storage address, bytes): (that storage, its copy)}: one copy.deepcopy's
+        # copies of storages (executor._copy_storage), until the client frees the memo handle.
+        self.copy_memos: dict[int, dict] = {}
 
     def get(self, handle: int) -> torch.Tensor | Poison:
         try:
@@ -100,6 +104,8 @@ class ClientState:
 
     def free(self, handle: int) -> None:
         self.tensors.pop(handle, None)
+        if self.copy_memos:
+            self.copy_memos.pop(handle, None)
         if self.persistent:
             self.persistent.discard(handle)
         key = self._keys.pop(handle, None)
@@ -115,6 +121,7 @@ class ClientState:
     def free_all(self) -> None:
         for handle in list(self.tensors):
             self.free(handle)
+        self.copy_memos.clear()
         self.programs.clear()
         self.program_handles.clear()
 

@@ -641,6 +641,7 @@ class DaemonServer:
             "handles": sum(len(c.tensors) for c in self.clients.values()),
             "persistent_handles": sum(len(c.persistent) for c in self.clients.values()),
             "generators": sum(len(c.own_generators) for c in self.clients.values()),
+            "copy_memos": sum(len(c.copy_memos) for c in self.clients.values()),
             "clients": len(self.clients),
             "mailbox_bytes": self.mailbox.bytes,
             "parked_requests": sum(len(q) for q in self._parked.values()),

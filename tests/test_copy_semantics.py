@@ -6,6 +6,7 @@ source is left as it was (its storage still resizable). Reads: a value read asyn
 the tensor's at the read, whatever later requests write into it while the answer is leaving."""
 import asyncio
 
+import pytest
 import torch
 
 import genie
@@ -93,3 +94,64 @@ def test_parameters_upload_as_adopted_frames_and_keep_autograd(dev, sent_ops):
     leaf = torch.randn(3, requires_grad=True)
     (leaf.to(dev) * 2).sum().backward()
     assert torch.equal(leaf.grad, torch.full((3,), 2.0))
+
+
+def _deepcopies_on(device):
+    import copy
+
+    x = torch.arange(6.0).reshape(2, 3).to(device)
+    x.tag = {"step": 3}
+    z = torch.tensor([1 + 2j, 3 - 1j]).to(device)
+    w = torch.ones(2, device=device, requires_grad=True)
+    (w * 3).sum().backward()
+    c = copy.deepcopy({"x": x, "row": x[1], "col": x[:, 2], "zc": z.conj(), "zn": torch._neg_view(z), "w": w})
+    c["row"].fill_(7)  # a write through one copied view shows in the copies of the others
+    return x, c
+
+
+def test_deepcopy_keeps_views_bits_grads_and_attributes_as_on_cpu(dev):
+    """copy.deepcopy of remote tensors copies as PyTorch does: views of one storage stay views of
+    one copy of it (each became its own tensor before), conjugate and negative views keep their
+    values, a leaf's grad and attributes are copied, the originals are untouched."""
+    x_cpu, want = _deepcopies_on("cpu")
+    x, got = _deepcopies_on(dev)
+    for key in ("x", "row", "col", "zc", "zn"):
+        assert torch.equal(got[key].cpu(), want[key]), key
+        assert (got[key].stride(), got[key].storage_offset()) == (want[key].stride(), want[key].storage_offset()), key
+    assert torch.equal(x.cpu(), x_cpu) and x_cpu[1, 0] == 3
+    assert got["x"].tag == {"step": 3} and got["x"].tag is not x.tag
+    assert got["w"].requires_grad and got["w"].is_leaf and torch.equal(got["w"].grad.cpu(), torch.full((2,), 3.0))
+
+
+def test_deepcopy_refuses_non_leaves_and_copies_parameters_as_torch_does(dev):
+    import copy
+
+    w = torch.ones(2, device=dev, requires_grad=True)
+    with pytest.raises(RuntimeError, match="graph leaves"):
+        copy.deepcopy(w * 2)
+    m = torch.nn.Linear(2, 2).to(dev)
+    m.weight.grad = torch.ones(2, 2, device=dev)
+    c = copy.deepcopy(m)  # nn.Parameter.__deepcopy__: a clone of the data, no grad
+    assert isinstance(c.weight, torch.nn.Parameter) and c.weight.requires_grad and c.weight.grad is None
+    assert torch.equal(c.weight.detach().cpu(), m.weight.detach().cpu())
+
+
+def test_a_deepcopys_storage_copies_are_let_go_on_the_daemon(dev):
+    import copy
+    import gc
+
+    from genie.runtime import get_runtime
+
+    link = get_runtime().stream(0).link
+
+    def memos():
+        get_runtime().stream(0).synchronize()
+        return link.request("stats", {"dev": 0}).body["copy_memos"]
+
+    before = memos()
+    x = torch.arange(8.0, device=dev)
+    for _ in range(5):
+        c = copy.deepcopy([x, x[2:]])
+        assert torch.equal(c[1].cpu(), torch.arange(2.0, 8.0))
+    gc.collect()
+    assert memos() == before

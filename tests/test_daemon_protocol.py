@@ -175,6 +175,38 @@ def test_storage_of_reports_a_tensors_storage_and_place_in_it(sock, args, outs, 
     assert rid == 79 and ok
 
 
+@pytest.mark.parametrize("args, outs, expected", [
+    ([protocol.encode_handle(1), protocol.encode_handle(50)], 2, None),
+    ([protocol.encode_handle(9), protocol.encode_handle(50)], 2, "9"),  # not this client's handle
+    ([protocol.encode_handle(1), protocol.encode_handle(0)], 2, "names a tensor"),
+    ([protocol.encode_handle(1), 50], 2, "takes \\[handle, memo handle\\]"),
+    ([protocol.encode_handle(1)], 2, "takes \\[handle, memo handle\\]"),
+    ([protocol.encode_handle(1), protocol.encode_handle(50)], [2], "one output handle"),
+])
+def test_copy_storage_copies_a_tensors_storage_once_per_memo(sock, args, outs, expected):
+    """genie::copy_storage (copy.deepcopy) copies one of the client's own tensors into a copy of
+    its storage kept per memo handle; anything else is refused and the daemon carries on."""
+    import re
+
+    ops = [op("aten::arange", [12], 0, {"dtype": protocol.encode_dtype(torch.float32)}),
+           op("aten::as_strided", [protocol.encode_handle(0), [2, 3], [1, 4], 1], 1),
+           op("genie::copy_storage", args, outs)]
+    (rid, ok, body), _ = call(sock, [protocol.pack(["exec", 15, {"ops": ops, "fetch": [2]}])])
+    if expected is None:
+        assert ok, body
+        assert body["fetched"][0][1:3] == ["float32", [2, 3]]
+        # The same memo: a second view of that storage lands in the same copy of it.
+        ops = [op("genie::copy_storage", [protocol.encode_handle(0), protocol.encode_handle(50)], 3),
+               op("aten::fill_.Scalar", [protocol.encode_handle(3), 7.0], None)]
+        (_, ok, body), frames = call(sock, [protocol.pack(["exec", 16, {"ops": ops, "fetch": [2], "frees": [50]}])])
+        assert ok, body
+        assert torch.frombuffer(bytearray(frames[0]), dtype=torch.float32).tolist() == [7.0] * 6
+    else:
+        assert re.search(expected, error_text(ok, body)), body
+    (rid, ok, body), _ = call(sock, [protocol.pack(["ping", 80, {}])])
+    assert rid == 80 and ok
+
+
 @pytest.mark.parametrize("settings", ["tf32", [], [True] * 17, ["fast"] + [True] * 16])
 def test_malformed_numerics_settings_get_an_error_and_the_daemon_carries_on(sock, settings):
     ops = [op("aten::zeros", [[4]], 1, {"dtype": protocol.encode_dtype(torch.float32)})]

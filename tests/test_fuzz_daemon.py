@@ -53,7 +53,8 @@ KNOWN_OP_NAMES = st.sampled_from([
         "aten::_unsafe_index.Tensor", "aten::nope.default", "aten::add.nope", "prims::add.default",
         "os::system", "genie::recv", "genie::send", "genie::adopt", "genie::kv_append", "genie::kv_get",
         "genie::kv_close", "genie::manual_seed", "genie::event_record", "genie::event_wait",
-        "genie::mark_persistent", "genie::define_program", "genie::replay", "genie::drop_program"])
+        "genie::mark_persistent", "genie::define_program", "genie::replay", "genie::drop_program",
+        "genie::storage_of", "genie::alias_storage", "genie::copy_storage"])
 OP_NAMES = st.one_of(KNOWN_OP_NAMES, st.text(max_size=24))
 
 
@@ -211,7 +212,7 @@ class RawClient:
 
 def _held(stats: dict) -> dict:
     return {k: stats[k] for k in ("resident", "handles", "persistent_handles", "mailbox_bytes", "parked_requests",
-                                  "kv_sessions", "kv_bytes")}
+                                  "kv_sessions", "kv_bytes", "copy_memos")}
 
 
 def test_daemon_survives_10k_hostile_messages_and_returns_to_baseline(fuzz_daemon):

@@ -17,7 +17,7 @@ import torch
 from genie import config as config_module
 from genie.errors import GenieConnectionError, UnsupportedOperationError
 from genie.runtime import get_runtime
-from genie.runtime.stream import thread_streams
+from genie.runtime.stream import HandleRef, thread_streams
 from genie.transport import cuda_ipc, protocol
 from genie.transport.hostmem import snapshot
 from genie.transport.tensors import DTYPE_NAMES, is_dense, parse_dtype, tensor_to_frames
@@ -664,6 +664,30 @@ def storage_of(t: LazyTensor) -> tuple[LazyTensor, tuple, int, tuple[int, ...], 
         entry = [STORAGE_OF_OP, [t._genie.wire], {}, [stream.new_handle(), None, None, None, None]]
     whole, name, offset, strides, (conj, neg) = _from_report(stream.run_reported(entry), stream)
     return whole, (stream.link, name), offset, tuple(strides), (bool(conj), bool(neg))
+
+
+COPY_STORAGE_OP = "genie::copy_storage"
+_COPY_MEMOS = "genie copy memos"  # the key of this module's entry in a copy.deepcopy memo (its keys are ints)
+
+
+def copy_in_storage_copy(t: LazyTensor, memo: dict) -> LazyTensor:
+    """The copy of `t` copy.deepcopy makes of a CPU tensor: the same view of a copy of t's whole
+    storage, which the daemon makes once per storage for the deepcopy whose `memo` this is, so
+    copied views of one storage stay views of one another. Queued, no round trip; the memo's
+    handle on the daemon goes when the memo does (the end of the deepcopy)."""
+    stream = t._genie.stream
+    memos = memo.get(_COPY_MEMOS)
+    if memos is None:
+        memos = memo[_COPY_MEMOS] = {}
+    with stream.lock:
+        stream._not_while_recording("copy.deepcopy")
+        memo_ref = memos.get(stream)
+        if memo_ref is None:
+            memo_ref = memos[stream] = HandleRef(stream, stream.new_handle(), 0)
+        h = stream.new_handle()
+        out = LazyTensor(stream, h, t.shape, t.stride(), t.storage_offset(), t.dtype, t._genie.storage_nbytes)
+        stream.append([COPY_STORAGE_OP, [t._genie.wire, memo_ref.wire], {}, h])
+    return out
 
 
 ADOPT_OP = protocol.ADOPT_OP

@@ -8,6 +8,7 @@ naming the real tensor on a daemon. Every ATen op on it reaches
 from __future__ import annotations
 
 import collections
+import copy
 
 import torch
 
@@ -157,15 +158,32 @@ class LazyTensor(torch.Tensor):
         return storage
 
     def __deepcopy__(self, memo):
-        # A copy is a new remote tensor made by the daemon, never a copy of the handle.
+        # As PyTorch copies a tensor (Tensor.__deepcopy__, nn.Parameter.__deepcopy__), with the
+        # copies made by the daemon: a Parameter is a clone of its data; any other tensor a view
+        # of a copy of its storage shared by the deepcopy's copies of views of that storage,
+        # with its grad and attributes copied too.
         if id(self) in memo:
             return memo[id(self)]
-        with torch.no_grad():
-            new = self.clone()
-        if getattr(self, "_is_param", False):
-            new = torch.nn.Parameter(new, requires_grad=self.requires_grad)
-        else:
-            new.requires_grad_(self.requires_grad)
+        if getattr(self, "_is_param", False):  # nn.Parameter(remote) is this class marked as one
+            with torch.no_grad():
+                new = torch.nn.Parameter(self.clone(), requires_grad=self.requires_grad)
+            memo[id(self)] = new
+            return new
+        if not self.is_leaf:  # torch's refusal, word for word
+            raise RuntimeError(
+                "Only Tensors created explicitly by the user (graph leaves) support the deepcopy protocol at the "
+                "moment.  If you were attempting to deepcopy a module, this may be because of a "
+                "torch.nn.utils.weight_norm usage, see https://github.com/pytorch/pytorch/pull/103001")
+        from .capture import copy_in_storage_copy
+
+        new = copy_in_storage_copy(self, memo)
+        if self.requires_grad:
+            new.requires_grad_()
+        if self.grad is not None:
+            new.grad = copy.deepcopy(self.grad, memo)
+        state = {k: v for k, v in self.__dict__.items() if k != "_genie"}
+        if state:
+            new.__dict__.update(copy.deepcopy(state, memo))
         memo[id(self)] = new
         return new
 
