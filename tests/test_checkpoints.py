@@ -138,3 +138,21 @@ def test_conjugate_and_negative_views_load_onto_the_device_with_their_values(dev
     loaded["x"].mul_(2)  # still one storage on the daemon
     assert torch.equal(loaded["conj"].cpu(), (2 * x).conj().resolve_conj())
     assert torch.equal(loaded["tail"].cpu(), (2 * x[1:]).conj().resolve_conj())
+
+
+def test_saved_remote_tensors_keep_their_attributes(dev):
+    """Attributes set on a tensor or parameter are saved with it, as torch.save keeps them on CPU
+    (they were dropped from remote ones)."""
+    import pickle
+
+    t = torch.arange(3.0, device=dev)
+    t.tag = {"step": 3}
+    p = torch.nn.Parameter(torch.ones(2, device=dev))
+    p.note = "frozen"
+    buffer = io.BytesIO()
+    torch.save({"t": t, "p": p}, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer)
+    assert loaded["t"].tag == {"step": 3} and torch.equal(loaded["t"], torch.arange(3.0))
+    assert isinstance(loaded["p"], torch.nn.Parameter) and loaded["p"].note == "frozen" and loaded["p"].requires_grad
+    assert pickle.loads(pickle.dumps(t)).tag == {"step": 3}

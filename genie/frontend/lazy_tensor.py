@@ -233,8 +233,15 @@ class LazyTensor(torch.Tensor):
         from .serialization import cpu_for_saving
 
         values = cpu_for_saving(self)
+        # Attributes set on the tensor are saved with it, as torch.save keeps them.
+        state = {k: v for k, v in self.__dict__.items() if k != "_genie" and k != "_is_param"}
         if getattr(self, "_is_param", False):  # nn.Parameter(remote) is this class marked as one
+            if state:
+                return torch._utils._rebuild_parameter_with_state, (
+                    values.detach(), self.requires_grad, collections.OrderedDict(), state)
             return torch._utils._rebuild_parameter, (values.detach(), self.requires_grad, collections.OrderedDict())
+        if state:
+            values.__dict__.update(state)
         return values.__reduce_ex__(protocol)
 
     @property
