@@ -1,15 +1,18 @@
 """Backend coverage the way PyTorch measures one: PyTorch's OpInfo database on remote_accelerator.
 
-For every OpInfo whose results are deterministic, every float32 sample input is
-run on the CPU and on `remote_accelerator:0`, and the results are compared with
+For every OpInfo whose results are deterministic, every float32 (or `--dtype`) sample
+input is run on the CPU and on `remote_accelerator:0`, and the results are compared with
 `torch.testing.assert_close`. Prints the pass rate and the failing ops.
 
 With `--layout channels_last` every 4-D (5-D) tensor of a sample is made channels-last
 (channels-last-3d) first, with `--layout permuted` every tensor of 2 or more dimensions gets
 its dimensions' order in memory reversed (same values, column-major strides): the sweep then
 also shows ops whose planned layout disagrees with the CPU kernels' for such inputs.
+With `--layout conj_view` every complex tensor is passed as a conjugate view of the same values
+(`t.conj_physical().conj()`, made on each side, as PyTorch's own tests of math views do), with
+`--layout neg_view` every floating tensor as a negative view (`torch._neg_view(-t)`).
 
-    python -m bench.opinfo_sweep [--ops add,mul] [--json out.json] [--max-samples N] [--layout L]
+    python -m bench.opinfo_sweep [--ops add,mul] [--json out.json] [--max-samples N] [--layout L] [--dtype D]
 """
 from __future__ import annotations
 
@@ -97,7 +100,18 @@ def _permuted(t: torch.Tensor) -> torch.Tensor:
     return t.permute(order).contiguous().permute(order)  # same shape and values, memory order reversed
 
 
-LAYOUTS = {"as_given": None, "channels_last": _channels_last, "permuted": _permuted}
+def _conj_view(t: torch.Tensor) -> torch.Tensor:
+    return t.conj_physical().conj() if t.is_complex() and t.layout == torch.strided else t
+
+
+def _neg_view(t: torch.Tensor) -> torch.Tensor:
+    return torch._neg_view(-t) if (t.is_floating_point() or t.is_complex()) and t.layout == torch.strided else t
+
+
+LAYOUTS = {"as_given": None, "channels_last": _channels_last, "permuted": _permuted,
+           "conj_view": _conj_view, "neg_view": _neg_view}
+# Views whose bits a copy to the device resolves: made again there, from the copied values.
+DEVICE_VIEWS = {"conj_view": _conj_view, "neg_view": _neg_view}
 
 
 def laid_out(sample, layout: str) -> tuple[tuple, dict]:
@@ -109,17 +123,22 @@ def laid_out(sample, layout: str) -> tuple[tuple, dict]:
     return (pytree.tree_map_only(torch.Tensor, change, args), pytree.tree_map_only(torch.Tensor, change, kwargs))
 
 
-def run_sample(op, args: tuple, kwargs: dict, dev) -> bool:
+def run_sample(op, args: tuple, kwargs: dict, dev, layout: str = "as_given") -> bool:
     """Checks the remote result's values against the CPU's; returns whether its layout differs."""
     expected = op(*args, **kwargs)
-    remote = op(*to_device(args, dev), **to_device(kwargs, dev))
+    remote_args, remote_kwargs = to_device(args, dev), to_device(kwargs, dev)
+    view = DEVICE_VIEWS.get(layout)
+    if view is not None:
+        remote_args = pytree.tree_map_only(torch.Tensor, view, remote_args)
+        remote_kwargs = pytree.tree_map_only(torch.Tensor, view, remote_kwargs)
+    remote = op(*remote_args, **remote_kwargs)
     differs = layout_differs(expected, remote)
     torch.testing.assert_close(to_cpu(remote), expected, equal_nan=True, check_device=False)
     return differs
 
 
 def sweep(only: set[str] | None = None, max_samples: int | None = None, dev: str = "remote_accelerator:0",
-          verbose: bool = False, layout: str = "as_given") -> dict:
+          verbose: bool = False, layout: str = "as_given", dtype: torch.dtype = torch.float32) -> dict:
     from torch.testing._internal.common_methods_invocations import op_db
 
     passed = failed = skipped = 0
@@ -130,10 +149,10 @@ def sweep(only: set[str] | None = None, max_samples: int | None = None, dev: str
     for opinfo in op_db:
         if only and opinfo.name not in only:
             continue
-        if not is_deterministic(opinfo) or torch.float32 not in opinfo.supported_dtypes("cpu"):
+        if not is_deterministic(opinfo) or dtype not in opinfo.supported_dtypes("cpu"):
             continue
         try:
-            samples = list(opinfo.sample_inputs("cpu", torch.float32))
+            samples = list(opinfo.sample_inputs("cpu", dtype))
         except Exception:
             continue
         if max_samples:
@@ -154,7 +173,7 @@ def sweep(only: set[str] | None = None, max_samples: int | None = None, dev: str
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    if run_sample(opinfo.op, args, kwargs, dev):
+                    if run_sample(opinfo.op, args, kwargs, dev, layout):
                         layouts[opinfo.name] += 1
                 passed += 1
                 counts[0] += 1
@@ -184,14 +203,18 @@ def main(argv=None) -> int:
     p.add_argument("--verbose", action="store_true")
     p.add_argument("--layout", choices=sorted(LAYOUTS), default="as_given",
                    help="lay the samples' tensors out this way first")
+    p.add_argument("--dtype", default="float32", help="the samples' dtype (a torch dtype name: complex64, ...)")
     p.add_argument("--strict-layouts", action="store_true",
                    help="exit with status 1 when the daemon holds any result otherwise than planned")
     args = p.parse_args(argv)
     only = {o for o in args.ops.split(",") if o} or None
-    result = sweep(only, args.max_samples, verbose=args.verbose, layout=args.layout)
+    dtype = getattr(torch, args.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        p.error(f"not a torch dtype: {args.dtype}")
+    result = sweep(only, args.max_samples, verbose=args.verbose, layout=args.layout, dtype=dtype)
     for name, msgs in sorted(result["failures"].items()):
         print(f"  {name}: {msgs[0]}")
-    print(f"OpInfo float32 samples: {result['passed']} passed, {result['failed']} failed "
+    print(f"OpInfo {args.dtype} samples ({args.layout}): {result['passed']} passed, {result['failed']} failed "
           f"({result['pass_rate'] * 100:.1f}% pass) over {result['ops']} ops "
           f"({result['ops_all_pass']} fully passing), {result['seconds']:.0f}s")
     if result["layout_differs"]:

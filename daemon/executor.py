@@ -610,7 +610,7 @@ class Executor:
         copy = torch.empty(0, dtype=source.dtype, device=source.device).set_(
             copied[1], source.storage_offset(), source.shape, source.stride())
         # A conjugate or negative view's storage holds the values unconjugated, unnegated: the
-        # copy is the same view of the copy (torch makes a plain tensor of the same values there).
+        # copy is the same view of the copy (the client then makes it a plain tensor, as torch).
         if source.is_conj():
             copy = torch._conj(copy)
         if source.is_neg():

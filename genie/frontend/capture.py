@@ -686,6 +686,10 @@ def copy_in_storage_copy(t: LazyTensor, memo: dict) -> LazyTensor:
             memo_ref = memos[stream] = HandleRef(stream, stream.new_handle(), 0)
         h = stream.new_handle()
         out = LazyTensor(stream, h, t.shape, t.stride(), t.storage_offset(), t.dtype, t._genie.storage_nbytes)
+        bits = meta.view_bits(t)
+        if bits:  # the daemon's copy is the same conjugate / negative view
+            meta.set_view_bits(out, bits)
+            out._refresh_meta_key()
         stream.append([COPY_STORAGE_OP, [t._genie.wire, memo_ref.wire], {}, h])
     return out
 

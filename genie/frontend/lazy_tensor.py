@@ -14,6 +14,8 @@ import torch
 
 from genie.runtime.stream import DeviceStream, HandleRef
 
+from .meta import key_bits, meta_key, set_view_bits, view_bits
+
 
 _NO_KWARGS: dict = {}
 _TENSOR_DATA = torch._C.TensorBase.__dict__["data"]  # Tensor.data's C getter and setter
@@ -69,6 +71,8 @@ class LazyTensor(torch.Tensor):
         else:
             t = _make_wrapper(LazyTensor, plan.shape, strides=plan.stride, storage_offset=plan.offset,
                               dtype=plan.dtype, device=stream.device, storage_size=plan.storage_nbytes)
+            if plan.bits:
+                set_view_bits(t, plan.bits)
         t._genie = ref = HandleRef(stream, handle_id, plan.storage_nbytes)
         ref.meta_key = plan.meta_key
         return t
@@ -76,7 +80,8 @@ class LazyTensor(torch.Tensor):
     def _refresh_meta_key(self) -> None:
         """After an in-place metadata change (t_, resize via out=, ...)."""
         ref = self._genie
-        ref.meta_key = (self.dtype, self.shape, self.stride(), self.storage_offset(), ref.storage_nbytes)
+        ref.meta_key = meta_key(self.dtype, self.shape, self.stride(), self.storage_offset(), ref.storage_nbytes,
+                                view_bits(self))
 
     # The default __torch_function__ costs far more than the op capture itself.
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -133,17 +138,18 @@ class LazyTensor(torch.Tensor):
         # torch.load's rebuild (_rebuild_tensor_v2) gives a checkpoint's conjugate or negative view
         # its bit with torch._C._set_tensor_metadata, on this wrapper only (no dispatch reaches
         # Genie: reads and ops on the daemon's tensor then ignored it, measured), and sets this
-        # attribute next: the moment to make the daemon's tensor that view instead.
-        if torch.Tensor.is_conj(self) or torch.Tensor.is_neg(self):
-            self._view_bits_to_daemon()
+        # attribute next: the moment to make the daemon's tensor that view too. (The wrapper's
+        # bits otherwise always equal those of the daemon's tensor, kept in its meta_key.)
+        bits = view_bits(self)
+        if bits != key_bits(self._genie.meta_key):
+            self._view_bits_to_daemon(bits)
 
-    def _view_bits_to_daemon(self) -> None:
-        conj, neg = torch.Tensor.is_conj(self), torch.Tensor.is_neg(self)
-        torch._C._set_conj(self, False)
-        torch._C._set_neg(self, False)
+    def _view_bits_to_daemon(self, bits: int) -> None:
+        set_view_bits(self, 0)  # as the daemon's tensor is: the views below are planned from it
         with torch.no_grad():
-            view = torch.ops.aten._conj.default(self) if conj else self
-            view = torch.ops.aten._neg_view.default(view) if neg else view
+            view = torch.ops.aten._conj.default(self) if bits & 1 else self
+            view = torch.ops.aten._neg_view.default(view) if bits & 2 else view
+        set_view_bits(self, bits)
         self._genie = view._genie  # as `t.data = new`: this wrapper now names the view
 
     def untyped_storage(self):
@@ -177,6 +183,9 @@ class LazyTensor(torch.Tensor):
         from .capture import copy_in_storage_copy
 
         new = copy_in_storage_copy(self, memo)
+        if new.is_conj() or new.is_neg():  # as torch: a plain tensor of the view's values
+            with torch.no_grad():
+                new = new.resolve_conj().resolve_neg()
         if self.requires_grad:
             new.requires_grad_()
         if self.grad is not None:

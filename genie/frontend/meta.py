@@ -63,14 +63,45 @@ class NewTensor:
     stride: tuple
     offset: int
     storage_nbytes: int
+    bits: int = 0  # VIEW_BITS of a conjugate / negative view (x.conj(), x.mH, and views of those)
     # Worked out once per plan, for every output made from it (see LazyTensor.planned):
     meta_key: tuple = field(init=False, compare=False)  # the output's HandleRef.meta_key
     dense: bool = field(init=False, compare=False)  # contiguous, at offset 0, its storage exactly its bytes
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "meta_key", (self.dtype, self.shape, self.stride, self.offset, self.storage_nbytes))
+        object.__setattr__(self, "meta_key", meta_key(self.dtype, self.shape, self.stride, self.offset,
+                                                      self.storage_nbytes, self.bits))
         object.__setattr__(self, "dense", self.offset == 0 and self.stride == contiguous_strides(self.shape)
-                           and self.storage_nbytes == math.prod(self.shape) * self.dtype.itemsize)
+                           and self.storage_nbytes == math.prod(self.shape) * self.dtype.itemsize
+                           and not self.bits)
+
+
+# A tensor's conjugate and negative bits, as PyTorch keeps them on a view (x.conj() is a view of
+# x's values with the conjugate bit set; torch._neg_view likewise). A remote tensor's wrapper
+# carries the bits its tensor on the daemon has, so PyTorch's own handling of them (the
+# conjugate fallback, `.imag` of a conjugate view, resolve_conj) works on the wrapper as on CPU.
+CONJ, NEG = 1, 2
+
+
+def view_bits(t: torch.Tensor) -> int:
+    return (CONJ if torch.Tensor.is_conj(t) else 0) | (NEG if torch.Tensor.is_neg(t) else 0)
+
+
+def set_view_bits(t: torch.Tensor, bits: int) -> None:
+    torch._C._set_conj(t, bool(bits & CONJ))
+    torch._C._set_neg(t, bool(bits & NEG))
+
+
+def meta_key(dtype, shape, stride, offset, storage_nbytes, bits=0) -> tuple:
+    """A tensor's metadata as a cache-key part (HandleRef.meta_key); the bits only when set, so
+    the common key stays five plain fields."""
+    if bits:
+        return dtype, shape, stride, offset, storage_nbytes, bits
+    return dtype, shape, stride, offset, storage_nbytes
+
+
+def key_bits(key: tuple) -> int:
+    return key[5] if len(key) > 5 else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +148,11 @@ def meta_like(t: torch.Tensor, storage_nbytes: int) -> torch.Tensor:
     """A meta tensor with t's dtype, shape, stride, offset and storage size."""
     needed = elements_spanned(t.storage_offset(), t.shape, t.stride()) * t.element_size()
     storage = torch.UntypedStorage(max(storage_nbytes, needed), device=META)
-    return torch.empty(0, dtype=t.dtype, device=META).set_(storage, t.storage_offset(), t.shape, t.stride())
+    m = torch.empty(0, dtype=t.dtype, device=META).set_(storage, t.storage_offset(), t.shape, t.stride())
+    bits = view_bits(t)
+    if bits:
+        set_view_bits(m, bits)
+    return m
 
 
 def import_lazy_dependencies() -> None:
@@ -219,7 +254,7 @@ def plan_op(func, args, kwargs, flat_tensors: list[torch.Tensor], storage_sizes:
                 raise UnsupportedOperationError(func._schema.name, only_strided(o.layout))
             _check_in_bounds(o)
             return NewTensor(o.dtype, tuple(o.shape), tuple(o.stride()), o.storage_offset(),
-                             o.untyped_storage().nbytes())
+                             o.untyped_storage().nbytes(), view_bits(o))
         if isinstance(o, (list, tuple)):
             return type(o)(describe(x) for x in o)
         if o is None or func._schema.name.split("::")[-1] in METADATA_ONLY_RESULTS:
