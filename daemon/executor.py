@@ -704,7 +704,7 @@ class Executor:
         return value
 
     def _store(self, client: ClientState, outs, result, name: str) -> None:
-        if outs is None:
+        if outs is None or (result is None and outs == []):  # an op returning nothing: `-> ()`
             return
         if isinstance(outs, int):
             if result is None:

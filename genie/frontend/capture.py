@@ -517,8 +517,8 @@ def run_reported(func, args, kwargs, stream, wire_args: list | None = None):
         returns = _return_types[id(func)] = tuple(str(r.type) for r in func._schema.returns)
     with stream.lock:
         outs = [_report_slots(r, stream) for r in returns]
-        if len(outs) == 1:
-            outs = outs[0]
+        if len(outs) <= 1:  # one output, or none (`-> ()`: in-place ops such as _fused_sgd_)
+            outs = outs[0] if outs else None
         if wire_args is not None:  # from the hot walk (.item() and the like): not encoded twice
             entry = [op_name(func), wire_args, {}, outs]
         else:

@@ -325,6 +325,14 @@ def plan_fused_gru_cell_backward(bound: dict) -> Plan | None:
     return Plan((gate_grad, gate_grad, _dense_output(grad.dtype, (batch, hidden)).outputs, bias_grad, bias_grad), ())
 
 
+def plan_fused_step(bound: dict) -> Plan:
+    """Fused optimizer steps PyTorch has no meta kernel for (aten::_fused_sgd_, _fused_adagrad_:
+    torch.optim.SGD / Adagrad with fused=True): they write new values into the tensors of their
+    list arguments, whose metadata stays, and return nothing. Without a plan each step would
+    run alone on the daemon and wait for it."""
+    return Plan(Value(None), ())
+
+
 _aten = torch.ops.aten
 RULES = {id(op): _by_schema_names(op, rule) for op, rule in (
     (_aten.cat.default, plan_cat),
@@ -335,6 +343,8 @@ RULES = {id(op): _by_schema_names(op, rule) for op, rule in (
     (_aten._thnn_fused_lstm_cell.default, plan_fused_lstm_cell),
     (_aten._thnn_fused_gru_cell.default, plan_fused_gru_cell),
     (_aten._thnn_fused_gru_cell_backward.default, plan_fused_gru_cell_backward),
+    *((op, plan_fused_step) for op in (_aten._fused_sgd_.default, _aten._fused_sgd_.tensor_lr,
+                                       _aten._fused_adagrad_.default, _aten._fused_adagrad_.tensor_lr)),
     (_aten.add.Tensor, plan_binary),
     (_aten.sub.Tensor, plan_binary),
     (_aten.mul.Tensor, plan_binary),
