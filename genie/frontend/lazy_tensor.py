@@ -199,19 +199,9 @@ class LazyTensor(torch.Tensor):
     # ---------------------------------------------------------- materialization triggers
 
     def __repr__(self, *, tensor_contents=None) -> str:
-        from .materialize import to_cpu
+        from .printing import remote_repr
 
-        text = repr(to_cpu(self))
-        suffix = f", device='{self.device}'"
-        grad_fn = self.grad_fn
-        if grad_fn is not None:  # as torch prints it: the node that made the tensor, else the flag
-            name = type(grad_fn).__name__
-            if name == "CppFunction":
-                name = grad_fn.name().rsplit("::", 1)[-1]
-            suffix += f", grad_fn=<{name}>"
-        elif self.requires_grad:
-            suffix += ", requires_grad=True"
-        return text[:-1] + suffix + ")"
+        return remote_repr(self)
 
     def __format__(self, format_spec: str) -> str:
         if self.dim() == 0:
