@@ -6,7 +6,9 @@ in backward, its _backward op: two ops instead of the ~15 of the math decomposit
 daemon's own fused kernel where it has one. torch has no CPU or CUDA kernel for these ops
 (they exist for devices like Genie's), so the daemon registers them here:
 
-- on CPU, torch's flash-attention kernels for CPU (forward and backward);
+- on CPU, torch's flash-attention kernels for CPU (forward and backward), unless the client's
+  settings (torch.nn.attention.sdpa_kernel, sent with its ops: genie/transport/numerics.py)
+  leave the flash backend out;
 - elsewhere, or where that kernel refuses the inputs, exact math with the same log-sum-exp.
 
 A boolean attn_bias is read as scaled_dot_product_attention reads a boolean mask (True: attend).
@@ -54,7 +56,7 @@ def forward(query, key, value, attn_bias=None, dropout_p=0.0, is_causal=False, r
         raise NotImplementedError("genie-daemon's fused attention takes 4-D (batch, heads, length, dim) inputs")
     attn_bias = _as_bias(attn_bias, query)
     out = lse = None
-    if query.device.type == "cpu":
+    if query.device.type == "cpu" and torch._C._get_flash_sdp_enabled():  # the client's sdpa_kernel choice
         try:
             out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
                 query, key, value, 0.0, is_causal, attn_mask=attn_bias, scale=scale)
@@ -77,7 +79,7 @@ def backward(grad_out, query, key, value, attn_bias, grad_input_mask, out, logsu
     bias = _as_bias(attn_bias, query) if attn_bias is not None and attn_bias.numel() else None
     bias_grad = bias is not None and grad_input_mask[3]  # the CPU flash kernel gives none
     grads = None
-    if query.device.type == "cpu" and not bias_grad:
+    if query.device.type == "cpu" and not bias_grad and torch._C._get_flash_sdp_enabled():
         try:
             grads = (*aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 grad_out, query, key, value, out, logsumexp, 0.0, is_causal, attn_mask=bias, scale=scale), None)

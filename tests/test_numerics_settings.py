@@ -1,5 +1,6 @@
-"""A program's numerics settings (TF32 and bf16 matmuls, deterministic algorithms, cuDNN flags)
-govern its ops on the daemon, as they would on a local device."""
+"""A program's numerics settings (TF32 and bf16 matmuls, deterministic algorithms, cuDNN flags,
+the attention backends of torch.nn.attention.sdpa_kernel) govern its ops on the daemon, as they
+would on a local device."""
 from __future__ import annotations
 
 import pytest
@@ -70,3 +71,46 @@ print("warn only:", y.cpu().tolist())
     torch.use_deterministic_algorithms(True)
     with pytest.raises(RuntimeError, match="does not have a deterministic implementation"):
         _put(dev)
+
+
+@pytest.mark.parametrize("backends", [["MATH"], ["FLASH_ATTENTION"], ["MATH", "FLASH_ATTENTION"]])
+@pytest.mark.parametrize("grad", [False, True])
+def test_sdpa_kernel_choice_is_the_programs(dev, settings_restored, backends, grad):
+    """Under sdpa_kernel(MATH) the daemon ran its flash kernel anyway (results differ from the
+    math backend's in the last bits); now each choice gives the CPU's values exactly, with and
+    without autograd recording."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 64, 32) for _ in range(3))
+
+    def run(device):
+        query = q.clone().to(device).requires_grad_(grad)
+        with sdpa_kernel([getattr(SDPBackend, b) for b in backends]):
+            out = F.scaled_dot_product_attention(query, k.to(device), v.to(device), is_causal=True)
+        if not grad:
+            return out.cpu()
+        out.sum().backward()  # outside the block, as a training loop does
+        return torch.cat([out.detach().cpu().flatten(), query.grad.cpu().flatten()])
+
+    assert torch.equal(run(dev), run("cpu"))
+
+
+def test_ops_run_under_the_settings_they_were_captured_under(dev, settings_restored):
+    """Ops wait in batches; a batch sent after the program changed a setting ran under the new
+    one. Each op now runs under the settings in force when it was captured."""
+    torch.manual_seed(0)
+    a, b = torch.randn(128, 256), torch.randn(256, 64)
+    torch.set_float32_matmul_precision("medium")
+    want_medium = a @ b
+    medium = a.to(dev) @ b.to(dev)  # queued under "medium"
+    torch.set_float32_matmul_precision("highest")
+    want_highest = a @ b
+    highest = a.to(dev) @ b.to(dev)
+    if torch.equal(want_medium, want_highest):
+        pytest.skip("this CPU computes float32 matmuls the same at every precision")
+    assert torch.equal(medium.cpu(), want_medium) and torch.equal(highest.cpu(), want_highest)
+    with torch.backends.cudnn.flags(enabled=False):  # a change with ops queued, through a bound setter
+        x = torch.ones(3, device=dev) * 2
+    assert torch.equal(x.cpu(), torch.full((3,), 2.0))

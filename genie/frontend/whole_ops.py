@@ -41,8 +41,11 @@ def sdpa_whole(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     does not apply (dropout, GQA, a mask that needs a gradient, not 4-D), the math decomposition."""
     op = torch.ops.aten.scaled_dot_product_attention.default
     if _needs_grad((query, key, value, attn_mask), {}):
+        # sdpa_kernel(...) leaving out both fused backends the daemon may use (the flash kernel,
+        # Genie's own): torch's math decomposition, recorded here, as on the CPU.
         if (dropout_p or enable_gqa or query.dim() != 4 or key.dim() != 4 or value.dim() != 4
-                or (attn_mask is not None and attn_mask.requires_grad)):
+                or (attn_mask is not None and attn_mask.requires_grad)
+                or not (torch._C._get_flash_sdp_enabled() or torch._C._get_overrideable_sdp_enabled())):
             return op.decompose(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
         # A boolean mask goes as it is: the daemon's kernel reads it as this op does (True: attend).
         return _FUSED(query, key, value, attn_mask, 0.0, is_causal, False, scale=scale)[0]

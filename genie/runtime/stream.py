@@ -222,7 +222,8 @@ class DeviceStream:
         program is running far ahead, and fewer, larger messages cost both sides less."""
         return self.batch_ops << min(3, len(self.link._direct_unread) >> 2)
 
-    def _take(self, fetch: list[int], report: bool, largest: int | None = None) -> tuple[dict, list]:
+    def _take(self, fetch: list[int], report: bool, largest: int | None = None,
+              settings: list | None = None) -> tuple[dict, list]:
         if self.dropped_programs and self.recording is None:
             drops = []
             while self.dropped_programs:
@@ -236,7 +237,9 @@ class DeviceStream:
         body = {"dev": self.local_index, "stream": self.batch_stream, "ops": self.ops, "frees": frees,
                 "fetch": fetch, "report": report}
         if self.ops:
-            settings = numerics.current()  # TF32, deterministic algorithms...: as this process has them now
+            # TF32, deterministic algorithms...: as this process has them now, or as the caller
+            # read them when the ops were captured (frontend/settings_barrier.py)
+            settings = numerics.current() if settings is None else (None if settings == numerics.DEFAULT else settings)
             if settings is not None:
                 body["num"] = settings
         lane = self.link.bulk_lane
@@ -305,11 +308,13 @@ class DeviceStream:
 
     # ------------------------------------------------------------ synchronisation points
 
-    def flush(self) -> None:
-        """Send what is queued without waiting; a failure of the batch is kept for the next sync."""
+    def flush(self, settings: list | None = None) -> None:
+        """Send what is queued without waiting; a failure of the batch is kept for the next sync.
+        `settings`: the numerics settings (numerics.read()) the queued ops run under, when not
+        this process's current ones."""
         with self.lock:
             if self.ops or self.frees:
-                self._post_unwaited(self._take(fetch=[], report=False))
+                self._post_unwaited(self._take(fetch=[], report=False, settings=settings))
 
     def synchronize(self) -> None:
         """Wait until every op queued so far has run on the daemon.

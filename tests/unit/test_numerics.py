@@ -41,12 +41,30 @@ def test_what_a_program_sets_is_read_and_applied_back(restore_defaults):
     assert numerics.read() == settings
 
 
+def test_attention_backend_choices_are_read_and_applied_back(restore_defaults):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.MATH, SDPBackend.FLASH_ATTENTION], set_priority=True):
+        settings = numerics.current()
+    named = dict(zip(numerics.FIELDS, settings))
+    assert named["sdp_math"] and named["sdp_flash"] and not named["sdp_overrideable"]
+    assert named["sdp_priority_order"][:2] == [0, 1]
+    numerics.apply(settings)
+    assert numerics.read() == settings and not torch._C._get_mem_efficient_sdp_enabled()
+    numerics.apply(numerics.DEFAULT)
+    assert numerics.current() is None
+
+
 @pytest.mark.parametrize("bad", [
     None, "tf32", [], numerics.DEFAULT[:-1], numerics.DEFAULT + [True],
     ["fast", *numerics.DEFAULT[1:]],
     [*numerics.DEFAULT[:7], [True], *numerics.DEFAULT[8:]],
     [*numerics.DEFAULT[:7], [True, 1], *numerics.DEFAULT[8:]],
     [*numerics.DEFAULT[:-1], 1],
+    [*numerics.DEFAULT[:-1], [1, 1, 0, 3, 4]],  # attention backends' priority: not a permutation
+    [*numerics.DEFAULT[:-1], [1, 2, 0, 3]],
+    [*numerics.DEFAULT[:-1], [1, 2, 0, 3, 9]],
+    [*numerics.DEFAULT[:-2], 1, numerics.DEFAULT[-1]],
 ])
 def test_malformed_settings_are_refused(bad):
     with pytest.raises(ProtocolError, match="numerics"):
