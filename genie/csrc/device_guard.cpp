@@ -262,13 +262,15 @@ struct RemoteHooks final : public at::PrivateUse1HooksInterface {
 
 // Storage for remote_accelerator tensors lives on a daemon: this process has none to hand out.
 // Without an allocator registered for the device, PyTorch used a null one and the process
-// crashed (torch.UntypedStorage(n, device=...), torch.load(f, map_location="remote_accelerator")).
+// crashed (torch.UntypedStorage(n, device=...); torch.load(f, map_location="remote_accelerator")
+// before genie/frontend/serialization.py handled it).
 // Remote tensors never reach it: they are wrappers whose metadata-only storage PyTorch makes itself.
 constexpr const char* kNoStorage =
     "remote_accelerator tensors live on a genie-daemon; this process cannot allocate or copy "
-    "storage for them (torch.UntypedStorage on the device, torch.load(..., map_location=...)). "
-    "Load to the CPU and move the tensors instead: torch.load(f, map_location=\"cpu\"), then "
-    ".to(\"remote_accelerator\") or model.load_state_dict(...)";
+    "storage for them (torch.UntypedStorage on the device, storage.to(device=...), a map_location "
+    "function moving storages). Give torch.load the device itself: torch.load(f, "
+    "map_location=\"remote_accelerator\") (or a torch.device, or a dict naming it), or load to the "
+    "CPU and move the tensors with .to(\"remote_accelerator\") or model.load_state_dict(...)";
 
 struct NoStorageAllocator final : public c10::Allocator {
   c10::DataPtr allocate(size_t /*n*/) override { TORCH_CHECK(false, kNoStorage); }
