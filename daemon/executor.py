@@ -25,7 +25,7 @@ from genie.transport.tensors import (bytes_as_tensor, check_shape, dense, dense_
 
 from . import attention
 from . import ops as op_table
-from . import layouts, programs, rnn_cells
+from . import cuda_parity, layouts, programs, rnn_cells
 from .handles import MAX_COPY_MEMOS, ClientState, Poison
 from .memory_guard import is_allocation_failure
 
@@ -254,6 +254,7 @@ class Executor:
             if aten is None:
                 op = op_table.resolve(call.name)
                 aten = self._aten_ops[call.name] = (op, attention.replacement(call.name) or layouts.replacement(call.name)
+                                                    or cuda_parity.replacement(call.name)
                                                     or _callable_of(op),
                                                     op_table.unsafe_flags(op), op_table.takes_generator(op),
                                                     op_table.seeded_without_generator(op))

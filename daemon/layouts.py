@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from genie.transport.layout_contract import PADDING_OPS, convolution_format, padding_format
+from genie.transport.layout_contract import PADDING_OPS, convolution_format, grouped_mm_result, padding_format
 
 
 def _convolution(op):
@@ -127,7 +127,18 @@ def _wire_name(name: str) -> str:
     return f"aten::{name}"
 
 
+def _grouped_mm(op):
+    def run(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+        out = op(mat_a, mat_b, offs, bias, out_dtype)
+        agreed = grouped_mm_result(mat_a, mat_b, offs, out.dtype)
+        if agreed is None or tuple(out.stride()) == agreed[1]:
+            return out  # the kernels' own layout (CPU, CUDA): the client planned it
+        return torch.empty_strided(*agreed, dtype=out.dtype, device=out.device).copy_(out)  # ROCm's unpadded one
+    return run
+
+
 _RULES = {
+    "aten::_grouped_mm": (_aten._grouped_mm.default, _grouped_mm),
     "aten::convolution": (_aten.convolution.default, _convolution),
     "aten::convolution_backward": (_aten.convolution_backward.default, _convolution_backward),
     **{f"aten::{name}": (getattr(_aten, name).default, _padding) for name in PADDING_OPS},

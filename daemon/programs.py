@@ -19,7 +19,7 @@ import torch
 
 from genie.transport.protocol import BulkTensor, DeviceRef, HandleRef, InlineTensor, OpCall
 
-from . import attention, fused, layouts
+from . import attention, cuda_parity, fused, layouts
 from . import ops as op_table
 from .handles import ClientState, Poison
 
@@ -113,7 +113,8 @@ def compile_program(batches: list[tuple[list[OpCall], list[int]]], devices: list
                     return None  # per-client generators: the general path handles them
                 args = [arg(a, 0) for a in call.args]
                 kwargs = {k: arg(v, 0) for k, v in call.kwargs.items()}
-                kernel = attention.traceable(call.name) or layouts.replacement(call.name) or op._op
+                kernel = (attention.traceable(call.name) or layouts.replacement(call.name)
+                          or cuda_parity.replacement(call.name) or op._op)
                 steps.append((kernel, args, kwargs, out(call.outs), call))
             cleared = [registers[h] for h in frees if h in written]
             external = [h for h in frees if h not in written]

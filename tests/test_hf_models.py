@@ -1,6 +1,6 @@
 """Hugging Face transformers models, as users run them, on remote_accelerator.
 
-Small random-initialised configurations of three families (no weights are downloaded): the
+Small random-initialised configurations of four families (one a mixture of experts) (no weights are downloaded): the
 forward pass with a padding mask, greedy generate() (its KV cache and mask handling), and
 training steps with AdamW, each against the same model on the CPU."""
 import copy
@@ -21,6 +21,12 @@ def _llama():
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(
         num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=64, vocab_size=100, bos_token_id=0, eos_token_id=1))
+
+
+def _mixtral():  # mixture of experts: torch._grouped_mm, and histc of int32 expert ids off the CPU
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+        vocab_size=100, num_local_experts=4, num_experts_per_tok=2, bos_token_id=0, eos_token_id=1))
 
 
 def _bert():
@@ -44,7 +50,7 @@ def _quiet():
         yield
 
 
-@pytest.mark.parametrize("make", [_gpt2, _llama], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("make", [_gpt2, _llama, _mixtral], ids=["gpt2", "llama", "mixtral"])
 def test_causal_lm_forward_and_generate_match_cpu(dev, make):
     torch.manual_seed(0)
     model = make().eval()
@@ -59,7 +65,8 @@ def test_causal_lm_forward_and_generate_match_cpu(dev, make):
     assert torch.equal(generated.cpu(), expected)
 
 
-@pytest.mark.parametrize("make, labels", [(_llama, None), (_bert, torch.tensor([0, 2]))], ids=["llama", "bert"])
+@pytest.mark.parametrize("make, labels", [(_llama, None), (_mixtral, None), (_bert, torch.tensor([0, 2]))],
+                         ids=["llama", "mixtral", "bert"])
 def test_training_steps_match_cpu(dev, make, labels):
     torch.manual_seed(0)
     model = make()

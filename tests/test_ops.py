@@ -190,3 +190,43 @@ def test_uploaded_tensors_grow_like_any_other(dev):
     cat_out = torch.tensor([], device=dev)
     torch.cat([torch.ones(2, device=dev), torch.zeros(1, device=dev)], out=cat_out)
     torch.testing.assert_close(cat_out.cpu(), torch.tensor([1.0, 1.0, 0.0]))
+
+
+GROUPED_MM_CASES = {  # (mat_a, mat_b, offs): each operand layout torch._grouped_mm takes
+    "2d-3d": lambda: (torch.randn(10, 8), torch.randn(3, 6, 8).transpose(-2, -1), torch.tensor([3, 7, 10], dtype=torch.int32)),
+    "3d-3d": lambda: (torch.randn(3, 5, 8), torch.randn(3, 6, 8).transpose(-2, -1), None),
+    "2d-2d": lambda: (torch.randn(5, 16), torch.randn(6, 16).T, torch.tensor([4, 8, 16], dtype=torch.int32)),
+    "3d-2d": lambda: (torch.randn(3, 6, 8), torch.randn(10, 8).T, torch.tensor([3, 7, 10], dtype=torch.int32)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GROUPED_MM_CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_as_on_cpu(dev, case, dtype):
+    """torch._grouped_mm (mixture-of-experts layers) in float32 failed on the client (the meta
+    kernel asks for bfloat16); its result is padded to 16-byte rows, as the kernels make it."""
+    torch.manual_seed(0)
+    a, b, offs = GROUPED_MM_CASES[case]()
+    a, b = a.to(dtype), b.to(dtype)
+    want = torch._grouped_mm(a, b, offs=offs)
+    got = torch._grouped_mm(a.to(dev), _on(b, dev), offs=None if offs is None else offs.to(dev))
+    assert got.stride() == want.stride()
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(got[..., :3].cpu(), want[..., :3])  # a view by the planned strides
+
+
+def _on(t, dev):
+    """t on the device with t's strides (a transposed weight stays column-major, as the op wants)."""
+    return t.mT.contiguous().to(dev).mT if t.stride(-2) == 1 else t.to(dev)
+
+
+def test_integer_histc_counts_as_cuda_does(dev):
+    """On any device but the CPU, Hugging Face's MoE layers call histc on int32 ids: CUDA's kernel
+    takes integers, the CPU's does not ('"histogram_cpu" not implemented for 'Int''); a CPU daemon
+    counts them as CUDA does, in the input's dtype."""
+    ids = torch.tensor([0, 3, 1, 1, 3, 3, 2, 7, -1], dtype=torch.int32)
+    got = torch.histc(ids.to(dev), bins=4, min=0, max=3)
+    assert got.dtype == torch.int32
+    assert torch.equal(got.cpu(), torch.histc(ids.float(), bins=4, min=0, max=3).to(torch.int32))
+    floats = torch.histc(ids.float().to(dev), bins=5)  # floating inputs: the CPU's own kernel
+    assert torch.equal(floats.cpu(), torch.histc(ids.float(), bins=5))

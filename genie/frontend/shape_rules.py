@@ -23,6 +23,9 @@ import math
 
 import torch
 
+from genie.transport import layout_contract
+from genie.transport.tensors import elements_spanned
+
 from .meta import NewTensor, Plan, SameAsInput, Value, contiguous_strides
 
 _CHANNELS_LAST_ORDER = {4: (1, 3, 2, 0), 5: (1, 4, 3, 2, 0)}  # innermost dimension first
@@ -325,6 +328,31 @@ def plan_fused_gru_cell_backward(bound: dict) -> Plan | None:
     return Plan((gate_grad, gate_grad, _dense_output(grad.dtype, (batch, hidden)).outputs, bias_grad, bias_grad), ())
 
 
+def plan_grouped_mm(bound: dict) -> Plan | None:
+    """aten::_grouped_mm(self, mat2, offs) (mixture-of-experts layers: Hugging Face's Mixtral,
+    Qwen-MoE, ...): PyTorch's meta kernel asks for bfloat16 operands, as CUDA's kernel did once,
+    while the CPU kernel (and CUDA's since) take float32 and float16 too: Mixtral in float32
+    failed on remote_accelerator and ran on the CPU. The result as the kernels lay it out
+    (layout_contract.grouped_mm_result); anything unusual (bias, another out_dtype, operands the
+    kernels refuse) is left to meta execution, and its error."""
+    a, b, offs = bound.get("self"), bound.get("mat2"), bound.get("offs")
+    out_dtype = bound.get("out_dtype") or getattr(a, "dtype", None)
+    if (bound.get("bias") is not None or not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor)
+            or a.dtype != b.dtype or a.dtype not in _GROUPED_MM_DTYPES or out_dtype != a.dtype
+            or (offs is not None and (not isinstance(offs, torch.Tensor) or offs.dim() != 1
+                                      or offs.dtype != torch.int32))):
+        return None
+    result = layout_contract.grouped_mm_result(a, b, offs, out_dtype)
+    if result is None:
+        return None
+    shape, stride = result
+    nbytes = elements_spanned(0, shape, stride) * out_dtype.itemsize
+    return Plan(NewTensor(out_dtype, shape, stride, 0, nbytes), ())
+
+
+_GROUPED_MM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def plan_fused_step(bound: dict) -> Plan:
     """Fused optimizer steps PyTorch has no meta kernel for (aten::_fused_sgd_, _fused_adagrad_:
     torch.optim.SGD / Adagrad with fused=True): they write new values into the tensors of their
@@ -343,6 +371,7 @@ RULES = {id(op): _by_schema_names(op, rule) for op, rule in (
     (_aten._thnn_fused_lstm_cell.default, plan_fused_lstm_cell),
     (_aten._thnn_fused_gru_cell.default, plan_fused_gru_cell),
     (_aten._thnn_fused_gru_cell_backward.default, plan_fused_gru_cell_backward),
+    (_aten._grouped_mm.default, plan_grouped_mm),
     *((op, plan_fused_step) for op in (_aten._fused_sgd_.default, _aten._fused_sgd_.tensor_lr,
                                        _aten._fused_adagrad_.default, _aten._fused_adagrad_.tensor_lr)),
     (_aten.add.Tensor, plan_binary),
