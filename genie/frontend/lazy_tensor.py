@@ -14,7 +14,7 @@ import torch
 
 from genie.runtime.stream import DeviceStream, HandleRef
 
-from .meta import key_bits, meta_key, set_view_bits, view_bits
+from .meta import CONJ, NEG, key_bits, meta_key, set_view_bits, view_bits
 
 
 _NO_KWARGS: dict = {}
@@ -147,8 +147,8 @@ class LazyTensor(torch.Tensor):
     def _view_bits_to_daemon(self, bits: int) -> None:
         set_view_bits(self, 0)  # as the daemon's tensor is: the views below are planned from it
         with torch.no_grad():
-            view = torch.ops.aten._conj.default(self) if bits & 1 else self
-            view = torch.ops.aten._neg_view.default(view) if bits & 2 else view
+            view = torch.ops.aten._conj.default(self) if bits & CONJ else self
+            view = torch.ops.aten._neg_view.default(view) if bits & NEG else view
         set_view_bits(self, bits)
         self._genie = view._genie  # as `t.data = new`: this wrapper now names the view
 
