@@ -314,10 +314,13 @@ class Executor:
     # ------------------------------------------------------------ programs (genie.graph)
 
     def _define(self, client: ClientState, call: OpCall):
-        if (len(call.args) != 2 or type(call.args[0]) is not int or not isinstance(call.args[1], list)
+        if (len(call.args) not in (2, 3) or type(call.args[0]) is not int or not isinstance(call.args[1], list)
                 or call.args[0] in client.programs):
-            raise ProtocolError(f"{DEFINE_PROGRAM_OP} takes [new program id, [[ops, frees], ...]]")
-        program_id, raw = call.args
+            raise ProtocolError(f"{DEFINE_PROGRAM_OP} takes [new program id, [[ops, frees], ...], settings?]")
+        program_id, raw = call.args[:2]
+        # The numerics settings its ops were recorded under (absent: PyTorch's defaults), which
+        # every replay runs under, as a CUDA graph keeps the kernels chosen at capture.
+        recorded = numerics.parse(call.args[2]) if len(call.args) == 3 else None
         if len(client.programs) >= programs.MAX_PROGRAMS:
             raise ProtocolError(f"a client may keep at most {programs.MAX_PROGRAMS} programs; drop some "
                                 "(del the genie.Graph)")
@@ -336,7 +339,7 @@ class Executor:
             batches.append((parsed.ops, parsed.frees))
         if total > protocol.MAX_OPS_PER_EXEC:
             raise ProtocolError(f"a program of {total} ops exceeds {protocol.MAX_OPS_PER_EXEC}")
-        program = programs.Program(batches, writes, seeded)
+        program = programs.Program(batches, writes, seeded, recorded)
         program.compiled = programs.compile_program(batches, self.devices)
         client.programs[program_id] = program
         for handle in writes:
@@ -348,12 +351,29 @@ class Executor:
         if program is None:
             raise ProtocolError(f"{REPLAY_OP}: no such program")
         self._replayed.append(program)
-        if program.seeded:  # dropout in a replayed step draws from this client's generator, as when run op by op
-            with _drawing_from(client.generator(device), device):
+        with self._numerics_of(program):
+            if program.seeded:  # dropout in a replayed step draws from this client's generator, as when run op by op
+                with _drawing_from(client.generator(device), device):
+                    programs.replay(self, client, program, device)
+            else:
                 programs.replay(self, client, program, device)
-        else:
-            programs.replay(self, client, program, device)
         return None
+
+    @contextlib.contextmanager
+    def _numerics_of(self, program):
+        """The program's recorded settings in force while it replays, the request's again after."""
+        wanted = program.numerics or numerics.DEFAULT
+        if self._numerics is None or wanted == self._numerics:
+            yield
+            return
+        before = self._numerics
+        try:
+            numerics.apply(wanted)
+            self._numerics = wanted
+            yield
+        finally:
+            numerics.apply(before)
+            self._numerics = before
 
     def _import_shared(self, shared: tuple, device: torch.device) -> None:
         """Copy every CUDA IPC tensor of the request in before any op runs, so each opened handle is

@@ -33,10 +33,12 @@ FUSE = True
 class Program:
     """A recorded genie.graph block: `batches` of (ops, frees), and its compiled form when it has one."""
 
-    __slots__ = ("batches", "writes", "released", "compiled", "seeded", "seconds")
+    __slots__ = ("batches", "writes", "released", "compiled", "seeded", "seconds", "numerics")
 
-    def __init__(self, batches: list[tuple[list[OpCall], list[int]]], writes: set[int], seeded: bool = False) -> None:
+    def __init__(self, batches: list[tuple[list[OpCall], list[int]]], writes: set[int], seeded: bool = False,
+                 numerics: list | None = None) -> None:
         self.batches = batches
+        self.numerics = numerics  # the settings it was recorded under (None: PyTorch's defaults)
         self.writes = writes               # handles its ops write
         self.seeded = seeded               # it has random ops (dropout, rand, ...)
         self.released: set[int] = set()    # of those, the ones the client has dropped since

@@ -4,7 +4,7 @@ import pytest
 import torch
 import zmq
 
-from genie.transport import protocol
+from genie.transport import numerics, protocol
 
 TIMEOUT_MS = 10_000
 
@@ -214,3 +214,24 @@ def test_malformed_numerics_settings_get_an_error_and_the_daemon_carries_on(sock
     assert rid == 13 and "numerics" in error_text(ok, body)
     (rid, ok, body), _ = call(sock, [protocol.pack(["exec", 14, {"ops": ops, "fetch": [1]}])])
     assert rid == 14 and ok and "error" not in str(body["fetched"][0])
+
+
+@pytest.mark.parametrize("settings, expected", [
+    (None, None), (numerics.DEFAULT, None), ("tf32", "numerics"), (numerics.DEFAULT[:-1], "numerics"),
+])
+def test_a_program_keeps_the_settings_it_was_recorded_under(sock, settings, expected):
+    """genie::define_program takes the recording's numerics settings as an optional third
+    argument, checked like a batch's; anything malformed is refused and the daemon carries on."""
+    batch = [[op("aten::ones", [[2]], 5, {"dtype": protocol.encode_dtype(torch.float32)})], []]
+    args = [900 + len(str(settings)), [batch]] + ([] if settings is None else [settings])
+    ops = [op("aten::zeros", [[1]], 4, {"dtype": protocol.encode_dtype(torch.float32)}),
+           op("genie::define_program", args, None)]
+    (rid, ok, body), _ = call(sock, [protocol.pack(["exec", 17, {"ops": ops, "fetch": [4]}])])
+    assert rid == 17 and ok, body
+    failed = body.get("failed")
+    if expected is None:
+        assert failed is None, failed
+    else:
+        assert failed is not None and expected in failed["message"], body
+    (rid, ok, body), _ = call(sock, [protocol.pack(["ping", 81, {}])])
+    assert rid == 81 and ok

@@ -406,3 +406,35 @@ def test_a_write_into_a_cpu_tensor_while_recording_is_refused(dev):
             x.mul_(1.0)
             counter.add_(1)
     assert (x.sum() * 0 + 1).item() == 1.0  # the device works on after a refused recording
+
+
+def test_a_replay_runs_under_the_settings_it_was_recorded_under(dev):
+    """As a CUDA graph keeps the kernels chosen at capture: a step recorded under float32 matmul
+    precision "medium" replays under it after the program set "highest" again (it ran under
+    whatever was in force at each replay), and a setting changed inside the block is refused."""
+    from genie.transport import numerics
+
+    torch.manual_seed(0)
+    a, b = torch.randn(128, 256), torch.randn(256, 64)
+    ra, rb = a.to(dev), b.to(dev)
+    out = torch.zeros(128, 64, device=dev)
+    try:
+        torch.set_float32_matmul_precision("medium")
+        want = a @ b
+        g = genie.Graph()
+        with genie.graph(g):
+            out.copy_(ra @ rb)
+        torch.set_float32_matmul_precision("highest")
+        if torch.equal(want, a @ b):
+            pytest.skip("this CPU computes float32 matmuls the same at every precision")
+        out.zero_()
+        g.replay()
+        assert torch.equal(out.cpu(), want)
+        assert torch.equal((ra @ rb).cpu(), a @ b)  # ops outside the replay: the settings of now
+        with pytest.raises(genie.GenieError, match="changed inside the genie.graph block"):
+            with genie.graph(genie.Graph()):
+                out.copy_(ra @ rb)
+                torch.set_float32_matmul_precision("medium")
+                out.add_(ra @ rb)
+    finally:
+        numerics.apply(numerics.DEFAULT)

@@ -123,10 +123,19 @@ def graph(g: Graph, device="remote_accelerator:0"):
     batches = [b for b in batches if b[0]]  # frees alone need no replay
     if not batches:
         raise GenieError("the genie.graph block recorded no remote ops")
+    # A replay runs under the numerics settings its ops were recorded under (as a CUDA graph
+    # keeps the kernels chosen when it was captured), whatever is in force when it is replayed.
+    settings = {repr(b[2]) for b in batches}
+    if len(settings) > 1:
+        raise GenieError(
+            "numerics settings (TF32 / matmul precision, deterministic algorithms, cuDNN flags, "
+            "sdpa_kernel backends) changed inside the genie.graph block; a replay runs under one set: "
+            "put the setting around the whole block (e.g. `with sdpa_kernel(...), genie.graph(g):`)")
+    recorded = batches[0][2]
     with stream.lock:
         program_id = stream.new_handle()
-        stream.append([DEFINE_OP, [program_id, batches], {}, None])
+        stream.append([DEFINE_OP, [program_id, [b[:2] for b in batches]] + ([recorded] if recorded else []), {}, None])
     stream.synchronize()  # the daemon checks the program now, so a bad one fails here, not at replay
     g.program_id, g._stream, g._inputs = program_id, stream, guard.inputs
-    g.ops = sum(len(ops) for ops, _ in batches)
+    g.ops = sum(len(b[0]) for b in batches)
     g._finalizer = weakref.finalize(g, _drop, stream, program_id)

@@ -247,7 +247,7 @@ class DeviceStream:
             body["bulk_min"] = self.link.bulk_min_bytes
         frames = self.frames
         if self.recording is not None and (self.ops or frees):
-            self.recording.append([self.ops, frees])
+            self.recording.append([self.ops, frees, body.get("num")])  # a program keeps its settings
         self.ops, self.frames, self.inline_bytes = [], [], 0
         return body, frames
 
