@@ -1,0 +1,137 @@
+"""Random programs of views, in-place writes and ordinary ops, run on the CPU and on the device
+side by side: every tensor, views of views included, ends with the CPU's values, shape and
+conjugate / negative bits. Real and complex tensors (conj, real, imag, mH views of them);
+seeded, so a failure names a seed that reproduces it (run_program(seed) prints nothing, returns
+the steps taken)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+SEEDS = range(300)
+
+
+def _views(rng, t):
+    """(name, function) of a view `t` can have, or None."""
+    options = ["unsqueeze", "expand", "narrow", "select", "slice_step"] if t.dim() else ["unsqueeze", "expand"]
+    if t.dim() >= 2:
+        options += ["transpose", "diagonal", "permute"]
+    if t.is_contiguous():
+        options.append("flatten")
+    if t.dim() and t.shape[-1] >= 2:
+        options.append("unfold")
+    if t.is_complex():
+        options += ["conj", "real", "imag"] + (["mH"] if t.dim() >= 2 else [])
+    name = rng.choice(options)
+    d = rng.randrange(t.dim()) if t.dim() else 0
+    if name in ("narrow", "select") and t.shape[d] == 0:
+        return None
+    if name == "narrow":
+        start = rng.randrange(t.shape[d])
+        length = rng.randrange(t.shape[d] - start + 1)
+        return name, lambda x: x.narrow(d, start, length)
+    if name == "select":
+        k = rng.randrange(t.shape[d])
+        return name, lambda x: x.select(d, k)
+    if name == "transpose":
+        a, b = rng.sample(range(t.dim()), 2)
+        return name, lambda x: x.transpose(a, b)
+    if name == "permute":
+        order = list(range(t.dim()))
+        rng.shuffle(order)
+        return name, lambda x: x.permute(*order)
+    if name == "unsqueeze":
+        at = rng.randrange(t.dim() + 1)
+        return name, lambda x: x.unsqueeze(at)
+    if name == "slice_step":
+        return name, lambda x: x[(slice(None),) * d + (slice(None, None, 2),)]
+    return name, {
+        "expand": lambda x: x.unsqueeze(0).expand(2, *x.shape), "diagonal": lambda x: x.diagonal(),
+        "flatten": lambda x: x.view(-1), "unfold": lambda x: x.unfold(-1, 2, 1), "conj": lambda x: x.conj(),
+        "real": lambda x: x.real, "imag": lambda x: x.imag, "mH": lambda x: x.mH,
+    }[name]
+
+
+def _writes(rng, t, pairs):
+    """(name, function) of an in-place write into `t`, or None where torch refuses one."""
+    if any(n == 0 for n in t.shape) or any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+        return None  # empty, or expanded (several elements share memory: torch refuses writes)
+    value = round(rng.uniform(-2, 2), 2)
+    name = rng.choice(["add_", "mul_", "fill_", "zero_", "neg_", "copy_", "masked_fill_", "setitem", "addcmul_"]
+                      + (["clamp_"] if not t.is_complex() else []) + (["t_"] if t.dim() == 2 else []))
+    if name == "copy_":
+        same = [k for k, (c, _) in enumerate(pairs) if c.shape == t.shape and c.dtype == t.dtype]
+        k = rng.choice(same)
+        return name, lambda x: x.copy_(pairs[k][0] if x.device.type == "cpu" else pairs[k][1])
+    if name == "setitem":
+        if not t.dim():
+            return None
+        row = rng.randrange(t.shape[0])
+
+        def setitem(x):
+            x[row] = value
+            return x
+        return name, setitem
+    return name, {
+        "add_": lambda x: x.add_(value), "mul_": lambda x: x.mul_(value), "fill_": lambda x: x.fill_(value),
+        "zero_": lambda x: x.zero_(), "neg_": lambda x: x.neg_(), "clamp_": lambda x: x.clamp_(-0.5, 0.5),
+        "masked_fill_": lambda x: x.masked_fill_((x.abs() if x.is_complex() else x) > 0.5, value),
+        "addcmul_": lambda x: x.addcmul_(x, x, value=0.5), "t_": lambda x: x.t_(),
+    }[name]
+
+
+def _computes(rng, t):
+    name = rng.choice(["add", "mul", "sum", "clone", "contiguous", "exp", "cat", "reshape"]
+                      + (["matmul"] if t.dim() == 2 else []))
+    if name == "sum" and not t.dim():
+        return None
+    d = rng.randrange(t.dim()) if t.dim() else 0
+    return name, {
+        "add": lambda x: x + 1, "mul": lambda x: x * x, "sum": lambda x: x.sum(d), "clone": lambda x: x.clone(),
+        "contiguous": lambda x: x.contiguous(), "exp": lambda x: (x * 0.3).exp(), "reshape": lambda x: x.reshape(-1),
+        "cat": lambda x: torch.cat([x, x]) if x.dim() else x.reshape(1), "matmul": lambda x: x @ x.transpose(0, 1),
+    }[name]
+
+
+def run_program(seed: int, dev, steps: int = 40):
+    """The program of `seed`, run on both sides; its steps, and the pairs (cpu, remote) it made."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    dtype = torch.complex64 if seed % 2 else torch.float32
+    cpu = [torch.randn(4, 6, dtype=dtype), torch.randn(6, 4, dtype=dtype), torch.randn(2, 3, 4, dtype=dtype)]
+    pairs = [(c, c.to(dev)) for c in cpu]
+    taken = []
+    for _ in range(steps):
+        k = rng.randrange(len(pairs))
+        c, r = pairs[k]
+        draw = rng.random()
+        chosen = _views(rng, c) if draw < 0.4 else _writes(rng, c, pairs) if draw < 0.8 else _computes(rng, c)
+        if chosen is None:
+            continue
+        name, fn = chosen
+        taken.append(f"{k}.{name}")
+        try:
+            out_c = fn(c)
+        except RuntimeError:  # the CPU refuses it (e.g. a write whose operands overlap): stop here
+            taken.append("(refused on the CPU)")
+            break
+        out_r = fn(r)
+        if draw < 0.4 or draw >= 0.8:
+            pairs.append((out_c, out_r))
+    return taken, pairs
+
+
+@pytest.mark.parametrize("chunk", range(0, len(SEEDS), 50))
+def test_random_view_and_write_programs_match_cpu(dev, chunk):
+    failures = []
+    for seed in SEEDS[chunk:chunk + 50]:
+        taken, pairs = run_program(seed, dev)
+        for k, (c, r) in enumerate(pairs):
+            got = r.cpu()
+            if (c.shape != got.shape or (c.is_conj(), c.is_neg()) != (r.is_conj(), r.is_neg())
+                    or not torch.allclose(c.resolve_conj().resolve_neg(), got, atol=1e-3, rtol=1e-3, equal_nan=True)):
+                failures.append(f"seed {seed}, tensor {k}: {' '.join(taken)}")
+                break
+    assert not failures, "\n".join(failures)
