@@ -1,8 +1,8 @@
 """Random programs of views, in-place writes and ordinary ops, run on the CPU and on the device
 side by side: every tensor, views of views included, ends with the CPU's values, shape and
-conjugate / negative bits. Real and complex tensors (conj, real, imag, mH views of them);
-seeded, so a failure names a seed that reproduces it (run_program(seed) prints nothing, returns
-the steps taken)."""
+conjugate / negative bits; and random programs under autograd end with the CPU's loss and leaf
+gradients, or both refuse the backward (a write into a tensor it needs). Real and complex
+tensors (conj, real, imag, mH views of them); seeded, so a failure names the seed and its steps."""
 from __future__ import annotations
 
 import random
@@ -134,4 +134,68 @@ def test_random_view_and_write_programs_match_cpu(dev, chunk):
                     or not torch.allclose(c.resolve_conj().resolve_neg(), got, atol=1e-3, rtol=1e-3, equal_nan=True)):
                 failures.append(f"seed {seed}, tensor {k}: {' '.join(taken)}")
                 break
+    assert not failures, "\n".join(failures)
+
+
+def run_autograd_program(seed: int, dev, steps: int = 30):
+    """Leaves that require grad, random views, ops and in-place writes on non-leaves, one loss:
+    its steps, the losses and the leaves (cpu, remote). A write into a tensor the backward needs
+    makes both sides' backward refuse (version counters), which is part of what is compared."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    dtype = torch.complex64 if seed % 2 else torch.float32
+    leaves = [torch.randn(4, 6, dtype=dtype, requires_grad=True), torch.randn(2, 3, 4, dtype=dtype, requires_grad=True)]
+    pairs = [(c, c.detach().to(dev).requires_grad_()) for c in leaves]
+    leaves = list(pairs)
+    taken = []
+    for _ in range(steps):
+        k = rng.randrange(len(pairs))
+        c, r = pairs[k]
+        draw = rng.random()
+        if draw < 0.45:
+            chosen = _views(rng, c)
+        elif draw < 0.9:
+            chosen = _computes(rng, c)
+        elif c.is_leaf or (c._base is not None and c._base.is_leaf) or c.numel() == 0 or any(
+                st == 0 and n > 1 for st, n in zip(c.stride(), c.shape)):
+            chosen = None  # torch refuses in-place writes into leaves and their views, and into expanded tensors
+        else:
+            value = round(rng.uniform(-2, 2), 2)
+            chosen = rng.choice([("mul_", lambda x: x.mul_(value)), ("add_", lambda x: x.add_(value))])
+        if chosen is None:
+            continue
+        name, fn = chosen
+        taken.append(f"{k}.{name}")
+        try:
+            out_c = fn(c)
+        except RuntimeError:
+            taken.append("(refused on the CPU)")
+            break
+        out_r = fn(r)
+        if not name.endswith("_"):
+            pairs.append((out_c, out_r))
+    losses = [sum((t.real if t.is_complex() else t).sum() * (i + 1) * 0.01 for i, t in enumerate(side))
+              for side in zip(*pairs)]
+    return taken, losses, leaves
+
+
+@pytest.mark.parametrize("chunk", range(0, 200, 50))
+def test_random_autograd_programs_match_cpu(dev, chunk):
+    failures = []
+    for seed in range(chunk, chunk + 50):
+        taken, (loss_c, loss_r), leaves = run_autograd_program(seed, dev)
+        refused = []
+        for loss in (loss_c, loss_r):
+            try:
+                loss.backward()
+                refused.append(None)
+            except RuntimeError as e:
+                refused.append("modified by an inplace operation" in str(e) or str(e))
+        same = refused[0] == refused[1] and torch.allclose(loss_c.detach(), loss_r.detach().cpu(), atol=1e-3,
+                                                           rtol=1e-3, equal_nan=True)
+        if same and refused[0] is None:
+            same = all((c.grad is None) == (r.grad is None) and (c.grad is None or torch.allclose(
+                c.grad, r.grad.cpu(), atol=1e-3, rtol=1e-3, equal_nan=True)) for c, r in leaves)
+        if not same:
+            failures.append(f"seed {seed} ({refused}): {' '.join(taken)}")
     assert not failures, "\n".join(failures)
