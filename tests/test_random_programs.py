@@ -95,6 +95,30 @@ def _computes(rng, t):
     }[name]
 
 
+def _play(rng, pairs: list, steps: int, choose) -> list[str]:
+    """`steps` random steps on both sides: `choose(rng, cpu_tensor, pairs)` gives (name, function)
+    or None; a view's or an op's result joins `pairs`. Stops where the CPU refuses a step (e.g. a
+    write whose operands overlap). The steps taken, by tensor index and name."""
+    taken = []
+    for _ in range(steps):
+        k = rng.randrange(len(pairs))
+        c, r = pairs[k]
+        chosen = choose(rng, c, pairs)
+        if chosen is None:
+            continue
+        name, fn = chosen
+        taken.append(f"{k}.{name}")
+        try:
+            out_c = fn(c)
+        except RuntimeError:
+            taken.append("(refused on the CPU)")
+            break
+        out_r = fn(r)
+        if not (name.endswith("_") or name == "setitem"):  # writes return the tensor written
+            pairs.append((out_c, out_r))
+    return taken
+
+
 def run_program(seed: int, dev, steps: int = 40):
     """The program of `seed`, run on both sides; its steps, and the pairs (cpu, remote) it made."""
     rng = random.Random(seed)
@@ -102,24 +126,11 @@ def run_program(seed: int, dev, steps: int = 40):
     dtype = torch.complex64 if seed % 2 else torch.float32
     cpu = [torch.randn(4, 6, dtype=dtype), torch.randn(6, 4, dtype=dtype), torch.randn(2, 3, 4, dtype=dtype)]
     pairs = [(c, c.to(dev)) for c in cpu]
-    taken = []
-    for _ in range(steps):
-        k = rng.randrange(len(pairs))
-        c, r = pairs[k]
+    def choose(rng, c, pairs):
         draw = rng.random()
-        chosen = _views(rng, c) if draw < 0.4 else _writes(rng, c, pairs) if draw < 0.8 else _computes(rng, c)
-        if chosen is None:
-            continue
-        name, fn = chosen
-        taken.append(f"{k}.{name}")
-        try:
-            out_c = fn(c)
-        except RuntimeError:  # the CPU refuses it (e.g. a write whose operands overlap): stop here
-            taken.append("(refused on the CPU)")
-            break
-        out_r = fn(r)
-        if draw < 0.4 or draw >= 0.8:
-            pairs.append((out_c, out_r))
+        return _views(rng, c) if draw < 0.4 else _writes(rng, c, pairs) if draw < 0.8 else _computes(rng, c)
+
+    taken = _play(rng, pairs, steps, choose)
     return taken, pairs
 
 
@@ -147,33 +158,20 @@ def run_autograd_program(seed: int, dev, steps: int = 30):
     leaves = [torch.randn(4, 6, dtype=dtype, requires_grad=True), torch.randn(2, 3, 4, dtype=dtype, requires_grad=True)]
     pairs = [(c, c.detach().to(dev).requires_grad_()) for c in leaves]
     leaves = list(pairs)
-    taken = []
-    for _ in range(steps):
-        k = rng.randrange(len(pairs))
-        c, r = pairs[k]
+
+    def choose(rng, c, pairs):
         draw = rng.random()
         if draw < 0.45:
-            chosen = _views(rng, c)
-        elif draw < 0.9:
-            chosen = _computes(rng, c)
-        elif c.is_leaf or (c._base is not None and c._base.is_leaf) or c.numel() == 0 or any(
+            return _views(rng, c)
+        if draw < 0.9:
+            return _computes(rng, c)
+        if c.is_leaf or (c._base is not None and c._base.is_leaf) or c.numel() == 0 or any(
                 st == 0 and n > 1 for st, n in zip(c.stride(), c.shape)):
-            chosen = None  # torch refuses in-place writes into leaves and their views, and into expanded tensors
-        else:
-            value = round(rng.uniform(-2, 2), 2)
-            chosen = rng.choice([("mul_", lambda x: x.mul_(value)), ("add_", lambda x: x.add_(value))])
-        if chosen is None:
-            continue
-        name, fn = chosen
-        taken.append(f"{k}.{name}")
-        try:
-            out_c = fn(c)
-        except RuntimeError:
-            taken.append("(refused on the CPU)")
-            break
-        out_r = fn(r)
-        if not name.endswith("_"):
-            pairs.append((out_c, out_r))
+            return None  # torch refuses in-place writes into leaves and their views, and into expanded tensors
+        value = round(rng.uniform(-2, 2), 2)
+        return rng.choice([("mul_", lambda x: x.mul_(value)), ("add_", lambda x: x.add_(value))])
+
+    taken = _play(rng, pairs, steps, choose)
     losses = [sum((t.real if t.is_complex() else t).sum() * (i + 1) * 0.01 for i, t in enumerate(side))
               for side in zip(*pairs)]
     return taken, losses, leaves
