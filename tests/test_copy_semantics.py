@@ -155,3 +155,24 @@ def test_a_deepcopys_storage_copies_are_let_go_on_the_daemon(dev):
         assert torch.equal(c[1].cpu(), torch.arange(2.0, 8.0))
     gc.collect()
     assert memos() == before
+
+
+def test_a_cpu_tensor_that_requires_grad_is_refused_in_a_remote_op_as_on_cuda(dev):
+    """A CPU tensor mixed into a remote op is sent along, but when it required grad, backward
+    stopped inside PyTorch with 'opt_ready_stream && opt_parent_stream INTERNAL ASSERT FAILED'
+    (the gradient would come back across devices). The op now refuses, as CUDA does, saying
+    how to move it; 0-dim CPU tensors (allowed with CUDA) and moved tensors keep their gradients."""
+    weight = torch.full((3,), 2.0, device=dev, requires_grad=True)
+    cpu = torch.ones(3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="found at least two devices.*move it to the device first"):
+        cpu * weight
+    with pytest.raises(RuntimeError, match="found at least two devices"):
+        torch.nn.functional.linear(weight.reshape(1, 3), cpu.reshape(1, 3))
+    (cpu.to(dev) * weight).sum().backward()
+    assert torch.equal(cpu.grad, torch.full((3,), 2.0)) and torch.equal(weight.grad.cpu(), torch.ones(3))
+    scale = torch.tensor(3.0, requires_grad=True)
+    (scale * weight).sum().backward()
+    assert scale.grad.item() == 6.0
+    with torch.no_grad():  # no gradient to carry: the CPU tensor's values are sent, as before
+        assert torch.equal((cpu * weight).cpu(), torch.full((3,), 2.0))
+    assert torch.equal((cpu.detach() * weight).detach().cpu(), torch.full((3,), 2.0))

@@ -55,7 +55,7 @@ def op_name(func) -> str:
 class _Walk:
     """Result of one pass over an op's arguments."""
 
-    __slots__ = ("tensors", "sizes", "stream", "foreign_device", "key", "scalar_blind")
+    __slots__ = ("tensors", "sizes", "stream", "foreign_device", "key", "scalar_blind", "cpu_grad")
 
     def __init__(self, scalar_blind: bool = False) -> None:
         self.tensors: list[torch.Tensor] = []
@@ -63,6 +63,7 @@ class _Walk:
         self.stream = None
         self.foreign_device = False  # an explicit non-remote device argument (e.g. device="cpu")
         self.scalar_blind = scalar_blind  # key Python numbers by type only (see _blind_to_scalars)
+        self.cpu_grad = False  # a CPU tensor that requires grad, not a 0-dim one, is an argument
 
 
 # Ops whose outputs' metadata cannot depend on the values of Python numbers among their arguments,
@@ -120,6 +121,8 @@ def _walk(value, w: _Walk, seen: dict):
             else:
                 if value.device.type == "meta" or value.is_sparse:
                     raise UnsupportedOperationError("argument", f"{value.device.type}/{value.layout} tensors cannot be sent")
+                if value.requires_grad and value.dim():
+                    w.cpu_grad = True
                 w.sizes.append(value.untyped_storage().nbytes())
         if type(value) is LazyTensor:
             return (True, idx, value._genie.meta_key)
@@ -361,6 +364,21 @@ def capture(func, args: tuple, kwargs: dict):
     return _capture_general(func, args, kwargs)
 
 
+# Ops whose autograd formulas move gradients between devices themselves (`.to()`, `copy_`).
+_CROSSING_DEVICES = frozenset({id(torch.ops.aten._to_copy.default), id(torch.ops.aten.copy_.default)})
+
+
+def _refuse_cpu_grad(func, stream) -> None:
+    """A CPU tensor other than a 0-dim one mixed into a remote op runs (its values are sent), but
+    when it requires grad, autograd would send that gradient to it from the device: PyTorch's
+    engine stopped such a backward with an internal assert. CUDA refuses the mix at the op, with
+    this message; so does Genie, for tensors that require grad, saying what to do instead."""
+    raise RuntimeError(
+        f"Expected all tensors to be on the same device, but found at least two devices, {stream.device} and cpu! "
+        f"({op_name(func)} was given a CPU tensor that requires grad: move it to the device first, e.g. "
+        f"t.to('{stream.device}'), whose gradient autograd carries back to the CPU tensor)")
+
+
 def _capture_general(func, args: tuple, kwargs: dict, walked: tuple | None = None):
     """Any op on remote tensors. `walked`: (key, wire args, tensors, stream, cached plan or None)
     from `_capture_hot`, whose walk of plain arguments need not be done again."""
@@ -376,6 +394,8 @@ def _capture_general(func, args: tuple, kwargs: dict, walked: tuple | None = Non
             raise UnsupportedOperationError(op_name(func), "no remote tensor among its arguments")
         if w.foreign_device:
             return run_locally(func, args, kwargs)
+        if w.cpu_grad and torch.is_grad_enabled() and id(func) not in _CROSSING_DEVICES:
+            _refuse_cpu_grad(func, w.stream)
         tensors, sizes, stream = w.tensors, w.sizes, w.stream
         try:
             plan = _plans_get(key)
