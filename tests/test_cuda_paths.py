@@ -172,3 +172,15 @@ def test_the_programs_tf32_setting_governs_its_matmuls_on_the_gpu(gpu_daemon, pr
     torch.testing.assert_close(remote, local, rtol=1e-4, atol=1e-3)
     if torch.cuda.get_device_capability()[0] >= 8:
         assert (remote - other).abs().max() > 1e-2
+
+
+def test_a_backward_over_local_cuda_tensors_after_import_genie():
+    """PyTorch keeps one accelerator per process, and a registered PrivateUse1 backend (Genie's
+    remote_accelerator) becomes it; reports for torch >= 2.8 (pytorch/pytorch#161129) say its
+    autograd engine then stops any backward over local CUDA tensors with 'opt_ready_stream &&
+    opt_parent_stream INTERNAL ASSERT FAILED'. Not yet run on a GPU with Genie: this says which
+    it is here (README, API: "local CUDA autograd")."""
+    assert torch.accelerator.current_accelerator().type == "remote_accelerator"
+    x = torch.randn(4, 4, device="cuda", requires_grad=True)
+    (x * 2).sum().backward()
+    assert torch.equal(x.grad, torch.full((4, 4), 2.0, device="cuda"))
