@@ -10,9 +10,12 @@ its dimensions' order in memory reversed (same values, column-major strides): th
 also shows ops whose planned layout disagrees with the CPU kernels' for such inputs.
 With `--layout conj_view` every complex tensor is passed as a conjugate view of the same values
 (`t.conj_physical().conj()`, made on each side, as PyTorch's own tests of math views do), with
-`--layout neg_view` every floating tensor as a negative view (`torch._neg_view(-t)`).
+`--layout neg_view` every floating tensor as a negative view (`torch._neg_view(-t)`). With
+`--backward`, the samples of ops with autograd run with inputs that require grad, and the
+gradients of a weighted sum of the outputs are compared instead.
 
     python -m bench.opinfo_sweep [--ops add,mul] [--json out.json] [--max-samples N] [--layout L] [--dtype D]
+                                 [--backward]
 """
 from __future__ import annotations
 
@@ -137,8 +140,36 @@ def run_sample(op, args: tuple, kwargs: dict, dev, layout: str = "as_given") -> 
     return differs
 
 
+def _weighted_grads(op, args, kwargs, weights=None):
+    """Gradients of sum(output * weight) over the floating outputs that require grad, with
+    respect to the inputs that do; the weights (drawn on the CPU when not given)."""
+    leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+    outs = [o for o in pytree.tree_leaves(op(*args, **kwargs))
+            if isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point()]
+    if not leaves or not outs:
+        return None, None
+    if weights is None:
+        g = torch.Generator().manual_seed(0)
+        weights = [torch.randn(o.shape, generator=g) for o in outs]
+    total = sum((o * w.to(o.device)).sum() for o, w in zip(outs, weights))
+    return torch.autograd.grad(total, leaves, allow_unused=True), weights
+
+
+def run_sample_backward(op, args: tuple, kwargs: dict, dev, want, weights) -> None:
+    """Checks the remote gradients against the CPU's, `want` (raises where they differ)."""
+    remote_args, remote_kwargs = pytree.tree_map_only(
+        torch.Tensor, lambda t: t.detach().to(dev).requires_grad_(t.requires_grad), (args, kwargs))
+    got, _ = _weighted_grads(op, remote_args, remote_kwargs, weights)
+    for w, g in zip(want, got):
+        if (w is None) != (g is None):
+            raise AssertionError("a gradient is missing on one side")
+        if w is not None:
+            torch.testing.assert_close(to_cpu(g), w, equal_nan=True, check_device=False)
+
+
 def sweep(only: set[str] | None = None, max_samples: int | None = None, dev: str = "remote_accelerator:0",
-          verbose: bool = False, layout: str = "as_given", dtype: torch.dtype = torch.float32) -> dict:
+          verbose: bool = False, layout: str = "as_given", dtype: torch.dtype = torch.float32,
+          backward: bool = False) -> dict:
     from torch.testing._internal.common_methods_invocations import op_db
 
     passed = failed = skipped = 0
@@ -149,10 +180,11 @@ def sweep(only: set[str] | None = None, max_samples: int | None = None, dev: str
     for opinfo in op_db:
         if only and opinfo.name not in only:
             continue
-        if not is_deterministic(opinfo) or dtype not in opinfo.supported_dtypes("cpu"):
+        if not is_deterministic(opinfo) or dtype not in opinfo.supported_dtypes("cpu") or (
+                backward and not opinfo.supports_autograd):
             continue
         try:
-            samples = list(opinfo.sample_inputs("cpu", dtype))
+            samples = list(opinfo.sample_inputs("cpu", dtype, requires_grad=backward))
         except Exception:
             continue
         if max_samples:
@@ -165,15 +197,21 @@ def sweep(only: set[str] | None = None, max_samples: int | None = None, dev: str
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     args, kwargs = laid_out(sample, layout)
-                    expected = opinfo.op(*args, **kwargs)
-                del expected
+                    if backward:
+                        want, weights = _weighted_grads(opinfo.op, args, kwargs)
+                        if want is None:  # nothing of it takes part in autograd
+                            raise LookupError
+                    else:
+                        opinfo.op(*args, **kwargs)  # the CPU takes it (its result is compared later)
             except Exception:
                 skipped += 1  # the CPU itself rejects this sample
                 continue
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    if run_sample(opinfo.op, args, kwargs, dev, layout):
+                    if backward:
+                        run_sample_backward(opinfo.op, args, kwargs, dev, want, weights)
+                    elif run_sample(opinfo.op, args, kwargs, dev, layout):
                         layouts[opinfo.name] += 1
                 passed += 1
                 counts[0] += 1
@@ -204,6 +242,7 @@ def main(argv=None) -> int:
     p.add_argument("--layout", choices=sorted(LAYOUTS), default="as_given",
                    help="lay the samples' tensors out this way first")
     p.add_argument("--dtype", default="float32", help="the samples' dtype (a torch dtype name: complex64, ...)")
+    p.add_argument("--backward", action="store_true", help="compare gradients instead of outputs")
     p.add_argument("--strict-layouts", action="store_true",
                    help="exit with status 1 when the daemon holds any result otherwise than planned")
     args = p.parse_args(argv)
@@ -211,10 +250,11 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype, None)
     if not isinstance(dtype, torch.dtype):
         p.error(f"not a torch dtype: {args.dtype}")
-    result = sweep(only, args.max_samples, verbose=args.verbose, layout=args.layout, dtype=dtype)
+    result = sweep(only, args.max_samples, verbose=args.verbose, layout=args.layout, dtype=dtype,
+                   backward=args.backward)
     for name, msgs in sorted(result["failures"].items()):
         print(f"  {name}: {msgs[0]}")
-    print(f"OpInfo {args.dtype} samples ({args.layout}): {result['passed']} passed, {result['failed']} failed "
+    print(f"OpInfo {args.dtype} samples ({'backward' if args.backward else args.layout}): {result['passed']} passed, {result['failed']} failed "
           f"({result['pass_rate'] * 100:.1f}% pass) over {result['ops']} ops "
           f"({result['ops_all_pass']} fully passing), {result['seconds']:.0f}s")
     if result["layout_differs"]:

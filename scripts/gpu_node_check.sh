@@ -21,4 +21,5 @@ for layout in as_given channels_last permuted; do
   timeout 1200 python3 -m bench.opinfo_sweep --layout "$layout" --strict-layouts | tail -4 || status=1
 done
 timeout 1200 python3 -m bench.opinfo_sweep --dtype complex64 --layout conj_view --strict-layouts | tail -4 || status=1
+timeout 1200 python3 -m bench.opinfo_sweep --backward | tail -4 || status=1
 exit $status
