@@ -202,14 +202,7 @@ class Executor:
         if self._importer is not None:
             self._importer.release_finished()  # clients' memory whose copy here is done
         if request.ops and self._numerics is not None:
-            wanted = request.numerics or numerics.DEFAULT
-            if wanted != self._numerics:
-                try:
-                    numerics.apply(wanted)
-                except BaseException:  # PyTorch refused one: the request fails with its reason
-                    self._numerics = numerics.read()  # what is in force now, part-applied or not
-                    raise
-                self._numerics = wanted
+            self._use_numerics(request.numerics or numerics.DEFAULT)
         try:
             # No autograd on a daemon (clients record it): inference mode skips its dispatch and
             # version-counter work on every op (traced step of the demo GPT: min 423 -> 367 us).
@@ -359,21 +352,28 @@ class Executor:
                 programs.replay(self, client, program, device)
         return None
 
+    def _use_numerics(self, wanted: list) -> None:
+        """Put these numerics settings in force (wire form, checked), unless they already are."""
+        if wanted != self._numerics:
+            try:
+                numerics.apply(wanted)
+            except BaseException:  # PyTorch refused one: the request fails with its reason
+                self._numerics = numerics.read()  # what is in force now, part-applied or not
+                raise
+            self._numerics = wanted
+
     @contextlib.contextmanager
     def _numerics_of(self, program):
         """The program's recorded settings in force while it replays, the request's again after."""
-        wanted = program.numerics or numerics.DEFAULT
-        if self._numerics is None or wanted == self._numerics:
+        if self._numerics is None:
             yield
             return
         before = self._numerics
         try:
-            numerics.apply(wanted)
-            self._numerics = wanted
+            self._use_numerics(program.numerics or numerics.DEFAULT)
             yield
         finally:
-            numerics.apply(before)
-            self._numerics = before
+            self._use_numerics(before)
 
     def _import_shared(self, shared: tuple, device: torch.device) -> None:
         """Copy every CUDA IPC tensor of the request in before any op runs, so each opened handle is

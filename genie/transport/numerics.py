@@ -46,6 +46,7 @@ DEFAULT = ["none", "none", "tf32", "tf32", "none", "none", "none",
            [True, True], [True, True], False, False, True, False, False, False, False, True,
            True, True, True, True, True, False, False, [1, 2, 0, 3, 4]]
 
+_DEFAULTS = dict(zip(FIELDS, DEFAULT))
 _C = torch._C
 _GETTERS = ("_get_fp32_precision_getter", "_get_cublas_allow_fp16_reduced_precision_reduction",
             "_get_cublas_allow_bf16_reduced_precision_reduction", "_get_cublas_allow_fp16_accumulation",
@@ -136,17 +137,17 @@ def apply(values: list) -> None:
     torch.use_deterministic_algorithms(flags["deterministic_algorithms"], warn_only=flags["deterministic_warn_only"])
     _C._set_deterministic_fill_uninitialized_memory(flags["fill_uninitialized_memory"])
     for backend in SDP_BACKENDS:
-        _set_sdp(f"_set_sdp_use_{backend}", flags[f"sdp_{backend}"], DEFAULT[FIELDS.index(f"sdp_{backend}")])
-    _set_sdp("_set_math_sdp_allow_fp16_bf16_reduction", flags["sdp_math_fp16_bf16_reduction"], False)
-    _set_sdp("_set_sdp_priority_order", flags["sdp_priority_order"], DEFAULT[-1])
+        _set_sdp(f"_set_sdp_use_{backend}", f"sdp_{backend}", flags)
+    _set_sdp("_set_math_sdp_allow_fp16_bf16_reduction", "sdp_math_fp16_bf16_reduction", flags)
+    _set_sdp("_set_sdp_priority_order", "sdp_priority_order", flags)
 
 
-def _set_sdp(setter: str, value, default) -> None:
+def _set_sdp(setter: str, field: str, flags: dict) -> None:
     """An attention-backend setting, on a daemon whose PyTorch may predate it: where it has no
     such setting, only PyTorch's default can be honoured, and anything else is refused."""
-    set_it = getattr(_C, setter, None)
+    set_it, value = getattr(_C, setter, None), flags[field]
     if set_it is not None:
         set_it(value)
-    elif value != default:
+    elif value != _DEFAULTS[field]:
         raise RuntimeError(f"this daemon's PyTorch ({torch.__version__}) has no {setter}: it cannot run "
                            f"scaled_dot_product_attention with that setting ({value!r})")
