@@ -163,6 +163,11 @@ class LazyTensor(torch.Tensor):
             storage.data_ptr = lambda: identity
         return storage
 
+    def _user_attributes(self) -> dict:
+        """Attributes the program set on this tensor: not Genie's handle, nor torch's mark of an
+        nn.Parameter (which deepcopy and pickling restore their own way)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_genie" and k != "_is_param"}
+
     def __deepcopy__(self, memo):
         # As PyTorch copies a tensor (Tensor.__deepcopy__, nn.Parameter.__deepcopy__), with the
         # copies made by the daemon: a Parameter is a clone of its data; any other tensor a view
@@ -190,7 +195,7 @@ class LazyTensor(torch.Tensor):
             new.requires_grad_()
         if self.grad is not None:
             new.grad = copy.deepcopy(self.grad, memo)
-        state = {k: v for k, v in self.__dict__.items() if k != "_genie"}
+        state = self._user_attributes()
         if state:
             new.__dict__.update(copy.deepcopy(state, memo))
         memo[id(self)] = new
@@ -232,8 +237,7 @@ class LazyTensor(torch.Tensor):
         from .serialization import cpu_for_saving
 
         values = cpu_for_saving(self)
-        # Attributes set on the tensor are saved with it, as torch.save keeps them.
-        state = {k: v for k, v in self.__dict__.items() if k != "_genie" and k != "_is_param"}
+        state = self._user_attributes()  # saved with it, as torch.save keeps them
         if getattr(self, "_is_param", False):  # nn.Parameter(remote) is this class marked as one
             if state:
                 return torch._utils._rebuild_parameter_with_state, (
