@@ -47,7 +47,8 @@ def is_deterministic(opinfo) -> bool:
 
 
 def to_device(tree, dev):
-    return pytree.tree_map_only(torch.Tensor, lambda t: t.detach().to(dev), tree)
+    """The tensors of `tree` on `dev`, as leaves that require grad where the originals did."""
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.detach().to(dev).requires_grad_(t.requires_grad), tree)
 
 
 def to_cpu(tree):
@@ -129,11 +130,10 @@ def laid_out(sample, layout: str) -> tuple[tuple, dict]:
 def run_sample(op, args: tuple, kwargs: dict, dev, layout: str = "as_given") -> bool:
     """Checks the remote result's values against the CPU's; returns whether its layout differs."""
     expected = op(*args, **kwargs)
-    remote_args, remote_kwargs = to_device(args, dev), to_device(kwargs, dev)
+    remote_args, remote_kwargs = to_device((args, kwargs), dev)
     view = DEVICE_VIEWS.get(layout)
     if view is not None:
-        remote_args = pytree.tree_map_only(torch.Tensor, view, remote_args)
-        remote_kwargs = pytree.tree_map_only(torch.Tensor, view, remote_kwargs)
+        remote_args, remote_kwargs = pytree.tree_map_only(torch.Tensor, view, (remote_args, remote_kwargs))
     remote = op(*remote_args, **remote_kwargs)
     differs = layout_differs(expected, remote)
     torch.testing.assert_close(to_cpu(remote), expected, equal_nan=True, check_device=False)
@@ -157,8 +157,7 @@ def _weighted_grads(op, args, kwargs, weights=None):
 
 def run_sample_backward(op, args: tuple, kwargs: dict, dev, want, weights) -> None:
     """Checks the remote gradients against the CPU's, `want` (raises where they differ)."""
-    remote_args, remote_kwargs = pytree.tree_map_only(
-        torch.Tensor, lambda t: t.detach().to(dev).requires_grad_(t.requires_grad), (args, kwargs))
+    remote_args, remote_kwargs = to_device((args, kwargs), dev)
     got, _ = _weighted_grads(op, remote_args, remote_kwargs, weights)
     for w, g in zip(want, got):
         if (w is None) != (g is None):
