@@ -347,3 +347,49 @@ def test_transformer_encoder_with_padding_mask_in_eval(dev):
         want = dense(x, src_key_padding_mask=mask)
         got = copy.deepcopy(dense).to(dev)(x.to(dev), src_key_padding_mask=mask.to(dev))
     torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-4)
+
+
+def _inference_mode_cases(d):
+    """What PyTorch makes of views across torch.inference_mode: each case's result, or its error."""
+    def outcome(case):
+        try:
+            return case()
+        except RuntimeError as e:
+            return f"RuntimeError: {str(e)[:60]}"
+
+    base = torch.arange(16.0).reshape(4, 4).to(d)
+    written = base.clone()
+    with torch.inference_mode():
+        made_inside = torch.arange(16.0).reshape(4, 4).to(d)
+        flags = [v.is_inference() for v in (base[1:], base.t(), *base.split(2), base.detach(), base + 1, (base + 1)[1])]
+        written[1].mul_(2)  # in-place through a view of a normal tensor, inside
+        kept_view = written.view(-1)
+    leaf = base.clone().requires_grad_()
+    with torch.inference_mode():
+        leaf_row = leaf[1]
+    (leaf_row * 2).sum().backward()
+    return {
+        "flags": flags,
+        "views of an inference tensor": [v.is_inference() for v in (made_inside[1], made_inside.t(), made_inside * 2)],
+        "written": written.cpu().tolist(), "version": written._version, "shares version": kept_view._version == written._version,
+        "view, then written outside": outcome(lambda: kept_view.add_(1).sum().item()),
+        "inference view written outside": outcome(lambda: made_inside[1].add_(1)),
+        "leaf row": (leaf_row.requires_grad, leaf_row.is_leaf), "leaf grad": leaf.grad,
+    }
+
+
+def test_views_under_inference_mode_follow_pytorch(dev):
+    """A view is an inference tensor exactly when its input is one (PyTorch's rule). Views of a
+    model's tensors inside torch.inference_mode() failed ("Cannot set version_counter for
+    inference tensor", the wrapper being made in inference mode; nn.MultiheadAttention failed
+    so), and views of inference tensors outside it were normal tensors, which accepted in-place
+    writes that PyTorch refuses."""
+    assert _inference_mode_cases(dev) == _inference_mode_cases("cpu")
+
+    torch.manual_seed(0)
+    mha, x = nn.MultiheadAttention(8, 2, batch_first=True).eval(), torch.randn(2, 5, 8)
+    remote, xr = copy.deepcopy(mha).to(dev), x.to(dev)
+    with torch.inference_mode():
+        want, got = mha(x, x, x)[0], remote(xr, xr, xr)[0]
+    assert got.is_inference()
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-4)

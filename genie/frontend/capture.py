@@ -342,7 +342,11 @@ def _capture_hot(func, args: tuple):
     out_plan = plan.outputs
     with stream.lock:
         outs = next(stream.link.handle_ids)
-        outputs = _planned(stream, outs, out_plan)
+        if plan.view and args[0].is_inference() is not _inference_mode_enabled():
+            with torch.inference_mode(args[0].is_inference()):
+                outputs = _planned(stream, outs, out_plan)
+        else:
+            outputs = _planned(stream, outs, out_plan)
         entry = [_names.get(id(func)) or op_name(func), wire, {}, outs]
         # DeviceStream.append inlined for the case where the batch neither changes stream nor fills up.
         ids = thread_streams.ids
@@ -421,6 +425,8 @@ def _capture_general(func, args: tuple, kwargs: dict, walked: tuple | None = Non
                 plan = meta.REMOTE  # remembered: the next identical call skips meta execution
             if loose is not None:
                 meta_cache.put(loose, plan)
+        if plan is not _REMOTE and _views_of_first(func):
+            plan = meta.Plan(plan.outputs, plan.mutations, view=True)
         if key is not None:
             meta_cache.put(key, plan)
     if plan is _REMOTE:
@@ -428,7 +434,10 @@ def _capture_general(func, args: tuple, kwargs: dict, walked: tuple | None = Non
         return run_reported(func, args, kwargs, stream, wire_args)
     with stream.lock:
         out_plan = plan.outputs
-        if type(out_plan) is _NewTensor:  # the common case, without the general walk
+        if plan.view and tensors[0].is_inference() is not _inference_mode_enabled():
+            with torch.inference_mode(tensors[0].is_inference()):
+                outputs, outs = _build_outputs(out_plan, stream, tensors)
+        elif type(out_plan) is _NewTensor:  # the common case, without the general walk
             outs = next(stream.link.handle_ids)
             outputs = _planned(stream, outs, out_plan)
         else:
@@ -467,6 +476,22 @@ def _library_op(func, args, kwargs):
 
 def _any_device_kernel(func, args, kwargs):
     return func.redispatch(ANY_DEVICE_KEYS, *args, **kwargs)
+
+
+def _views_of_first(func) -> bool:
+    """Whether `func` returns views of its first argument (view, t, select, split, detach, ...).
+    PyTorch makes such a view an inference tensor exactly when that argument is one, whether or
+    not inference mode is on; a wrapper is one when made in inference mode, and torch's autograd
+    layer then refuses to give it its base's version counter ("Cannot set version_counter for
+    inference tensor", pytorch/pytorch#170419): `x[1]` of a model's tensor inside
+    torch.inference_mode() failed. Such outputs are made in the argument's mode."""
+    schema = func._schema
+    first = schema.arguments[0].alias_info if schema.arguments else None
+    return (first is not None and not first.is_write
+            and any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns))
+
+
+_inference_mode_enabled = torch.is_inference_mode_enabled
 
 
 _FRESH_OUTPUTS: dict[int, bool] = {}  # id(op) -> whether it writes no argument and returns only new tensors

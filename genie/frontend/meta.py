@@ -118,6 +118,7 @@ class Value:
 class Plan:
     outputs: Any  # NewTensor | SameAsInput | Value | tuple/list of those
     mutations: tuple  # (input index, shape, stride, offset, storage nbytes)
+    view: bool = False  # the outputs are views of the first argument (see capture._views_of_first)
 
 
 class MetaCache:
