@@ -92,6 +92,7 @@ def test_storage_on_the_device_is_refused_with_a_way_out(dev):
     """The process has no storage for remote tensors: asking for some raises and says what to do;
     it used to crash the process (a null allocator)."""
     from genie.frontend import native_guard
+    from genie.transport.tensors import DTYPE_NAMES
 
     if not native_guard.loaded():
         pytest.skip("needs Genie's C++ device guard, which needs a C++ compiler")
@@ -170,6 +171,41 @@ def test_more_of_the_torch_cuda_memory_api(dev):
     assert ra.max_memory_allocated() == ra.memory_allocated() < base + (4 << 20)
     assert ra.reset_max_memory_allocated is ra.reset_peak_memory_stats
     assert "allocated_bytes.all.current" in ra.memory_summary()
+
+
+def test_torch_accelerator_memory_api(dev):
+    """Device-agnostic code asks torch.accelerator (memory_allocated, max_memory_allocated,
+    memory_reserved, memory_stats, reset_peak_memory_stats, empty_cache, get_memory_info): each
+    stopped in PyTorch's internal assert "Allocator for remote_accelerator is not a
+    DeviceAllocator". The figures are the daemon's, as torch.remote_accelerator's.
+    get_device_capability() raised, and empty_host_cache() crashed the process."""
+    from genie.frontend import native_guard
+    from genie.transport.tensors import DTYPE_NAMES
+
+    if not native_guard.loaded():
+        pytest.skip("needs Genie's C++ device guard (no C++ compiler here)")
+    acc, ra = torch.accelerator, torch.remote_accelerator
+    assert acc.current_accelerator().type == "remote_accelerator"
+    ra.init()
+    acc.reset_peak_memory_stats()
+    base = acc.memory_allocated()
+    assert base == ra.memory_allocated()
+    x = torch.ones(1 << 20, device=dev)  # 4 MiB
+    assert acc.memory_allocated() == ra.memory_allocated() == base + (4 << 20)
+    assert acc.max_memory_allocated() >= base + (4 << 20)
+    stats = acc.memory_stats()
+    assert stats["allocated_bytes.all.current"] == base + (4 << 20)
+    assert stats["reserved_bytes.all.current"] == acc.memory_reserved() == ra.memory_reserved()
+    assert acc.max_memory_reserved() >= acc.memory_reserved()
+    del x
+    acc.reset_peak_memory_stats()
+    assert acc.max_memory_allocated() == acc.memory_allocated() == base
+    acc.empty_cache()
+    free, total = acc.get_memory_info()
+    assert 0 < free <= total == ra.mem_get_info()[1]
+    assert acc.memory_allocated(torch.device(dev)) == base
+    assert acc.get_device_capability()["supported_dtypes"] == set(DTYPE_NAMES)  # it raised
+    torch.accelerator.empty_host_cache()  # crashed the process (no host allocator for the device)
 
 
 def test_capability_and_bf16_come_from_the_daemons_device(dev):

@@ -13,6 +13,10 @@
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
+#if GENIE_TORCH_VERSION >= 213
+#include <ATen/core/CachingHostAllocator.h>
+#include <c10/core/CachingDeviceAllocator.h>
+#endif
 #include <c10/core/GeneratorImpl.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/Generator.h>
@@ -87,6 +91,26 @@ struct RemoteGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     return static_cast<c10::DeviceIndex>(n > kDeviceCountFloor ? n : kDeviceCountFloor);
   }
 
+#if GENIE_TORCH_VERSION >= 213
+  // torch.accelerator.get_device_capability(): the dtypes a remote tensor can have and be converted
+  // between, the wire's (genie/transport/tensors.py DTYPE_NAMES; a test keeps the two equal).
+  // Quantized and sub-byte "bits" dtypes are not among them.
+  c10::DeviceCapability getDeviceCapability(c10::Device /*device*/) const override {
+    c10::DeviceCapability cap;
+    cap.capability_data.capability_bits = 0;
+#define GENIE_WIRE_DTYPE(name) cap.capability_data.capability_bits |= 1ULL << c10::kIndex_##name;
+    GENIE_WIRE_DTYPE(Byte) GENIE_WIRE_DTYPE(Char) GENIE_WIRE_DTYPE(Short) GENIE_WIRE_DTYPE(Int)
+    GENIE_WIRE_DTYPE(Long) GENIE_WIRE_DTYPE(UInt16) GENIE_WIRE_DTYPE(UInt32) GENIE_WIRE_DTYPE(UInt64)
+    GENIE_WIRE_DTYPE(Bool) GENIE_WIRE_DTYPE(Half) GENIE_WIRE_DTYPE(Float) GENIE_WIRE_DTYPE(Double)
+    GENIE_WIRE_DTYPE(BFloat16) GENIE_WIRE_DTYPE(ComplexHalf) GENIE_WIRE_DTYPE(ComplexFloat)
+    GENIE_WIRE_DTYPE(ComplexDouble) GENIE_WIRE_DTYPE(Float8_e5m2) GENIE_WIRE_DTYPE(Float8_e4m3fn)
+    GENIE_WIRE_DTYPE(Float8_e5m2fnuz) GENIE_WIRE_DTYPE(Float8_e4m3fnuz) GENIE_WIRE_DTYPE(Float8_e8m0fnu)
+    GENIE_WIRE_DTYPE(Float4_e2m1fn_x2)
+#undef GENIE_WIRE_DTYPE
+    return cap;
+  }
+#endif
+
   void record(void** event, const c10::Stream& /*stream*/, const c10::DeviceIndex /*device_index*/,
               const c10::EventFlag /*flag*/) const override {
     if (*event == nullptr) *event = new GuardEvent{0.0};
@@ -140,7 +164,7 @@ struct GilHeld {
 [[noreturn]] void throw_hook_error() {
   PyObject *type = nullptr, *value = nullptr, *traceback = nullptr;
   PyErr_Fetch(&type, &value, &traceback);
-  std::string message = "remote_accelerator generator state: the hook failed";
+  std::string message = "remote_accelerator: a hook into Genie failed";
   if (value != nullptr) {
     if (PyObject* text = PyObject_Str(value)) {
       if (const char* utf8 = PyUnicode_AsUTF8(text)) message = utf8;
@@ -272,12 +296,106 @@ constexpr const char* kNoStorage =
     "map_location=\"remote_accelerator\") (or a torch.device, or a dict naming it), or load to the "
     "CPU and move the tensors with .to(\"remote_accelerator\") or model.load_state_dict(...)";
 
-struct NoStorageAllocator final : public c10::Allocator {
+// torch.accelerator.memory_allocated() and its siblings (memory_stats, max_memory_allocated,
+// memory_reserved, reset_peak_memory_stats, empty_cache, get_memory_info) ask the device's
+// allocator, which must be a c10::DeviceAllocator: with a plain one every such call stopped in
+// an internal assert ("Allocator for remote_accelerator is not a DeviceAllocator"). The figures
+// are the daemon's, through Genie's Python side: hook(action, device index) returns a tuple of
+// ints ("stats": allocated, allocated peak, reserved, reserved peak; "info": free, total) or ().
+// Borrowed: genie.frontend.device keeps it alive for the life of the process.
+PyObject* g_memory_hook = nullptr;
+
+std::vector<int64_t> call_memory_hook(const char* action, c10::DeviceIndex device) {
+  TORCH_CHECK(g_memory_hook != nullptr, "remote_accelerator memory figures need Genie's device module (import genie)");
+  GilHeld gil;
+  PyObject* answer = PyObject_CallFunction(g_memory_hook, "si", action, static_cast<int>(device));
+  if (answer == nullptr) throw_hook_error();
+  std::vector<int64_t> values;
+  Py_ssize_t n = PyTuple_Check(answer) ? PyTuple_GET_SIZE(answer) : -1;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(answer, i));
+    if (v == -1 && PyErr_Occurred()) break;
+    values.push_back(static_cast<int64_t>(v));
+  }
+  Py_DECREF(answer);
+  if (PyErr_Occurred()) throw_hook_error();
+  TORCH_CHECK(n >= 0, "remote_accelerator memory hook: expected a tuple of integers");
+  return values;
+}
+
+#if GENIE_TORCH_VERSION >= 213
+using AllocatorBase = c10::DeviceAllocator;
+#else
+using AllocatorBase = c10::Allocator;  // older PyTorch: torch.accelerator's memory calls are not offered
+#endif
+
+struct NoStorageAllocator final : public AllocatorBase {
   c10::DataPtr allocate(size_t /*n*/) override { TORCH_CHECK(false, kNoStorage); }
   void copy_data(void* /*dest*/, const void* /*src*/, std::size_t /*count*/) const override {
     TORCH_CHECK(false, kNoStorage);
   }
+#if GENIE_TORCH_VERSION >= 213
+  bool initialized() override { return g_memory_hook != nullptr; }
+  void emptyCache(c10::MempoolId_t /*mempool_id*/) override { call_memory_hook("empty_cache", -1); }
+  // No remote storage is held in this process, so there is no block to keep from reuse here.
+  void recordStream(const c10::DataPtr& /*ptr*/, c10::Stream /*stream*/) override {}
+  // The daemon reports bytes allocated and reserved (now and their peaks) for its device; it
+  // counts no allocation events, so those counters, and the cumulative ones, stay 0.
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    std::vector<int64_t> v = call_memory_hook("stats", device);
+    TORCH_CHECK(v.size() == 4, "remote_accelerator memory hook: stats must be 4 integers");
+    c10::CachingDeviceAllocator::DeviceStats stats;
+    constexpr auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    stats.allocated_bytes[all].current = v[0];
+    stats.allocated_bytes[all].peak = v[1];
+    stats.reserved_bytes[all].current = v[2];
+    stats.reserved_bytes[all].peak = v[3];
+    return stats;
+  }
+  void resetAccumulatedStats(c10::DeviceIndex /*device*/) override {}  // none is kept (see above)
+  void resetPeakStats(c10::DeviceIndex device) override { call_memory_hook("reset_peak", device); }
+  std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex device) override {
+    std::vector<int64_t> v = call_memory_hook("info", device);
+    TORCH_CHECK(v.size() == 2, "remote_accelerator memory hook: info must be 2 integers");
+    return {static_cast<size_t>(v[0]), static_cast<size_t>(v[1])};
+  }
+#endif
 };
+
+#if GENIE_TORCH_VERSION >= 213
+// torch.accelerator.empty_host_cache() asks the accelerator's host (pinned) allocator; with none
+// registered for PrivateUse1, PyTorch dereferenced a null one and the process crashed. Pinned
+// memory for remote_accelerator is CUDA's where this process has a GPU (RemoteHooks): this one
+// hands its calls to CUDA's host allocator then; otherwise it is ordinary host memory and keeps
+// no cache (nothing to empty, nothing counted).
+struct RemoteHostAllocator final : public at::HostAllocator {
+  static at::HostAllocator* cuda() {
+    return at::detail::getCUDAHooks().hasCUDA() ? at::getHostAllocator(c10::DeviceType::CUDA) : nullptr;
+  }
+  c10::DataPtr allocate(size_t n) override {
+    at::HostAllocator* a = cuda();
+    return a != nullptr ? a->allocate(n) : c10::GetCPUAllocator()->allocate(n);
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
+  bool record_event(void* ptr, void* ctx, c10::Stream stream) override {
+    at::HostAllocator* a = stream.device_type() == c10::DeviceType::CUDA ? cuda() : nullptr;
+    return a != nullptr && a->record_event(ptr, ctx, stream);
+  }
+  void empty_cache() override {
+    if (at::HostAllocator* a = cuda()) a->empty_cache();
+  }
+  at::HostStats get_stats() override {
+    at::HostAllocator* a = cuda();
+    return a != nullptr ? a->get_stats() : at::HostStats{};
+  }
+  void reset_accumulated_stats() override {
+    if (at::HostAllocator* a = cuda()) a->reset_accumulated_stats();
+  }
+  void reset_peak_stats() override {
+    if (at::HostAllocator* a = cuda()) a->reset_peak_stats();
+  }
+};
+#endif
 
 }  // namespace
 
@@ -320,6 +438,8 @@ void genie_set_generator_state_hooks(PyObject* get, PyObject* set) {
   g_get_state_hook = get;
   g_set_state_hook = set;
 }
+// Genie's Python function behind torch.accelerator's memory calls (see g_memory_hook).
+void genie_set_memory_hook(PyObject* hook) { g_memory_hook = hook; }
 // Called by Genie after (re)connecting: the number of remote devices.
 void genie_set_device_count(int n) { g_device_count.store(n > 0 ? n : 1); }
 // Installs this guard for PrivateUse1, replacing the one-device Python guard.
@@ -328,5 +448,9 @@ void genie_install_guard() {
   static c10::impl::DeviceGuardImplRegistrar registrar(c10::DeviceType::PrivateUse1, new RemoteGuardImpl());
   static NoStorageAllocator no_storage;
   c10::SetAllocator(c10::DeviceType::PrivateUse1, &no_storage);
+#if GENIE_TORCH_VERSION >= 213
+  static RemoteHostAllocator host;
+  at::setHostAllocator(c10::DeviceType::PrivateUse1, &host);
+#endif
 }
 }

@@ -208,6 +208,29 @@ def memory_summary(device=None, abbreviated: bool = False) -> str:
     return "\n".join(lines)
 
 
+def _accelerator_memory(action: str, index: int) -> tuple:
+    """torch.accelerator's memory calls for remote_accelerator (memory_allocated, memory_stats,
+    max_memory_*, memory_reserved, reset_peak_memory_stats, empty_cache, get_memory_info), asked
+    by the device's C++ allocator (genie/csrc/device_guard.cpp), answered from the daemon."""
+    if action == "stats":
+        stats = memory_stats(index)
+        reserved_peak = stats["reserved_bytes.all.peak"]
+        if reserved_peak is None:
+            from genie.errors import GenieError
+
+            raise GenieError("this genie-daemon is older than reserved-memory peaks: use "
+                             "torch.remote_accelerator.memory_stats()")
+        return (stats["allocated_bytes.all.current"], stats["allocated_bytes.all.peak"],
+                stats["reserved_bytes.all.current"], reserved_peak)
+    if action == "info":
+        return mem_get_info(index)
+    if action == "reset_peak":
+        reset_peak_memory_stats(index)
+    elif action == "empty_cache":
+        empty_cache()
+    return ()
+
+
 def empty_cache() -> None:
     """Like torch.cuda.empty_cache: every connected daemon lets go of memory it keeps for reuse
     (its CUDA caching allocator's unused blocks, idle pinned and receive buffers). Tensors in use
@@ -367,6 +390,7 @@ def register() -> types.ModuleType:
     if native_guard.load():
         get_runtime().on_start.append(lambda: native_guard.set_device_count(len(get_runtime().streams)))
         native_guard.set_generator_state_hooks(_generator_state, _set_generator_state)  # module functions: alive for good
+        native_guard.set_memory_hook(_accelerator_memory)
     get_runtime().on_start.append(_apply_pending_seed)
     get_runtime().on_start.append(_mark_initialized)
     from .meta import import_lazy_dependencies

@@ -46,7 +46,9 @@ def _build(source: str, target: str) -> None:
     os.makedirs(os.path.dirname(target), exist_ok=True)
     with tempfile.TemporaryDirectory(dir=os.path.dirname(target)) as tmp:
         out = os.path.join(tmp, "guard.so")
+        major, minor = (int(part) for part in torch.__version__.split(".")[:2])
         cmd = [compiler, "-shared", "-fPIC", "-O2", "-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+               f"-DGENIE_TORCH_VERSION={major * 100 + minor}",
                "-I", os.path.join(torch_dir, "include"), "-I", sysconfig.get_paths()["include"], source, "-L", os.path.join(torch_dir, "lib"),
                "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{os.path.join(torch_dir, 'lib')}", "-o", out]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -83,6 +85,7 @@ def load() -> bool:
         lib.genie_generators_dropped.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
         lib.genie_generators_dropped.restype = ctypes.c_int
         lib.genie_set_generator_state_hooks.argtypes = [ctypes.py_object, ctypes.py_object]
+        lib.genie_set_memory_hook.argtypes = [ctypes.py_object]
     except Exception as e:  # noqa: BLE001 - any failure: keep the Python guard and say so
         warnings.warn(f"genie: using PyTorch's single-device Python guard for remote_accelerator ({e}); "
                       "autograd and device guards on remote_accelerator:1 and above will not work", RuntimeWarning)
@@ -127,6 +130,13 @@ def set_generator_state_hooks(get, set_) -> None:
     borrows them: the caller keeps both alive for the life of the process."""
     if _lib is not None:
         _lib.genie_set_generator_state_hooks(get, set_)
+
+
+def set_memory_hook(hook) -> None:
+    """The Python function behind torch.accelerator's memory calls for remote_accelerator
+    (hook(action, device index) -> tuple of ints). Borrowed, as the generator state hooks are."""
+    if _lib is not None:
+        _lib.genie_set_memory_hook(hook)
 
 
 def generators_dropped() -> list[int]:
