@@ -92,7 +92,6 @@ def test_storage_on_the_device_is_refused_with_a_way_out(dev):
     """The process has no storage for remote tensors: asking for some raises and says what to do;
     it used to crash the process (a null allocator)."""
     from genie.frontend import native_guard
-    from genie.transport.tensors import DTYPE_NAMES
 
     if not native_guard.loaded():
         pytest.skip("needs Genie's C++ device guard, which needs a C++ compiler")
