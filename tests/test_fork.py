@@ -78,10 +78,11 @@ PLAIN_FORK_EXIT = COMMON + textwrap.dedent("""
 """)
 
 
-def _run(script: str) -> dict[str, str]:
+def _run(script: str | None, argv: list[str] | None = None) -> dict[str, str]:
+    """Run `script` (or the file and arguments in `argv`) in an interpreter of its own; its "KEY value" lines."""
     env = {k: v for k, v in os.environ.items() if k != "GENIE_SERVER_URL"}  # the embedded daemon
     # A session of its own: on a timeout the whole group goes (the forked child and the daemon too).
-    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, *(argv or ["-c", script])], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=120)
@@ -110,3 +111,62 @@ def test_forked_child_exit_leaves_the_parents_daemon_alone():
     lines = _run(PLAIN_FORK_EXIT)
     assert lines["CHILD"] == "status 0"
     assert lines["PARENT"] == "ok True True"  # same daemon, still running, same connection
+
+
+SENDING = textwrap.dedent("""
+    import sys, torch, genie
+    import torch.multiprocessing as mp
+    from multiprocessing.reduction import ForkingPickler
+
+    DEV = "remote_accelerator:0"
+
+    def child(q, answers):
+        try:
+            got = []
+            for _ in range(3):
+                t = q.get(timeout=90)
+                got.append((t.device.type, t.cpu().tolist(), isinstance(t, torch.nn.Parameter), t.requires_grad,
+                            t.is_leaf))
+            answers.put(("ok", got))
+        except BaseException as e:
+            answers.put(("failed", repr(e)))
+
+    if __name__ == "__main__":
+        ctx = mp.get_context(sys.argv[1])
+        q, answers = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=child, args=(q, answers))
+        p.start()
+        x = torch.arange(6.0, device=DEV).reshape(2, 3)
+        q.put(x[:, 1:])  # a view: its own values arrive
+        q.put(torch.nn.Parameter(torch.ones(2, device=DEV)))
+        q.put(torch.zeros(2, device=DEV, requires_grad=True))
+        print("CHILD", answers.get(timeout=90))
+        p.join(60)
+        try:
+            ForkingPickler.dumps(x.requires_grad_() * 2)
+            print("NONLEAF sent")
+        except RuntimeError as e:
+            print("NONLEAF", str(e)[:40])
+""")
+
+
+def test_remote_tensors_sent_to_a_process_arrive_on_the_device(tmp_path):
+    """torch.multiprocessing (Queue, Pipe, Process arguments) delivered remote tensors to the other
+    process as CPU tensors (pickled as for torch.save): its work silently ran on its CPU. They
+    arrive on remote_accelerator now, as copies (CUDA shares memory by IPC; a daemon's memory
+    belongs to one client), Parameters as Parameters; a non-leaf requiring grad is refused as
+    torch.multiprocessing refuses it."""
+    script = tmp_path / "sending.py"
+    script.write_text(SENDING)
+    for method in ("spawn", "fork"):
+        lines = _run_file(script, method)
+        status, got = ast.literal_eval(lines["CHILD"])
+        assert status == "ok", (method, got)
+        assert got == [("remote_accelerator", [[1.0, 2.0], [4.0, 5.0]], False, False, True),
+                       ("remote_accelerator", [1.0, 1.0], True, True, True),
+                       ("remote_accelerator", [0.0, 0.0], False, True, True)], method
+        assert lines["NONLEAF"] == "Cowardly refusing to serialize non-leaf", method
+
+
+def _run_file(script, *args) -> dict[str, str]:
+    return _run(None, [str(script), *args])
