@@ -20,7 +20,7 @@ from genie.transport.cuda_ipc import SharedCudaTensor
 from genie.transport.errors import ProtocolError
 from genie.transport.protocol import BulkTensor, DeviceRef, Exec, GeneratorRef, HandleRef, InlineTensor, OpCall
 from genie.transport.hostmem import snapshot
-from genie.transport.tensors import (bytes_as_tensor, check_shape, dense, dense_bytes, dtype_name, elements_spanned,
+from genie.transport.tensors import (as_marked_view, bytes_as_tensor, check_shape, dense, dense_bytes, dtype_name, elements_spanned,
                                      frames_to_tensor, is_dense, tensor_to_buffer, tensor_to_frames)
 
 from . import attention
@@ -630,12 +630,9 @@ class Executor:
             copied = memo[key] = (storage, storage.clone())
         copy = torch.empty(0, dtype=source.dtype, device=source.device).set_(
             copied[1], source.storage_offset(), source.shape, source.stride())
-        # A conjugate or negative view's storage holds the values unconjugated, unnegated: the
-        # copy is the same view of the copy (the client then makes it a plain tensor, as torch).
-        if source.is_conj():
-            copy = torch._conj(copy)
-        if source.is_neg():
-            copy = torch._neg_view(copy)
+        # The copy is the same conjugate / negative view of the copy (the client then makes it a
+        # plain tensor, as torch).
+        copy = as_marked_view(copy, source.is_conj(), source.is_neg())
         client.put(call.outs, copy)
         self._enforce_limit(client, call)
         return copy

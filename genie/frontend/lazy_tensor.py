@@ -13,6 +13,7 @@ import copy
 import torch
 
 from genie.runtime.stream import DeviceStream, HandleRef
+from genie.transport.tensors import as_marked_view
 
 from .meta import CONJ, NEG, key_bits, meta_key, set_view_bits, view_bits
 
@@ -147,8 +148,7 @@ class LazyTensor(torch.Tensor):
     def _view_bits_to_daemon(self, bits: int) -> None:
         set_view_bits(self, 0)  # as the daemon's tensor is: the views below are planned from it
         with torch.no_grad():
-            view = torch.ops.aten._conj.default(self) if bits & CONJ else self
-            view = torch.ops.aten._neg_view.default(view) if bits & NEG else view
+            view = as_marked_view(self, bool(bits & CONJ), bool(bits & NEG))
         set_view_bits(self, bits)
         self._genie = view._genie  # as `t.data = new`: this wrapper now names the view
 

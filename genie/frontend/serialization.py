@@ -18,6 +18,8 @@ import weakref
 
 import torch
 
+from genie.transport.tensors import as_marked_view
+
 NAME = "remote_accelerator"
 PRIORITY = 1  # before PyTorch's own (cpu 10 ... privateuse1 23), which would ask this device for storage
 
@@ -68,10 +70,7 @@ def cpu_for_saving(t) -> torch.Tensor:
                 _fetched_storages[key] = storage
         del whole  # its handle on the daemon goes with it
     view = torch.empty(0, dtype=t.dtype).set_(storage, offset, t.shape, strides)
-    if conj:  # the storage holds the values unconjugated: a conjugate view of them, as torch.save keeps one
-        view = view.conj()
-    if neg:
-        view = torch._neg_view(view)
+    view = as_marked_view(view, conj, neg)  # as torch.save keeps a conjugate / negative view
     return view.requires_grad_(t.requires_grad)  # as torch.save keeps it (a loaded tensor is a leaf)
 
 

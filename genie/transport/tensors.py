@@ -130,6 +130,17 @@ def check_frames(frame, limit: int) -> list[int]:
     return frames
 
 
+def as_marked_view(t: torch.Tensor, conj: bool, neg: bool) -> torch.Tensor:
+    """`t` as the conjugate and/or negative view these bits mark. Such a view's storage holds its
+    values unconjugated and unnegated, with the bits on the tensor: a copy or a saved CPU copy of
+    that storage becomes the same view of it again this way."""
+    if conj:
+        t = torch._conj(t)
+    if neg:
+        t = torch._neg_view(t)
+    return t
+
+
 def elements_spanned(offset: int, sizes, strides) -> int:
     """Elements of storage, from its start, that a view with these offset, sizes and strides
     reaches (non-negative strides); 0 for a view with no elements."""
