@@ -184,3 +184,22 @@ def test_a_backward_over_local_cuda_tensors_after_import_genie():
     x = torch.randn(4, 4, device="cuda", requires_grad=True)
     (x * 2).sum().backward()
     assert torch.equal(x.grad, torch.full((4, 4), 2.0, device="cuda"))
+
+
+def test_torch_accelerator_memory_figures_from_a_gpu_daemon(gpu_daemon):
+    """torch.accelerator's memory calls reach the daemon's CUDA allocator figures; the device's
+    host allocator hands empty_host_cache() to CUDA's pinned allocator in a process with a GPU."""
+    from genie.frontend import native_guard
+
+    if not native_guard.loaded() or tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 13):
+        pytest.skip("needs Genie's C++ device guard and PyTorch >= 2.13")
+    acc, ra = torch.accelerator, torch.remote_accelerator
+    x = torch.ones(1 << 20, device="remote_accelerator:0")
+    assert acc.memory_allocated() == ra.memory_allocated() >= 4 << 20
+    assert acc.memory_reserved() == ra.memory_reserved() >= acc.memory_allocated()
+    assert acc.get_memory_info()[1] == ra.mem_get_info()[1] > 0
+    del x
+    pinned = torch.ones(1 << 20).pin_memory()
+    assert pinned.is_pinned()
+    del pinned
+    acc.empty_host_cache()
