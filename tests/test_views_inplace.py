@@ -1,4 +1,5 @@
 """Views and in-place ops are exactly right: the daemon replays them in program order."""
+import pytest
 import torch
 
 
@@ -92,3 +93,42 @@ def test_split_unbind_chunk(dev):
         assert torch.equal(a, b.cpu())
     for a, b in zip(x.chunk(2, dim=1), r.chunk(2, dim=1)):
         assert torch.equal(a, b.cpu())
+
+
+def _set_cases(d):
+    """t.set_(source) as PyTorch does it: each case's values, geometry, or error."""
+    def outcome(case):
+        try:
+            return case()
+        except RuntimeError as e:
+            return f"RuntimeError: {str(e)[:70]}"
+
+    a = torch.arange(6.0).to(d)
+    b = torch.zeros(100).to(d)
+    b.set_(a)  # b now names a's storage, whatever its own was
+    b.mul_(2)
+    a.add_(1)
+    view = torch.empty(0).to(d)
+    view.set_(a.as_strided((2, 2), (1, 2), 2))  # a view at an offset, with its strides
+    t = torch.zeros(2).to(d)
+    version = t._version
+    t.set_(a.reshape(2, 3).t())
+    return {
+        "a": a.cpu().tolist(), "b": b.cpu().tolist(), "b geometry": (b.shape, b.stride(), b.untyped_storage().nbytes()),
+        "view": view.cpu().tolist(), "view geometry": (view.storage_offset(), view.stride()),
+        "t": t.cpu().tolist(), "t geometry": (t.stride(), t.is_contiguous(), t._version - version),
+        "dtype": outcome(lambda: torch.empty(0, dtype=torch.float64).to(d).set_(a)),
+    }
+
+
+def test_set_points_a_tensor_at_another_ones_storage(dev):
+    """`t.set_(source)` was refused ("aten::set_ is not allowed on a daemon"): t now becomes a
+    view of source's storage on the daemon, as on the CPU (writes through either are seen by both)."""
+    from genie.errors import UnsupportedOperationError
+
+    assert _set_cases(dev) == _set_cases("cpu")
+    a = torch.arange(6.0).to(dev)
+    with pytest.raises(UnsupportedOperationError, match=r"t.set_\(source.as_strided"):
+        torch.empty(0).to(dev).set_(a, 2, (2, 2), (1, 2))  # PyTorch passes a's storage here, not a
+    with pytest.raises(RuntimeError, match="devices must match"):
+        torch.empty(0).to(dev).set_(torch.arange(6.0))

@@ -255,7 +255,7 @@ def _apply_mutations(mutations, inputs) -> None:
         if type(t) is not LazyTensor:
             continue
         with no_dispatch():
-            if storage_nbytes > t._genie.storage_nbytes:
+            if storage_nbytes != t._genie.storage_nbytes:  # grown (out= resizes) or another storage (set_)
                 donor = torch.Tensor._make_wrapper_subclass(
                     _StorageDonor, (0,), dtype=t.dtype, device=t.device, storage_size=storage_nbytes)
                 torch._functionalize_unsafe_set(t, donor)
@@ -840,7 +840,8 @@ def _set_storage(func, args, kwargs):
     source = uploaded(storage, dst.device) if isinstance(storage, torch.UntypedStorage) else None
     if type(dst) is not LazyTensor or type(source) is not LazyTensor or source.device != dst.device:
         raise UnsupportedOperationError(op_name(func), "a remote tensor can be pointed only at a storage that "
-                                        "torch.load placed on its device")
+                                        "torch.load placed on its device, or at another remote tensor's: "
+                                        "t.set_(source), or t.set_(source.as_strided(size, stride, offset))")
     itemsize = dst.element_size()
     if func is torch.ops.aten.set_.source_Storage:
         offset, size, stride = 0, (storage.nbytes() // itemsize,), (1,)
@@ -852,6 +853,37 @@ def _set_storage(func, args, kwargs):
         stream.append([ALIAS_STORAGE_OP, [source._genie.wire, protocol.encode_dtype(dst.dtype), offset, list(size),
                                           list(stride)], {}, dst._genie.id])
         _apply_mutations([(0, size, stride, offset, source._genie.storage_nbytes)], [dst])
+    return dst
+
+
+def _set_to_tensor(func, args, kwargs):
+    """`t.set_(source)`, `t.set_(source, offset, size, stride)`: t becomes a view of the storage
+    of `source`, a tensor on the same remote device (genie::alias_storage; the daemon checks the
+    view lies inside that storage, and so does this side, with PyTorch's message)."""
+    names = ("self", "source", "storage_offset", "size", "stride")
+    bound = dict(zip(names, args), **kwargs)
+    dst, source = bound["self"], bound["source"]
+    if type(dst) is not LazyTensor or type(source) is not LazyTensor or source.device != dst.device:
+        raise RuntimeError(f'Attempted to set the storage of a tensor on device "{dst.device}" to a storage on '
+                           f'different device "{source.device}".  This is no longer allowed; the devices must match.')
+    if source.dtype != dst.dtype:  # PyTorch's refusal, in its words (its meta kernel checks the dtypes)
+        torch.empty(0, dtype=dst.dtype, device="meta").set_(torch.empty(0, dtype=source.dtype, device="meta"))
+    if func is torch.ops.aten.set_.source_Tensor:
+        offset, size, stride = source.storage_offset(), tuple(source.shape), tuple(source.stride())
+    else:
+        offset, size = bound["storage_offset"], tuple(bound["size"])
+        stride = tuple(bound.get("stride") or contiguous_strides(size))
+    nbytes, itemsize = source._genie.storage_nbytes, dst.element_size()
+    needed = meta.elements_spanned(offset, size, stride) * itemsize  # the meta kernel does not check this
+    if offset < 0 or needed > nbytes:
+        raise RuntimeError(f"setStorage: sizes {list(size)}, strides {list(stride)}, storage offset {offset}, and "
+                           f"itemsize {itemsize} requiring a storage size of {needed} are out of bounds for "
+                           f"storage of size {nbytes}")
+    stream = dst._genie.stream
+    with stream.lock:
+        stream.append([ALIAS_STORAGE_OP, [source._genie.wire, protocol.encode_dtype(dst.dtype), offset, list(size),
+                                          list(stride)], {}, dst._genie.id])
+        _apply_mutations([(0, size, stride, offset, nbytes)], [dst])
     return dst
 
 
@@ -881,6 +913,8 @@ _SPECIAL = {
     id(torch.ops.aten.copy_.default): _copy_,
     id(torch.ops.aten.set_.source_Storage_storage_offset): _set_storage,
     id(torch.ops.aten.set_.source_Storage): _set_storage,
+    id(torch.ops.aten.set_.source_Tensor): _set_to_tensor,
+    id(torch.ops.aten.set_.source_Tensor_storage_offset): _set_to_tensor,
     # Its kernel for every device slices the input by the lengths (a CPU tensor, as torch requires)
     # and makes batch_sizes on the CPU, where PackedSequence wants it: run here, slices captured.
     id(torch.ops.aten._pack_padded_sequence.default): _any_device_kernel,
