@@ -176,3 +176,27 @@ def test_malformed_generator_state_requests_get_an_error(dev):
     with pytest.raises(RuntimeError, match="takes \\[generator\\] and one output handle"):
         stream.synchronize()
     assert torch.rand(2, device=dev).cpu().shape == (2,)  # the daemon carried on
+
+
+def test_deepcopy_and_pickle_of_a_generator_continue_its_stream(dev):
+    """copy.deepcopy / pickle / torch.save of a remote_accelerator generator (a sampler's, a
+    training state's) failed: PyTorch's reduction asks non-CPU generators for a Philox offset,
+    which a remote one has not ("returned a result with an exception set"). Now the copy has the
+    seed and the state: it draws what the original draws next, as a CUDA generator's copy does."""
+    import copy
+    import io
+    import pickle
+
+    g = torch.Generator(device=dev).manual_seed(3)
+    torch.randn(5, generator=g, device=dev)  # move it along first
+    copies = [copy.deepcopy(g), pickle.loads(pickle.dumps(g))]
+    buf = io.BytesIO()
+    torch.save({"generator": g}, buf)
+    buf.seek(0)
+    copies.append(torch.load(buf, weights_only=False)["generator"])
+    want = torch.randn(4, generator=g, device=dev).cpu()
+    for c in copies:
+        assert c.device == g.device and c.initial_seed() == 3
+        assert torch.equal(torch.randn(4, generator=c, device=dev).cpu(), want)
+    cpu = torch.Generator().manual_seed(5)  # other devices keep PyTorch's own reduction
+    assert torch.equal(torch.randn(3, generator=copy.deepcopy(cpu)), torch.randn(3, generator=cpu))

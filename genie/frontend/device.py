@@ -387,6 +387,7 @@ def register() -> types.ModuleType:
     factories.register()
     serialization.register()
     process_sharing.register()
+    generators.register_copying()
     settings_barrier.install()
     if native_guard.load():
         get_runtime().on_start.append(lambda: native_guard.set_device_count(len(get_runtime().streams)))

@@ -69,3 +69,29 @@ def _drop_generators(stream) -> None:
     _dropped.extend(elsewhere)
     if here:
         stream.ops.append([FREE_GENERATORS_OP, here, {}, None])
+
+
+def _rebuild(device: str, seed: int, state: torch.Tensor) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    generator.set_state(state)
+    return generator
+
+
+def _reduce(generator: torch.Generator):
+    """copy.deepcopy and pickling of a remote_accelerator generator, as of a CUDA one: a new
+    generator with its seed and its state (read from the daemon after the queued ops). PyTorch's
+    own reduction asks every non-CPU generator for a Philox offset, which this one has not (its
+    position lives on the daemon, in its state), and failed with "returned a result with an
+    exception set". Every other generator keeps PyTorch's reduction."""
+    if generator.device.type != REMOTE:
+        return generator.__reduce__()
+    return _rebuild, (str(generator.device), generator.initial_seed(), generator.get_state())
+
+
+def register_copying() -> None:
+    """Route copy.deepcopy / pickle of torch.Generator through _reduce (copyreg's table is where
+    both look before a type's own __reduce__)."""
+    import copyreg
+
+    copyreg.pickle(torch.Generator, _reduce)
