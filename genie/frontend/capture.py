@@ -833,11 +833,14 @@ def _set_storage(func, args, kwargs):
     (see serialization), as a view of the tensor holding its bytes on the daemon. The wrapper
     takes the new metadata like after any in-place view op."""
     from .serialization import uploaded
+    from .torchscript import storage_owner
 
     names = ("self", "source", "storage_offset", "size", "stride")
     bound = dict(zip(names, args), **kwargs)
     dst, storage = bound["self"], bound["source"]
-    source = uploaded(storage, dst.device) if isinstance(storage, torch.UntypedStorage) else None
+    source = None
+    if isinstance(storage, torch.UntypedStorage):  # torch.load's stand-in, or torch.jit.save's read of a storage
+        source = uploaded(storage, dst.device) or storage_owner(storage)
     if type(dst) is not LazyTensor or type(source) is not LazyTensor or source.device != dst.device:
         raise UnsupportedOperationError(op_name(func), "a remote tensor can be pointed only at a storage that "
                                         "torch.load placed on its device, or at another remote tensor's: "

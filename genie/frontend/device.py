@@ -380,7 +380,7 @@ def register() -> types.ModuleType:
     module = sys.modules[__name__]
     if _registered:
         return module
-    from . import factories, native_guard, process_sharing, serialization, settings_barrier
+    from . import factories, native_guard, process_sharing, serialization, settings_barrier, torchscript
 
     if torch._C._get_privateuse1_backend_name() != NAME:
         _setup_backend(module)
@@ -388,6 +388,7 @@ def register() -> types.ModuleType:
     serialization.register()
     process_sharing.register()
     generators.register_copying()
+    torchscript.install()
     settings_barrier.install()
     if native_guard.load():
         get_runtime().on_start.append(lambda: native_guard.set_device_count(len(get_runtime().streams)))

@@ -1,0 +1,143 @@
+"""TorchScript modules on remote_accelerator: `torch.jit.load(f, map_location="remote_accelerator")`
+and `script_module.to("remote_accelerator")`.
+
+A ScriptModule runs its ops through the TorchScript interpreter, which dispatches them like any
+others, so remote parameters work in it (captured op by op). Getting them there did not:
+- torch.jit.load's C++ loader copies each storage to the device and then points a fresh tensor
+  at the copy's storage without dispatching: a remote tensor's storage holds no data, so every
+  parameter silently became a handle on an empty tensor with the metadata of another (a
+  Linear's bias reported the weight's shape; reads gave empty tensors). The load now happens on
+  the CPU and the module's tensors are then moved.
+- `.to(device)` on a ScriptModule failed ("_apply(): Couldn't swap Linear.weight"): nn.Module
+  swaps parameters in place for tensor subclasses, and a ScriptModule's C++ slots hold a second
+  reference to each, which torch.utils.swap_tensors refuses. Script modules take new Parameter
+  objects instead, as nn.Module does when the two tensor types are not interchangeable (for CPU
+  and CUDA, which are, `param.data = new` as before).
+- torch.jit.save writes each tensor's whole storage, which its C++ writer reads through a fresh
+  tensor pointed at that storage (`set_(storage)`), then copied to the CPU. A storage object
+  names no remote tensor, so while a module saves, the storages of its remote tensors are known
+  here (storage_owner) and that `set_` becomes a view of the tensor's storage on the daemon.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+
+from .lazy_tensor import LazyTensor
+
+REMOTE = "remote_accelerator"
+_UNTYPED_STORAGE = torch._C.TensorBase.untyped_storage
+
+_installed = False
+# While torch.jit.save runs: the address of each remote tensor's (wrapper) storage -> that tensor.
+_saving: dict[int, LazyTensor] = {}
+_saving_lock = threading.Lock()
+
+
+def storage_owner(storage: torch.UntypedStorage) -> LazyTensor | None:
+    """The remote tensor whose storage `storage` is, while a module holding it is being saved."""
+    return _saving.get(storage._cdata)
+
+
+def _is_remote(location) -> bool:
+    if isinstance(location, str):
+        return location.split(":")[0] == REMOTE
+    return isinstance(location, torch.device) and location.type == REMOTE
+
+
+def _load(original):
+    @functools.wraps(original)
+    def load(f, map_location=None, _extra_files=None, _restore_shapes=False):
+        if _is_remote(map_location):
+            return original(f, "cpu", _extra_files, _restore_shapes).to(map_location)
+        start = f.tell() if hasattr(f, "seek") else None
+        module = original(f, map_location, _extra_files, _restore_shapes)
+        # Saved from remote tensors (no map_location): the loader placed them as described above.
+        placed = {name: t.device for name, t in _named_tensors(module) if type(t) is LazyTensor}
+        if not placed or not isinstance(module, torch.jit.ScriptModule):
+            return module
+        if start is not None:
+            f.seek(start)
+        module = original(f, "cpu", _extra_files, _restore_shapes)
+        for name, device in placed.items():
+            _move(module, name, device)
+        return module
+
+    return load
+
+
+def _named_tensors(module):
+    if not isinstance(module, torch.nn.Module):  # a ScriptFunction holds none
+        return []
+    return [*module.named_parameters(), *module.named_buffers()]
+
+
+def _move(module, name: str, device) -> None:
+    *path, leaf = name.split(".")
+    owner = module
+    for part in path:  # ScriptModules have no get_submodule
+        owner = getattr(owner, part)
+    if leaf in owner._parameters:
+        param = owner._parameters[leaf]
+        owner._parameters[leaf] = torch.nn.Parameter(param.to(device), param.requires_grad)
+    else:
+        owner._buffers[leaf] = owner._buffers[leaf].to(device)
+
+
+def _save(original):
+    @functools.wraps(original)
+    def save(m, f, _extra_files=None):
+        held = [t for t in (*m.parameters(), *m.buffers()) if type(t) is LazyTensor]
+        keys = [_UNTYPED_STORAGE(t)._cdata for t in held]
+        with _saving_lock:
+            _saving.update(zip(keys, held))
+        try:
+            return original(m, f, _extra_files)
+        finally:
+            with _saving_lock:
+                for key in keys:
+                    _saving.pop(key, None)
+
+    return save
+
+
+def _script_module_apply(self, fn, recurse=True):
+    """nn.Module._apply without its tensor swap, which a ScriptModule's slots refuse."""
+    if recurse:
+        for module in self.children():
+            module._apply(fn)
+    overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
+    for key, param in self._parameters.items():
+        if param is None:
+            continue
+        with torch.no_grad():
+            applied = fn(param)
+        if torch._has_compatible_shallow_copy_type(param, applied) and not overwrite:
+            param.data = applied
+            out = param
+        else:
+            out = torch.nn.Parameter(applied, param.requires_grad)
+            self._parameters[key] = out
+        if param.grad is not None:
+            with torch.no_grad():
+                grad = fn(param.grad)
+            if out is param and torch._has_compatible_shallow_copy_type(param.grad, grad) and not overwrite:
+                param.grad.data = grad
+            else:
+                out.grad = grad.requires_grad_(param.grad.requires_grad)
+    for key, buffer in self._buffers.items():
+        if buffer is not None:
+            self._buffers[key] = fn(buffer)
+    return self
+
+
+def install() -> None:
+    global _installed
+    if _installed:
+        return
+    torch.jit.load = _load(torch.jit.load)
+    torch.jit.save = _save(torch.jit.save)
+    torch.jit.ScriptModule._apply = _script_module_apply  # scripted, traced and loaded modules alike
+    _installed = True
