@@ -6,10 +6,11 @@ in backward, its _backward op: two ops instead of the ~15 of the math decomposit
 daemon's own fused kernel where it has one. torch has no CPU or CUDA kernel for these ops
 (they exist for devices like Genie's), so the daemon registers them here:
 
-- on CPU, torch's flash-attention kernels for CPU (forward and backward), unless the client's
-  settings (torch.nn.attention.sdpa_kernel, sent with its ops: genie/transport/numerics.py)
-  leave the flash backend out;
-- elsewhere, or where that kernel refuses the inputs, exact math with the same log-sum-exp.
+- on CPU, torch's flash-attention kernels for CPU (forward and backward) where torch itself
+  would choose them: its selector checks the inputs (last dimension contiguous, ...) and the
+  client's settings (torch.nn.attention.sdpa_kernel, sent with its ops: genie/transport/numerics.py);
+- elsewhere (GPU daemons included), torch's MATH backend (`_scaled_dot_product_attention_math`),
+  its backward by autograd through it, so gradients are the ones torch gives with that backend.
 
 A boolean attn_bias is read as scaled_dot_product_attention reads a boolean mask (True: attend).
 
@@ -56,7 +57,7 @@ def forward(query, key, value, attn_bias=None, dropout_p=0.0, is_causal=False, r
         raise NotImplementedError("genie-daemon's fused attention takes 4-D (batch, heads, length, dim) inputs")
     attn_bias = _as_bias(attn_bias, query)
     out = lse = None
-    if query.device.type == "cpu" and torch._C._get_flash_sdp_enabled():  # the client's sdpa_kernel choice
+    if _flash_on_cpu(query, key, value, attn_bias, is_causal, scale):
         try:
             out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
                 query, key, value, 0.0, is_causal, attn_mask=attn_bias, scale=scale)
@@ -79,15 +80,20 @@ def backward(grad_out, query, key, value, attn_bias, grad_input_mask, out, logsu
     bias = _as_bias(attn_bias, query) if attn_bias is not None and attn_bias.numel() else None
     bias_grad = bias is not None and grad_input_mask[3]  # the CPU flash kernel gives none
     grads = None
-    if query.device.type == "cpu" and not bias_grad and torch._C._get_flash_sdp_enabled():
+    if not bias_grad and _flash_on_cpu(query, key, value, bias, is_causal, scale):
+        if logsumexp.dtype != query.dtype and query.dtype == torch.float64:
+            # The op's log-sum-exp is float32 (its meta kernel's), the CPU kernel's for double
+            # inputs double: taken again at full precision (gradients were off by ~1e-6 relative).
+            logsumexp = aten._scaled_dot_product_flash_attention_for_cpu(
+                query, key, value, 0.0, is_causal, attn_mask=bias, scale=scale)[1]
         try:
             grads = (*aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                grad_out, query, key, value, out, logsumexp, 0.0, is_causal, attn_mask=bias, scale=scale), None)
+                grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous(), query, key, value, out, logsumexp,
+                0.0, is_causal, attn_mask=bias, scale=scale), None)
         except RuntimeError:  # as in forward: the math below
             pass
     if grads is None:
-        grads = _math_backward(grad_out, query, key, value, bias, out, logsumexp, is_causal, _scale(query, scale),
-                               grad_bias=bias_grad)
+        grads = _math_backward(grad_out, query, key, value, bias, is_causal, _scale(query, scale), grad_bias=bias_grad)
     results = []
     for grad, like in zip(grads[:3], (query, key, value)):
         placed = torch.empty_like(like)
@@ -99,6 +105,18 @@ def backward(grad_out, query, key, value, attn_bias, grad_input_mask, out, logsu
         if grads[3] is not None:
             grad_bias.copy_(grads[3])
     return (*results, grad_bias)
+
+
+def _flash_on_cpu(query, key, value, bias, is_causal: bool, scale) -> bool:
+    """Whether torch would run these inputs through its CPU flash kernel: its own choice, which
+    also honours the client's sdpa_kernel settings (in force on the daemon for this request).
+    The kernel reads the last dimension as contiguous; called directly on inputs whose last
+    dimension is not (channels-last 4-D tensors), it gave wrong outputs and gradients."""
+    return query.device.type == "cpu" and torch._fused_sdp_choice(
+        query, key, value, bias, 0.0, is_causal, scale=scale) == _FLASH
+
+
+_FLASH = int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
 
 
 def _as_bias(mask, query):
@@ -127,33 +145,23 @@ def _scores(query, key, bias, is_causal: bool, scale: float):
 
 
 def _math_forward(query, key, value, bias, is_causal: bool, scale: float):
-    scores = _scores(query, key, bias, is_causal, scale)
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)  # rows with nothing to attend to: zeros
-    return torch.matmul(probs, value.to(probs.dtype)).to(query.dtype), lse
+    """torch's MATH backend itself (what torch computes where it picks it), and the log-sum-exp."""
+    out = aten._scaled_dot_product_attention_math(query, key, value, bias, 0.0, is_causal, scale=scale)[0]
+    return out, torch.logsumexp(_scores(query, key, bias, is_causal, scale), dim=-1)
 
 
-def _math_backward(grad_out, query, key, value, bias, out, lse, is_causal: bool, scale: float, grad_bias: bool):
-    """Gradients of softmax(q k^T * scale + bias) v from the saved log-sum-exp (no autograd)."""
-    scores = _scores(query, key, bias, is_causal, scale)
-    work = scores.dtype
-    probs = torch.exp(scores - lse.to(work).unsqueeze(-1)).nan_to_num(0.0)
-    g = grad_out.to(work)
-    grad_v = torch.matmul(probs.transpose(-2, -1), g)
-    grad_p = torch.matmul(g, value.to(work).transpose(-2, -1))
-    rows = (g * out.to(work)).sum(dim=-1, keepdim=True)
-    grad_s = probs * (grad_p - rows)
-    grad_q = torch.matmul(grad_s, key.to(work)) * scale
-    grad_k = torch.matmul(grad_s.transpose(-2, -1), query.to(work)) * scale
-    grad_b = _sum_to(grad_s, bias.shape) if grad_bias else None
-    return grad_q, grad_k, grad_v, grad_b
-
-
-def _sum_to(grad, shape) -> torch.Tensor:
-    """`grad` summed over the dimensions a tensor of `shape` was broadcast along."""
-    lead = grad.dim() - len(shape)
-    dims = list(range(lead)) + [lead + i for i, n in enumerate(shape) if n == 1 and grad.shape[lead + i] != 1]
-    return grad.sum(dim=dims, keepdim=True).reshape(shape) if dims else grad
+def _math_backward(grad_out, query, key, value, bias, is_causal: bool, scale: float, grad_bias: bool):
+    """Gradients as torch's MATH backend gives them: its forward again, under autograd (a formula
+    of our own from the saved log-sum-exp differed from the CPU's in the last bits)."""
+    # The daemon runs ops in inference mode: autograd needs it off, and normal tensors (copies).
+    with torch.inference_mode(False), torch.enable_grad():
+        leaves = [t.clone().requires_grad_() for t in (query, key, value)]
+        grad_out = grad_out.clone()
+        if bias is not None:
+            bias = bias.clone().requires_grad_(grad_bias)
+        out = aten._scaled_dot_product_attention_math(*leaves, bias, 0.0, is_causal, scale=scale)[0]
+        grads = torch.autograd.grad(out, leaves + ([bias] if grad_bias else []), grad_out)
+    return (*grads[:3], grads[3] if grad_bias else None)
 
 
 def _contiguous(t) -> torch.Tensor:

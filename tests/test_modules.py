@@ -165,6 +165,35 @@ def test_attention_under_autograd_is_one_fused_op_each_way_and_trains_like_cpu(d
     assert "aten::_safe_softmax" not in sent and "aten::bmm" not in sent  # not the math decomposition
 
 
+@pytest.mark.parametrize("layout", ["row-major", "channels-last", "float64", "bool mask"])
+def test_attention_gradients_equal_the_cpus_whichever_kernel_torch_picks(dev, layout):
+    """The daemon's fused attention ran the CPU flash kernel on any input: on a query whose last
+    dimension is not contiguous (channels-last 4-D tensors), where torch itself takes the math
+    backend, it gave wrong outputs and gradients (off by up to 166); for float64 the op's
+    float32 log-sum-exp cost the gradients ~1e-6 relative. It now runs the kernel torch would
+    choose, and torch's math backend (its backward by autograd) otherwise: equal to the CPU."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    dtype = torch.float64 if layout == "float64" else torch.float32
+    q, k, v = (torch.randn(2, 4, n, 8, dtype=dtype) * 3 for n in (3, 6, 6))  # sharp: lse precision shows
+    if layout == "channels-last":
+        q, k, v = (t.contiguous(memory_format=torch.channels_last) for t in (q, k, v))
+    mask = torch.rand(3, 6) > 0.3 if layout == "bool mask" else None
+    weights = torch.randn(2, 4, 3, 8, dtype=dtype)
+
+    def grads(device):
+        leaves = [t.to(device).requires_grad_() for t in (q, k, v)]
+        for causal in (False, True) if mask is None else (False,):
+            out = F.scaled_dot_product_attention(*leaves, attn_mask=None if mask is None else mask.to(device),
+                                                 is_causal=causal)
+            (out * weights.to(device)).sum().backward()
+        return [out.detach().cpu()] + [t.grad.cpu() for t in leaves]
+
+    for got, want in zip(grads(dev), grads("cpu")):
+        torch.testing.assert_close(got, want)
+
+
 def test_composite_ops_go_whole_without_autograd_and_decompose_with_it(dev, sent_ops):
     """linear/matmul/layer_norm/softmax are decomposed by ATen at the autograd key: under no_grad
     (or with nothing requiring a gradient) capture now gets each as one op, as under
