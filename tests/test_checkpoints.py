@@ -73,10 +73,12 @@ def test_saving_remote_tensors_saves_their_values(dev):
     assert back.device.type == "cpu" and torch.equal(back, x.cpu())
 
 
-def test_only_loaded_storages_can_back_a_remote_tensor(dev):
+def test_only_storages_of_the_device_can_back_a_remote_tensor(dev):
     y = torch.arange(12.0).to(dev)
-    with pytest.raises(genie.UnsupportedOperationError, match="only at a storage that torch.load placed"):
-        torch.empty(0, device=dev).set_(y.untyped_storage(), 0, (3,), (1,))
+    view = torch.empty(0, device=dev).set_(y.untyped_storage(), 0, (3,), (1,))  # y's own storage
+    assert view.cpu().tolist() == [0.0, 1.0, 2.0]
+    with pytest.raises(genie.UnsupportedOperationError, match="only at a storage of its device"):
+        torch.empty(0, device=dev).set_(torch.arange(12.0).untyped_storage(), 0, (3,), (1,))
 
 
 def test_saving_remote_views_keeps_them_views_of_one_storage(dev):

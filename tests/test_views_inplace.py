@@ -124,11 +124,37 @@ def _set_cases(d):
 def test_set_points_a_tensor_at_another_ones_storage(dev):
     """`t.set_(source)` was refused ("aten::set_ is not allowed on a daemon"): t now becomes a
     view of source's storage on the daemon, as on the CPU (writes through either are seen by both)."""
-    from genie.errors import UnsupportedOperationError
-
     assert _set_cases(dev) == _set_cases("cpu")
-    a = torch.arange(6.0).to(dev)
-    with pytest.raises(UnsupportedOperationError, match=r"t.set_\(source.as_strided"):
-        torch.empty(0).to(dev).set_(a, 2, (2, 2), (1, 2))  # PyTorch passes a's storage here, not a
     with pytest.raises(RuntimeError, match="devices must match"):
         torch.empty(0).to(dev).set_(torch.arange(6.0))
+
+
+def _storage_cases(d):
+    """Reading and re-viewing a tensor's storage, as PyTorch does it."""
+    t = torch.arange(6.0).to(d)
+    view = t[2:]
+    s = view.untyped_storage()
+    strided = torch.empty(0).to(d).set_(t.untyped_storage(), 1, (2, 2), (2, 1))
+    strided.mul_(10)  # writes through to t
+    reread = torch.empty(0, dtype=torch.int32).to(d).set_(t.untyped_storage())  # the same bytes as int32
+    orphan = t[1:3].storage()  # its tensor is gone at once; the storage still reads
+    return {
+        "storage values": view.storage().tolist(), "element": t.storage()[4], "bytes": bytes(s)[:8],
+        "untyped": s.tolist()[:8], "nbytes": s.nbytes(), "as floats": s.float().tolist()[:8],
+        "strided": strided.cpu().tolist(), "t after": t.cpu().tolist(),
+        "reinterpreted": reread.cpu().tolist(), "orphan": orphan.tolist(),
+    }
+
+
+def test_a_remote_tensors_storage_reads_and_can_be_viewed(dev):
+    """`storage.tolist()`, `storage[i]`, `bytes(storage)`, `.float()` and `t.set_(storage, offset,
+    size, stride)` were refused: torch reads a storage through a tensor pointed at it (`set_`),
+    and a storage object named no remote tensor. The storages a remote tensor hands out now
+    name its daemon tensor (and keep it alive, as a CPU storage keeps its memory)."""
+    from genie.errors import UnsupportedOperationError
+
+    assert _storage_cases(dev) == _storage_cases("cpu")
+    with pytest.raises(RuntimeError, match="out of bounds for storage of size 24"):
+        torch.empty(0).to(dev).set_(torch.arange(6.0).to(dev).untyped_storage(), 3, (2, 2), (2, 1))
+    with pytest.raises(UnsupportedOperationError, match="storage of its device"):
+        torch.empty(0).to(dev).set_(torch.arange(6.0).untyped_storage())  # a CPU storage

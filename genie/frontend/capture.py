@@ -829,40 +829,35 @@ ALIAS_STORAGE_OP = "genie::alias_storage"
 
 
 def _set_storage(func, args, kwargs):
-    """`t.set_(storage, offset, size, stride)`: only for a storage torch.load placed on the device
-    (see serialization), as a view of the tensor holding its bytes on the daemon. The wrapper
-    takes the new metadata like after any in-place view op."""
+    """`t.set_(storage[, offset, size, stride])` for a storage of this device: one torch.load placed
+    there (see serialization), or a remote tensor's (handed out by its untyped_storage() /
+    storage(); storage reads like `storage.tolist()` go this way). t becomes a view of the
+    storage of the tensor holding it on the daemon."""
+    from .lazy_tensor import storage_owner
     from .serialization import uploaded
-    from .torchscript import storage_owner
 
     names = ("self", "source", "storage_offset", "size", "stride")
     bound = dict(zip(names, args), **kwargs)
     dst, storage = bound["self"], bound["source"]
     source = None
-    if isinstance(storage, torch.UntypedStorage):  # torch.load's stand-in, or torch.jit.save's read of a storage
-        source = uploaded(storage, dst.device) or storage_owner(storage)
-    if type(dst) is not LazyTensor or type(source) is not LazyTensor or source.device != dst.device:
-        raise UnsupportedOperationError(op_name(func), "a remote tensor can be pointed only at a storage that "
-                                        "torch.load placed on its device, or at another remote tensor's: "
-                                        "t.set_(source), or t.set_(source.as_strided(size, stride, offset))")
-    itemsize = dst.element_size()
+    if isinstance(storage, torch.UntypedStorage):
+        loaded = uploaded(storage, dst.device)
+        source = loaded._genie if loaded is not None else storage_owner(storage)
+    if type(dst) is not LazyTensor or source is None or source.stream is not dst._genie.stream:
+        raise UnsupportedOperationError(op_name(func), "a remote tensor can be pointed only at a storage of its "
+                                        "device whose tensor is alive (or that torch.load placed there); "
+                                        "t.set_(source_tensor) also works")
     if func is torch.ops.aten.set_.source_Storage:
-        offset, size, stride = 0, (storage.nbytes() // itemsize,), (1,)
+        offset, size, stride = 0, (storage.nbytes() // dst.element_size(),), (1,)
     else:
         offset, size = bound["storage_offset"], tuple(bound["size"])
         stride = tuple(bound.get("stride") or contiguous_strides(size))
-    stream = dst._genie.stream
-    with stream.lock:
-        stream.append([ALIAS_STORAGE_OP, [source._genie.wire, protocol.encode_dtype(dst.dtype), offset, list(size),
-                                          list(stride)], {}, dst._genie.id])
-        _apply_mutations([(0, size, stride, offset, source._genie.storage_nbytes)], [dst])
-    return dst
+    return _point_at(dst, source, offset, size, stride)
 
 
 def _set_to_tensor(func, args, kwargs):
     """`t.set_(source)`, `t.set_(source, offset, size, stride)`: t becomes a view of the storage
-    of `source`, a tensor on the same remote device (genie::alias_storage; the daemon checks the
-    view lies inside that storage, and so does this side, with PyTorch's message)."""
+    of `source`, a tensor on the same remote device."""
     names = ("self", "source", "storage_offset", "size", "stride")
     bound = dict(zip(names, args), **kwargs)
     dst, source = bound["self"], bound["source"]
@@ -876,15 +871,23 @@ def _set_to_tensor(func, args, kwargs):
     else:
         offset, size = bound["storage_offset"], tuple(bound["size"])
         stride = tuple(bound.get("stride") or contiguous_strides(size))
-    nbytes, itemsize = source._genie.storage_nbytes, dst.element_size()
-    needed = meta.elements_spanned(offset, size, stride) * itemsize  # the meta kernel does not check this
+    return _point_at(dst, source._genie, offset, size, stride)
+
+
+def _point_at(dst: LazyTensor, source: HandleRef, offset: int, size: tuple, stride: tuple) -> LazyTensor:
+    """dst becomes the view (offset, size, stride, in dst's dtype) of source's storage on the
+    daemon (genie::alias_storage, which checks it lies inside; so does this side, with PyTorch's
+    message, which its meta kernel does not give). The wrapper takes the new metadata as after
+    any in-place view op."""
+    nbytes, itemsize = source.storage_nbytes, dst.element_size()
+    needed = meta.elements_spanned(offset, size, stride) * itemsize
     if offset < 0 or needed > nbytes:
         raise RuntimeError(f"setStorage: sizes {list(size)}, strides {list(stride)}, storage offset {offset}, and "
                            f"itemsize {itemsize} requiring a storage size of {needed} are out of bounds for "
                            f"storage of size {nbytes}")
     stream = dst._genie.stream
     with stream.lock:
-        stream.append([ALIAS_STORAGE_OP, [source._genie.wire, protocol.encode_dtype(dst.dtype), offset, list(size),
+        stream.append([ALIAS_STORAGE_OP, [source.wire, protocol.encode_dtype(dst.dtype), offset, list(size),
                                           list(stride)], {}, dst._genie.id])
         _apply_mutations([(0, size, stride, offset, nbytes)], [dst])
     return dst

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import weakref
 
 import torch
 
@@ -23,6 +24,23 @@ _TENSOR_DATA = torch._C.TensorBase.__dict__["data"]  # Tensor.data's C getter an
 _UNTYPED_STORAGE = torch._C.TensorBase.untyped_storage
 _BACKWARD_HOOKS = torch._C.TensorBase.__dict__["_backward_hooks"]  # its C getter and setter
 _make_wrapper = torch.Tensor._make_wrapper_subclass
+
+# The address of a remote tensor's (data-less) storage -> the handle of the daemon tensor whose
+# storage it stands for, for each storage this process handed out (untyped_storage(), and so
+# storage() / _typed_storage()) or registered: `set_(storage, ...)` (storage reads such as
+# `storage.tolist()`, torch.jit.save's writer) is given a storage, the daemon needs a tensor.
+# The storage object itself keeps that handle alive (`_genie_ref`), as a CPU storage keeps its
+# memory after its tensors are gone.
+_storage_owners: "weakref.WeakValueDictionary[int, HandleRef]" = weakref.WeakValueDictionary()
+
+
+def storage_owner(storage: torch.UntypedStorage) -> HandleRef | None:
+    return storage.__dict__.get("_genie_ref") or _storage_owners.get(storage._cdata)
+
+
+def register_storage(t: "LazyTensor") -> None:
+    """Make t's storage known to storage_owner (for C++ readers that get it without Python)."""
+    _storage_owners[_UNTYPED_STORAGE(t)._cdata] = t._genie
 
 
 def _warn_compile_once() -> None:
@@ -161,6 +179,7 @@ class LazyTensor(torch.Tensor):
         if "data_ptr" not in storage.__dict__:
             identity = storage._cdata
             storage.data_ptr = lambda: identity
+        storage._genie_ref = _storage_owners[storage._cdata] = self._genie
         return storage
 
     def _user_attributes(self) -> dict:

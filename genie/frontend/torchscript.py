@@ -15,30 +15,20 @@ others, so remote parameters work in it (captured op by op). Getting them there 
   and CUDA, which are, `param.data = new` as before).
 - torch.jit.save writes each tensor's whole storage, which its C++ writer reads through a fresh
   tensor pointed at that storage (`set_(storage)`), then copied to the CPU. A storage object
-  names no remote tensor, so while a module saves, the storages of its remote tensors are known
-  here (storage_owner) and that `set_` becomes a view of the tensor's storage on the daemon.
+  names no remote tensor, so the module's remote tensors' storages are registered first
+  (lazy_tensor.storage_owner) and that `set_` becomes a view of the tensor's storage on the daemon.
 """
 from __future__ import annotations
 
 import functools
-import threading
 
 import torch
 
-from .lazy_tensor import LazyTensor
+from .lazy_tensor import LazyTensor, register_storage
 
 REMOTE = "remote_accelerator"
-_UNTYPED_STORAGE = torch._C.TensorBase.untyped_storage
 
 _installed = False
-# While torch.jit.save runs: the address of each remote tensor's (wrapper) storage -> that tensor.
-_saving: dict[int, LazyTensor] = {}
-_saving_lock = threading.Lock()
-
-
-def storage_owner(storage: torch.UntypedStorage) -> LazyTensor | None:
-    """The remote tensor whose storage `storage` is, while a module holding it is being saved."""
-    return _saving.get(storage._cdata)
 
 
 def _is_remote(location) -> bool:
@@ -89,16 +79,10 @@ def _move(module, name: str, device) -> None:
 def _save(original):
     @functools.wraps(original)
     def save(m, f, _extra_files=None):
-        held = [t for t in (*m.parameters(), *m.buffers()) if type(t) is LazyTensor]
-        keys = [_UNTYPED_STORAGE(t)._cdata for t in held]
-        with _saving_lock:
-            _saving.update(zip(keys, held))
-        try:
-            return original(m, f, _extra_files)
-        finally:
-            with _saving_lock:
-                for key in keys:
-                    _saving.pop(key, None)
+        for t in (*m.parameters(), *m.buffers()):
+            if type(t) is LazyTensor:
+                register_storage(t)
+        return original(m, f, _extra_files)
 
     return save
 
