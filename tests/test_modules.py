@@ -194,6 +194,32 @@ def test_attention_gradients_equal_the_cpus_whichever_kernel_torch_picks(dev, la
         torch.testing.assert_close(got, want)
 
 
+def test_activation_backwards_run_fused_as_on_the_cpu(dev, sent_ops):
+    """SiLU's and Mish's backward ops have CPU/CUDA kernels and a decomposition, which ran on this
+    device: 8 ops per SiLU backward, in bfloat16 arithmetic for bfloat16 (every gradient of a
+    bfloat16 SiLU differed from the CPU's in the last bit). One fused op now, equal to the CPU's;
+    double backward still decomposes, as on the CPU."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    x = torch.randn(64, dtype=torch.bfloat16)
+    weights = torch.randn(64, dtype=torch.bfloat16)
+
+    def grads(device, act, twice=False):
+        leaf = x.to(device).requires_grad_()
+        (g,) = torch.autograd.grad((act(leaf) * weights.to(device)).sum(), leaf, create_graph=twice)
+        if twice:
+            (g,) = torch.autograd.grad(g.sum(), leaf)
+        return g.cpu()
+
+    for act in (F.silu, F.mish):
+        sent_ops.clear()
+        assert torch.equal(grads(dev, act), grads("cpu", act))
+        name = "aten::silu_backward" if act is F.silu else "aten::mish_backward"
+        assert sent_ops.count(name) == 1 and "aten::sigmoid" not in sent_ops[sent_ops.index(name):]
+        torch.testing.assert_close(grads(dev, act, twice=True), grads("cpu", act, twice=True))
+
+
 def test_composite_ops_go_whole_without_autograd_and_decompose_with_it(dev, sent_ops):
     """linear/matmul/layer_norm/softmax are decomposed by ATen at the autograd key: under no_grad
     (or with nothing requiring a gradient) capture now gets each as one op, as under

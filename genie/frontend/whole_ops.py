@@ -12,8 +12,13 @@ from __future__ import annotations
 
 import torch
 
-# Overload names of CompositeImplicitAutograd ops with fresh outputs, common in models.
-WHOLE_WHEN_NO_GRAD = ("linear", "matmul", "layer_norm", "softmax.int", "log_softmax.int")
+# Overload names of CompositeImplicitAutograd ops with fresh outputs, common in models. The
+# activation backwards are the ops with both such a decomposition and CPU/CUDA kernels of their
+# own: PyTorch computes them fused (in float32 for half types), while on this device their
+# decomposition ran (8 ops for SiLU's, in bfloat16 arithmetic for bfloat16: its gradients
+# differed from the CPU's in the last bits; Llama-style MLPs take one per layer in backward).
+WHOLE_WHEN_NO_GRAD = ("linear", "matmul", "layer_norm", "softmax.int", "log_softmax.int",
+                      "silu_backward", "mish_backward")
 
 
 def _needs_grad(args, kwargs) -> bool:
