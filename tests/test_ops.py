@@ -230,3 +230,21 @@ def test_integer_histc_counts_as_cuda_does(dev):
     assert torch.equal(got.cpu(), torch.histc(ids.float(), bins=4, min=0, max=3).to(torch.int32))
     floats = torch.histc(ids.float().to(dev), bins=5)  # floating inputs: the CPU's own kernel
     assert torch.equal(floats.cpu(), torch.histc(ids.float(), bins=5))
+
+
+def test_view_copy_of_a_permuted_tensor(dev):
+    """torch.view_copy copies (reshapes) where no view is possible, on every device; its meta
+    kernel raised there instead, so a permuted or transposed input failed on remote_accelerator."""
+    x = torch.randn(2, 3, 4)
+    for order in ([2, 1, 0], [1, 0, 2], [0, 1, 2]):
+        local = x.permute(order).contiguous().permute(order).requires_grad_()
+        remote = local.detach().to(dev).requires_grad_()
+        for size in ((6, 4), (-1,), (4, 6)):
+            want, got = torch.view_copy(local, size), torch.view_copy(remote, size)
+            assert got.stride() == want.stride()
+            assert torch.equal(got.cpu(), want)
+            want.pow(2).sum().backward()
+            got.pow(2).sum().backward()
+        assert torch.equal(remote.grad.cpu(), local.grad)
+    with pytest.raises(RuntimeError, match="is invalid for input of size 6"):
+        torch.view_copy(torch.randn(6).to(dev), (4, 2))

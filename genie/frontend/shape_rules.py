@@ -167,6 +167,22 @@ def plan_binary(bound: dict) -> Plan | None:
     return _dense_output(t.dtype, shape)
 
 
+def plan_view_copy(bound: dict) -> Plan | None:
+    """view_copy: a new row-major tensor of the requested shape, whatever the input's strides. Its
+    kernel (the same for every device) reshapes, copying, where no view is possible; its meta
+    kernel, a Python reference, raises there ("view size is not compatible ..."), so a permuted
+    or channels-last input failed on this device. An invalid shape is left to the meta kernel's
+    error."""
+    t, size = bound.get("self"), bound.get("size")
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided or not isinstance(size, (list, tuple)):
+        return None
+    try:
+        shape = tuple(torch._prims_common.infer_size(size, t.numel()))
+    except (RuntimeError, ValueError, TypeError):
+        return None
+    return _dense_output(t.dtype, shape)
+
+
 _IN_PLACE = Plan(SameAsInput(0), ())
 
 
@@ -374,6 +390,7 @@ RULES = {id(op): _by_schema_names(op, rule) for op, rule in (
     (_aten._grouped_mm.default, plan_grouped_mm),
     *((op, plan_fused_step) for op in (_aten._fused_sgd_.default, _aten._fused_sgd_.tensor_lr,
                                        _aten._fused_adagrad_.default, _aten._fused_adagrad_.tensor_lr)),
+    (_aten.view_copy.default, plan_view_copy),
     (_aten.add.Tensor, plan_binary),
     (_aten.sub.Tensor, plan_binary),
     (_aten.mul.Tensor, plan_binary),
