@@ -12,10 +12,12 @@ With `--layout conj_view` every complex tensor is passed as a conjugate view of 
 (`t.conj_physical().conj()`, made on each side, as PyTorch's own tests of math views do), with
 `--layout neg_view` every floating tensor as a negative view (`torch._neg_view(-t)`). With
 `--backward`, the samples of ops with autograd run with inputs that require grad, and the
-gradients of a weighted sum of the outputs are compared instead.
+gradients of a weighted sum of the outputs are compared instead; with `--forward-ad`, the
+tangents that forward-mode AD gives the outputs when every floating argument is a dual tensor
+with a random tangent.
 
     python -m bench.opinfo_sweep [--ops add,mul] [--json out.json] [--max-samples N] [--layout L] [--dtype D]
-                                 [--backward]
+                                 [--backward | --forward-ad]
 """
 from __future__ import annotations
 
@@ -166,9 +168,45 @@ def run_sample_backward(op, args: tuple, kwargs: dict, dev, want, weights) -> No
             torch.testing.assert_close(to_cpu(g), w, equal_nan=True, check_device=False)
 
 
+def _tangents(op, args, kwargs, tangents=None):
+    """Forward-mode derivatives: every floating or complex tensor argument made a dual tensor
+    (tangents drawn on the CPU when not given), the tangents of the floating/complex outputs."""
+    import torch.autograd.forward_ad as fwAD
+
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    duals = [i for i, t in enumerate(leaves)
+             if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())]
+    if not duals:
+        return None, None
+    if tangents is None:
+        g = torch.Generator().manual_seed(0)
+        tangents = [torch.randn(leaves[i].shape, generator=g, dtype=leaves[i].dtype) for i in duals]
+    with fwAD.dual_level():
+        for i, t in zip(duals, tangents):
+            leaves[i] = fwAD.make_dual(leaves[i], t.to(leaves[i].device))
+        a, k = pytree.tree_unflatten(leaves, spec)
+        outs = [o for o in pytree.tree_leaves(op(*a, **k))
+                if isinstance(o, torch.Tensor) and (o.is_floating_point() or o.is_complex())]
+        found = [fwAD.unpack_dual(o).tangent for o in outs]
+        found = [None if t is None else t.clone() for t in found]  # kept past the dual level
+    return found, tangents
+
+
+def run_sample_forward_ad(op, args: tuple, kwargs: dict, dev, want, tangents) -> None:
+    """Checks the remote forward-mode tangents against the CPU's, `want` (raises where they differ)."""
+    got, _ = _tangents(op, *to_device((args, kwargs), dev), tangents)
+    if len(got) != len(want):
+        raise AssertionError("a different number of outputs")
+    for w, g in zip(want, got):
+        if (w is None) != (g is None):
+            raise AssertionError("a tangent is missing on one side")
+        if w is not None:
+            torch.testing.assert_close(to_cpu(g), w, equal_nan=True, check_device=False)
+
+
 def sweep(only: set[str] | None = None, max_samples: int | None = None, dev: str = "remote_accelerator:0",
           verbose: bool = False, layout: str = "as_given", dtype: torch.dtype = torch.float32,
-          backward: bool = False) -> dict:
+          backward: bool = False, forward_ad: bool = False) -> dict:
     from torch.testing._internal.common_methods_invocations import op_db
 
     passed = failed = skipped = 0
@@ -180,7 +218,7 @@ def sweep(only: set[str] | None = None, max_samples: int | None = None, dev: str
         if only and opinfo.name not in only:
             continue
         if not is_deterministic(opinfo) or dtype not in opinfo.supported_dtypes("cpu") or (
-                backward and not opinfo.supports_autograd):
+                backward and not opinfo.supports_autograd) or (forward_ad and not opinfo.supports_forward_ad):
             continue
         try:
             samples = list(opinfo.sample_inputs("cpu", dtype, requires_grad=backward))
@@ -200,6 +238,10 @@ def sweep(only: set[str] | None = None, max_samples: int | None = None, dev: str
                         want, weights = _weighted_grads(opinfo.op, args, kwargs)
                         if want is None:  # nothing of it takes part in autograd
                             raise LookupError
+                    elif forward_ad:
+                        want, tangents = _tangents(opinfo.op, args, kwargs)
+                        if not want or all(t is None for t in want):
+                            raise LookupError
                     else:
                         opinfo.op(*args, **kwargs)  # the CPU takes it (its result is compared later)
             except Exception:
@@ -210,6 +252,8 @@ def sweep(only: set[str] | None = None, max_samples: int | None = None, dev: str
                     warnings.simplefilter("ignore")
                     if backward:
                         run_sample_backward(opinfo.op, args, kwargs, dev, want, weights)
+                    elif forward_ad:
+                        run_sample_forward_ad(opinfo.op, args, kwargs, dev, want, tangents)
                     elif run_sample(opinfo.op, args, kwargs, dev, layout):
                         layouts[opinfo.name] += 1
                 passed += 1
@@ -242,6 +286,8 @@ def main(argv=None) -> int:
                    help="lay the samples' tensors out this way first")
     p.add_argument("--dtype", default="float32", help="the samples' dtype (a torch dtype name: complex64, ...)")
     p.add_argument("--backward", action="store_true", help="compare gradients instead of outputs")
+    p.add_argument("--forward-ad", action="store_true",
+                   help="compare forward-mode derivatives (tangents of dual tensors) instead of outputs")
     p.add_argument("--strict-layouts", action="store_true",
                    help="exit with status 1 when the daemon holds any result otherwise than planned")
     args = p.parse_args(argv)
@@ -250,10 +296,10 @@ def main(argv=None) -> int:
     if not isinstance(dtype, torch.dtype):
         p.error(f"not a torch dtype: {args.dtype}")
     result = sweep(only, args.max_samples, verbose=args.verbose, layout=args.layout, dtype=dtype,
-                   backward=args.backward)
+                   backward=args.backward, forward_ad=args.forward_ad)
     for name, msgs in sorted(result["failures"].items()):
         print(f"  {name}: {msgs[0]}")
-    print(f"OpInfo {args.dtype} samples ({'backward' if args.backward else args.layout}): {result['passed']} passed, {result['failed']} failed "
+    print(f"OpInfo {args.dtype} samples ({'backward' if args.backward else 'forward AD' if args.forward_ad else args.layout}): {result['passed']} passed, {result['failed']} failed "
           f"({result['pass_rate'] * 100:.1f}% pass) over {result['ops']} ops "
           f"({result['ops_all_pass']} fully passing), {result['seconds']:.0f}s")
     if result["layout_differs"]:

@@ -220,6 +220,39 @@ def test_activation_backwards_run_fused_as_on_the_cpu(dev, sent_ops):
         torch.testing.assert_close(grads(dev, act, twice=True), grads("cpu", act, twice=True))
 
 
+def test_forward_mode_ad_through_ops_kept_whole(dev):
+    """Ops Genie keeps whole when no gradient is recorded (linear, matmul, layer_norm, softmax,
+    scaled_dot_product_attention) skipped autograd for dual tensors too, which need no
+    requires_grad: torch.func.jvp through F.linear gave zeros, fwAD gave no tangent. And with a
+    dual level open, planning quantile hit PyTorch's internal assert in _fw_primal."""
+    import torch.autograd.forward_ad as fwAD
+    import torch.nn.functional as F
+    from torch.func import jacfwd, jvp
+
+    torch.manual_seed(0)
+    w, b = torch.randn(6, 4), torch.randn(6)
+    x, t = torch.randn(2, 3, 4), torch.randn(2, 3, 4)
+
+    def f(x, w, b):  # (the CPU's attention kernel has no forward-mode derivative: not here)
+        a = F.layer_norm(F.linear(x, w, b), (6,))
+        return torch.matmul(a, w).softmax(-1) + F.log_softmax(a, -1).sum()
+
+    want = jvp(lambda x: f(x, w, b), (x,), (t,))
+    got = jvp(lambda x: f(x, w.to(dev), b.to(dev)), (x.to(dev),), (t.to(dev),))
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g.cpu(), e, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(jacfwd(lambda w: F.linear(x.to(dev), w))(w.to(dev)).cpu(),
+                               jacfwd(lambda w: F.linear(x, w))(w))
+    q = torch.tensor([0.25, 0.5])
+    for device in ("cpu", dev):
+        with fwAD.dual_level():
+            out = torch.quantile(fwAD.make_dual(x.flatten().to(device), t.flatten().to(device)), q.to(device))
+            tangent = fwAD.unpack_dual(out).tangent.cpu()
+        if device == "cpu":
+            expected = tangent
+    torch.testing.assert_close(tangent, expected)
+
+
 def test_composite_ops_go_whole_without_autograd_and_decompose_with_it(dev, sent_ops):
     """linear/matmul/layer_norm/softmax are decomposed by ATen at the autograd key: under no_grad
     (or with nothing requiring a gradient) capture now gets each as one op, as under

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
 from genie.errors import UnsupportedOperationError
 from genie.transport import layout_contract
@@ -230,6 +231,11 @@ def plan_op(func, args, kwargs, flat_tensors: list[torch.Tensor], storage_sizes:
     before = [(m.shape, m.stride(), m.storage_offset()) for m in metas]
     meta_args = convert(args)
     meta_kwargs = {k: convert(v) for k, v in kwargs.items()}
+    # Meta tensors have no tangents. With a forward-AD level open (torch.func.jvp), a meta kernel
+    # formatting a tensor into its error message (quantile's) asked for one below autograd and hit
+    # PyTorch's internal assert in _fw_primal: plan outside any level.
+    level = _forward_ad._current_level
+    _forward_ad._current_level = -1
     try:
         out = func(*meta_args, **meta_kwargs)
     except NotImplementedError as e:
@@ -239,6 +245,8 @@ def plan_op(func, args, kwargs, flat_tensors: list[torch.Tensor], storage_sizes:
         if "meta" in msg.lower() or "data-dependent" in msg or "data dependent" in msg:
             raise NeedsRemoteExecution(msg) from None
         raise
+    finally:
+        _forward_ad._current_level = level
 
     layout_rule = _BACKEND_LAYOUTS.get(func)
     if layout_rule is not None:

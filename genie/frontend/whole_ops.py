@@ -11,6 +11,7 @@ Only ops whose result is a new tensor (no aliasing, no writes to arguments) are 
 from __future__ import annotations
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
 # Overload names of CompositeImplicitAutograd ops with fresh outputs, common in models. The
 # activation backwards are the ops with both such a decomposition and CPU/CUDA kernels of their
@@ -22,6 +23,11 @@ WHOLE_WHEN_NO_GRAD = ("linear", "matmul", "layer_norm", "softmax.int", "log_soft
 
 
 def _needs_grad(args, kwargs) -> bool:
+    """Whether autograd must see the decomposition: a gradient is being recorded, or forward-mode
+    AD is on (torch.func.jvp / jacfwd, fwAD.dual_level: dual tensors need no requires_grad, and
+    below autograd their tangents were dropped, so jvp through F.linear gave zeros)."""
+    if _forward_ad._current_level >= 0:
+        return True
     if not torch.is_grad_enabled():
         return False
     return any(isinstance(a, torch.Tensor) and a.requires_grad for a in (*args, *kwargs.values()))
@@ -45,6 +51,8 @@ def sdpa_whole(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     devices, whose derivative is its own backward op (kernels: daemon/attention.py); where that op
     does not apply (dropout, GQA, a mask that needs a gradient, not 4-D), the math decomposition."""
     op = torch.ops.aten.scaled_dot_product_attention.default
+    if _forward_ad._current_level >= 0:  # the fused op has no forward-mode derivative: as the CPU, math
+        return op.decompose(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     if _needs_grad((query, key, value, attn_mask), {}):
         # sdpa_kernel(...) leaving out both fused backends the daemon may use (the flash kernel,
         # Genie's own): torch's math decomposition, recorded here, as on the CPU.
