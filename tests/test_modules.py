@@ -7,6 +7,7 @@ import torch.nn as nn
 
 import genie
 from genie.examples.gpt import GPTConfig, TinyGPT, generate
+from outcomes import outcome
 
 
 def compare(dev, model, *inputs, atol=1e-5):
@@ -439,12 +440,6 @@ def test_transformer_encoder_with_padding_mask_in_eval(dev):
 
 def _inference_mode_cases(d):
     """What PyTorch makes of views across torch.inference_mode: each case's result, or its error."""
-    def outcome(case):
-        try:
-            return case()
-        except RuntimeError as e:
-            return f"RuntimeError: {str(e)[:60]}"
-
     base = torch.arange(16.0).reshape(4, 4).to(d)
     written = base.clone()
     with torch.inference_mode():

@@ -1,6 +1,7 @@
 """Views and in-place ops are exactly right: the daemon replays them in program order."""
 import pytest
 import torch
+from outcomes import outcome
 
 
 def both(dev, fn):
@@ -97,12 +98,6 @@ def test_split_unbind_chunk(dev):
 
 def _set_cases(d):
     """t.set_(source) as PyTorch does it: each case's values, geometry, or error."""
-    def outcome(case):
-        try:
-            return case()
-        except RuntimeError as e:
-            return f"RuntimeError: {str(e)[:70]}"
-
     a = torch.arange(6.0).to(d)
     b = torch.zeros(100).to(d)
     b.set_(a)  # b now names a's storage, whatever its own was
