@@ -22,4 +22,7 @@ for layout in as_given channels_last permuted; do
 done
 timeout 1200 python3 -m bench.opinfo_sweep --dtype complex64 --layout conj_view --strict-layouts | tail -4 || status=1
 timeout 1200 python3 -m bench.opinfo_sweep --backward | tail -4 || status=1
+# Gradients with channels-last inputs (attention takes torch's math backend there) and forward-mode AD.
+timeout 1200 python3 -m bench.opinfo_sweep --backward --layout channels_last | tail -4 || status=1
+timeout 1200 python3 -m bench.opinfo_sweep --forward-ad | tail -4 || status=1
 exit $status
