@@ -836,8 +836,7 @@ def _set_storage(func, args, kwargs):
     from .lazy_tensor import storage_owner
     from .serialization import uploaded
 
-    names = ("self", "source", "storage_offset", "size", "stride")
-    bound = dict(zip(names, args), **kwargs)
+    bound = _bound_set_args(args, kwargs)
     dst, storage = bound["self"], bound["source"]
     source = None
     if isinstance(storage, torch.UntypedStorage):
@@ -848,18 +847,14 @@ def _set_storage(func, args, kwargs):
                                         "device whose tensor is alive (or that torch.load placed there); "
                                         "t.set_(source_tensor) also works")
     if func is torch.ops.aten.set_.source_Storage:
-        offset, size, stride = 0, (storage.nbytes() // dst.element_size(),), (1,)
-    else:
-        offset, size = bound["storage_offset"], tuple(bound["size"])
-        stride = tuple(bound.get("stride") or contiguous_strides(size))
-    return _point_at(dst, source, offset, size, stride)
+        return _point_at(dst, source, 0, (storage.nbytes() // dst.element_size(),), (1,))
+    return _point_at(dst, source, *_requested_geometry(bound))
 
 
 def _set_to_tensor(func, args, kwargs):
     """`t.set_(source)`, `t.set_(source, offset, size, stride)`: t becomes a view of the storage
     of `source`, a tensor on the same remote device."""
-    names = ("self", "source", "storage_offset", "size", "stride")
-    bound = dict(zip(names, args), **kwargs)
+    bound = _bound_set_args(args, kwargs)
     dst, source = bound["self"], bound["source"]
     if type(dst) is not LazyTensor or type(source) is not LazyTensor or source.device != dst.device:
         raise RuntimeError(f'Attempted to set the storage of a tensor on device "{dst.device}" to a storage on '
@@ -867,11 +862,19 @@ def _set_to_tensor(func, args, kwargs):
     if source.dtype != dst.dtype:  # PyTorch's refusal, in its words (its meta kernel checks the dtypes)
         torch.empty(0, dtype=dst.dtype, device="meta").set_(torch.empty(0, dtype=source.dtype, device="meta"))
     if func is torch.ops.aten.set_.source_Tensor:
-        offset, size, stride = source.storage_offset(), tuple(source.shape), tuple(source.stride())
-    else:
-        offset, size = bound["storage_offset"], tuple(bound["size"])
-        stride = tuple(bound.get("stride") or contiguous_strides(size))
-    return _point_at(dst, source._genie, offset, size, stride)
+        return _point_at(dst, source._genie, source.storage_offset(), tuple(source.shape), tuple(source.stride()))
+    return _point_at(dst, source._genie, *_requested_geometry(bound))
+
+
+def _bound_set_args(args, kwargs) -> dict:
+    """The arguments of any `set_` overload by name."""
+    return dict(zip(("self", "source", "storage_offset", "size", "stride"), args), **kwargs)
+
+
+def _requested_geometry(bound: dict) -> tuple:
+    """(offset, size, stride) that a `set_` overload taking them was given (strides row-major when absent)."""
+    size = tuple(bound["size"])
+    return bound["storage_offset"], size, tuple(bound.get("stride") or contiguous_strides(size))
 
 
 def _point_at(dst: LazyTensor, source: HandleRef, offset: int, size: tuple, stride: tuple) -> LazyTensor:
