@@ -235,7 +235,8 @@ def plan_op(func, args, kwargs, flat_tensors: list[torch.Tensor], storage_sizes:
     # formatting a tensor into its error message (quantile's) asked for one below autograd and hit
     # PyTorch's internal assert in _fw_primal: plan outside any level.
     level = _forward_ad._current_level
-    _forward_ad._current_level = -1
+    if level >= 0:  # torch's global: touched only while a level is open
+        _forward_ad._current_level = -1
     try:
         out = func(*meta_args, **meta_kwargs)
     except NotImplementedError as e:
@@ -246,7 +247,8 @@ def plan_op(func, args, kwargs, flat_tensors: list[torch.Tensor], storage_sizes:
             raise NeedsRemoteExecution(msg) from None
         raise
     finally:
-        _forward_ad._current_level = level
+        if level >= 0:
+            _forward_ad._current_level = level
 
     layout_rule = _BACKEND_LAYOUTS.get(func)
     if layout_rule is not None:
