@@ -14,6 +14,9 @@
 namespace {
 using namespace at::autocast;
 // The signatures in AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE name these unqualified.
+#if defined(GENIE_TORCH_VERSION) && GENIE_TORCH_VERSION < 213
+using at::DimnameList;  // named-tensor signatures, still in torch 2.11's lists
+#endif
 using at::IntArrayRef;
 using at::Scalar;
 using at::ScalarType;
