@@ -61,7 +61,10 @@ class PinnedPool:
             self.cached_bytes -= size
             return self._free[size].pop()
         self.pinned_bytes += size
-        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        # A normal tensor, not an inference tensor: a buffer first taken for an upload (which runs
+        # in the daemon's inference mode) is written outside it by a later download.
+        with torch.inference_mode(False):
+            return torch.empty(size, dtype=torch.uint8, pin_memory=True)
 
     def release_idle(self) -> int:
         """Unpin and drop the free buffers (empty_cache); the bytes let go."""
