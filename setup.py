@@ -33,5 +33,5 @@ setup(
                  # tests/test_hf_models.py: the models users run (random-initialised, nothing downloaded)
                  "transformers>=4.46"],
     },
-    entry_points={"console_scripts": ["genie-daemon=genie_daemon.cli:main"]},
+    entry_points={"console_scripts": ["genie-daemon=genie_daemon.entry:main"]},
 )

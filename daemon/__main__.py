@@ -1,4 +1,4 @@
 """`python -m genie_daemon` is `genie-daemon`."""
-from .cli import main
+from .entry import main
 
 main()

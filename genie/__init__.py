@@ -14,108 +14,24 @@ Daemons come from ``genie.init("tcp://gpu1:5555,tcp://gpu2:5555")`` or
 """
 from __future__ import annotations
 
-from .errors import GenieConnectionError, GenieError, RemoteExecutionError, UnsupportedOperationError
-from .frontend import device as _device
-from .frontend.graphs import Graph, graph
-from .frontend.kv import KVSession
-from .frontend.lazy_tensor import LazyTensor
-from .runtime import get_runtime
-from . import frontend  # noqa: F401  (genie.frontend.analysis etc. reachable as attributes)
+import sys as _sys
 
 __version__ = "0.1.0"
 
-remote_accelerator = _device.register()
-
-
-def init(urls: str | list[str] | None = None, *, client_key: str | None = None,
-         server_key: str | None = None) -> None:
-    """Connect to daemons: "tcp://a:5555,ipc:///tmp/b" or a list. None: GENIE_SERVER_URL, else a local daemon.
-
-    CURVE: `client_key` is this client's .key_secret file, `server_key` the daemons' public .key file
-    (defaults: GENIE_CURVE_CLIENT_KEY, GENIE_CURVE_SERVER_KEY). With both set, every connection is
-    authenticated and encrypted, and a daemon that does not hold the server key is refused.
-    """
-    get_runtime().init(urls, client_key=client_key, server_key=server_key)
-
-
-def capture(model=None):
-    """`with genie.capture() as g:` records the ops of the block (ordinary CPU tensors are fine)
-    into `g.graph`; `g.run()` then executes the graph on remote devices per its schedule."""
-    from .frontend.graph_capture import Capture
-
-    return Capture(model)
-
-
-def analyze(model_or_graph, *args, **kwargs):
-    """Patterns, phases, costs and schedule of `model(*args, **kwargs)` (or of a captured graph).
-
-    Keyword-only options: network=, devices=[indices], allow_local=True, quiet=False.
-    Prints a summary; the result has .summary(), .to_png(path), .to_svg(path).
-    """
-    from .frontend.analysis import analyze as _analyze
-
-    return _analyze(model_or_graph, *args, **kwargs)
-
-
-def analysis_cache_stats() -> dict:
-    """Hit rates and hit latency of the two-level analysis cache used by genie.analyze."""
-    from .semantic.analyzer import default_cache
-
-    return default_cache.stats()
-
-
-def shutdown() -> None:
-    """Free everything this process holds on its daemons and disconnect (stops an embedded daemon)."""
-    get_runtime().shutdown()
-
-
-async def materialize(tensor_or_tensors):
-    """The async form of ``.cpu()``: a tensor gives a CPU tensor; a list or tuple gives a list."""
-    from .frontend.materialize import materialize_many
-
-    if isinstance(tensor_or_tensors, (list, tuple)):
-        return await materialize_many(list(tensor_or_tensors))
-    return (await materialize_many([tensor_or_tensors]))[0]
-
-
-def materialize_sync(tensor_or_tensors):
-    """Blocking batch form: fetch several remote tensors in one round trip per daemon."""
-    from .frontend.materialize import to_cpu_many
-
-    if isinstance(tensor_or_tensors, (list, tuple)):
-        return to_cpu_many(list(tensor_or_tensors))
-    return to_cpu_many([tensor_or_tensors])[0]
-
-
-def flush() -> None:
-    """Send everything queued so far to the daemons without waiting (lets devices start early)."""
-    for stream in get_runtime().streams:
-        stream.flush()
-
-
-def synchronize() -> None:
-    """Wait until every remote device has run everything queued so far."""
-    for stream in get_runtime().streams:
-        stream.synchronize()
-
-
-def transport_stats() -> dict:
-    """Bytes and messages sent to / received from each daemon by this process."""
-    return get_runtime().transport_stats()
-
-
-def transport_info() -> dict:
-    """How data travels to each daemon (ZeroMQ, plus a tcp or unix bulk lane for large payloads),
-    and which faster paths this process has (RDMA libraries, CUDA, CuPy), said plainly."""
-    return get_runtime().transport_info()
-
-
-def capture_stats() -> dict:
-    """Metadata-cache statistics of the op capture (hits, misses, bypasses)."""
-    from .frontend.capture import meta_cache
-
-    return meta_cache.info()
-
+# A genie-daemon process imports genie.transport (the wire) and nothing of the client
+# (daemon/entry.py marks it before Genie is imported): a registered remote_accelerator would become
+# PyTorch's accelerator there in CUDA's place, and on a GPU node cuDNN convolutions then crashed
+# the daemon and its CUDA autograd stopped at an internal assert.
+if not getattr(_sys.modules.get("genie_daemon"), "SERVING", False):
+    from . import frontend  # noqa: F401  (genie.frontend.analysis etc. reachable as attributes)
+    from ._client import (analysis_cache_stats, analyze, capture, capture_stats, flush, init, materialize,
+                          materialize_sync, remote_accelerator, shutdown, synchronize, transport_info,
+                          transport_stats)
+    from .errors import GenieConnectionError, GenieError, RemoteExecutionError, UnsupportedOperationError
+    from .frontend.graphs import Graph, graph
+    from .frontend.kv import KVSession
+    from .frontend.lazy_tensor import LazyTensor
+    from .runtime import get_runtime  # noqa: F401  (genie.get_runtime().links, ... in tests and tools)
 
 __all__ = [
     "init", "shutdown", "flush", "capture", "analyze", "analysis_cache_stats", "materialize", "materialize_sync", "synchronize", "transport_stats", "transport_info", "capture_stats",

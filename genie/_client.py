@@ -1,0 +1,98 @@
+"""The client side of `import genie`: the remote_accelerator device, its capture and runtime, and
+the functions `genie.*` exports (genie/__init__.py imports them from here, except in a genie-daemon)."""
+from __future__ import annotations
+
+from .frontend import device as _device
+from .runtime import get_runtime
+
+remote_accelerator = _device.register()
+
+
+def init(urls: str | list[str] | None = None, *, client_key: str | None = None,
+         server_key: str | None = None) -> None:
+    """Connect to daemons: "tcp://a:5555,ipc:///tmp/b" or a list. None: GENIE_SERVER_URL, else a local daemon.
+
+    CURVE: `client_key` is this client's .key_secret file, `server_key` the daemons' public .key file
+    (defaults: GENIE_CURVE_CLIENT_KEY, GENIE_CURVE_SERVER_KEY). With both set, every connection is
+    authenticated and encrypted, and a daemon that does not hold the server key is refused.
+    """
+    get_runtime().init(urls, client_key=client_key, server_key=server_key)
+
+
+def capture(model=None):
+    """`with genie.capture() as g:` records the ops of the block (ordinary CPU tensors are fine)
+    into `g.graph`; `g.run()` then executes the graph on remote devices per its schedule."""
+    from .frontend.graph_capture import Capture
+
+    return Capture(model)
+
+
+def analyze(model_or_graph, *args, **kwargs):
+    """Patterns, phases, costs and schedule of `model(*args, **kwargs)` (or of a captured graph).
+
+    Keyword-only options: network=, devices=[indices], allow_local=True, quiet=False.
+    Prints a summary; the result has .summary(), .to_png(path), .to_svg(path).
+    """
+    from .frontend.analysis import analyze as _analyze
+
+    return _analyze(model_or_graph, *args, **kwargs)
+
+
+def analysis_cache_stats() -> dict:
+    """Hit rates and hit latency of the two-level analysis cache used by genie.analyze."""
+    from .semantic.analyzer import default_cache
+
+    return default_cache.stats()
+
+
+def shutdown() -> None:
+    """Free everything this process holds on its daemons and disconnect (stops an embedded daemon)."""
+    get_runtime().shutdown()
+
+
+async def materialize(tensor_or_tensors):
+    """The async form of ``.cpu()``: a tensor gives a CPU tensor; a list or tuple gives a list."""
+    from .frontend.materialize import materialize_many
+
+    if isinstance(tensor_or_tensors, (list, tuple)):
+        return await materialize_many(list(tensor_or_tensors))
+    return (await materialize_many([tensor_or_tensors]))[0]
+
+
+def materialize_sync(tensor_or_tensors):
+    """Blocking batch form: fetch several remote tensors in one round trip per daemon."""
+    from .frontend.materialize import to_cpu_many
+
+    if isinstance(tensor_or_tensors, (list, tuple)):
+        return to_cpu_many(list(tensor_or_tensors))
+    return to_cpu_many([tensor_or_tensors])[0]
+
+
+def flush() -> None:
+    """Send everything queued so far to the daemons without waiting (lets devices start early)."""
+    for stream in get_runtime().streams:
+        stream.flush()
+
+
+def synchronize() -> None:
+    """Wait until every remote device has run everything queued so far."""
+    for stream in get_runtime().streams:
+        stream.synchronize()
+
+
+def transport_stats() -> dict:
+    """Bytes and messages sent to / received from each daemon by this process."""
+    return get_runtime().transport_stats()
+
+
+def transport_info() -> dict:
+    """How data travels to each daemon (ZeroMQ, plus a tcp or unix bulk lane for large payloads),
+    and which faster paths this process has (RDMA libraries, CUDA, CuPy), said plainly."""
+    return get_runtime().transport_info()
+
+
+def capture_stats() -> dict:
+    """Metadata-cache statistics of the op capture (hits, misses, bypasses)."""
+    from .frontend.capture import meta_cache
+
+    return meta_cache.info()
