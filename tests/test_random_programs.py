@@ -2,7 +2,9 @@
 side by side: every tensor, views of views included, ends with the CPU's values, shape and
 conjugate / negative bits; and random programs under autograd end with the CPU's loss and leaf
 gradients, or both refuse the backward (a write into a tensor it needs). Real and complex
-tensors (conj, real, imag, mH views of them); seeded, so a failure names the seed and its steps."""
+tensors (conj, real, imag, mH views of them); seeded, so a failure names the seed and its steps.
+Against a daemon on a CUDA GPU, in a process that has that GPU too (scripts/gpu_node_check.sh),
+the reference side runs on the local GPU: CUDA's kernels, not the CPU's, are what it should equal."""
 from __future__ import annotations
 
 import random
@@ -64,7 +66,7 @@ def _writes(rng, t, pairs):
     if name == "copy_":
         same = [k for k, (c, _) in enumerate(pairs) if c.shape == t.shape and c.dtype == t.dtype]
         k = rng.choice(same)
-        return name, lambda x: x.copy_(pairs[k][0] if x.device.type == "cpu" else pairs[k][1])
+        return name, lambda x: x.copy_(pairs[k][1] if x.device.type == "remote_accelerator" else pairs[k][0])
     if name == "setitem":
         if not t.dim():
             return None
@@ -119,13 +121,23 @@ def _play(rng, pairs: list, steps: int, choose) -> list[str]:
     return taken
 
 
-def run_program(seed: int, dev, steps: int = 40):
-    """The program of `seed`, run on both sides; its steps, and the pairs (cpu, remote) it made."""
+def reference_device() -> str:
+    """Where the reference side runs: this process's GPU where the daemon computes on CUDA and
+    this process has CUDA too (the same kernels), else the CPU."""
+    import genie
+
+    links = genie.get_runtime().links
+    on_cuda = bool(links) and links[0].devices[0]["type"] == "cuda"
+    return "cuda" if on_cuda and torch.cuda.is_available() else "cpu"
+
+
+def run_program(seed: int, dev, steps: int = 40, ref: str = "cpu"):
+    """The program of `seed`, run on both sides; its steps, and the pairs (reference, remote) it made."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     dtype = torch.complex64 if seed % 2 else torch.float32
     cpu = [torch.randn(4, 6, dtype=dtype), torch.randn(6, 4, dtype=dtype), torch.randn(2, 3, 4, dtype=dtype)]
-    pairs = [(c, c.to(dev)) for c in cpu]
+    pairs = [(c.to(ref), c.to(dev)) for c in cpu]
     def choose(rng, c, pairs):
         draw = rng.random()
         return _views(rng, c) if draw < 0.4 else _writes(rng, c, pairs) if draw < 0.8 else _computes(rng, c)
@@ -137,25 +149,28 @@ def run_program(seed: int, dev, steps: int = 40):
 @pytest.mark.parametrize("chunk", range(0, len(SEEDS), 50))
 def test_random_view_and_write_programs_match_cpu(dev, chunk):
     failures = []
+    ref = reference_device()
     for seed in SEEDS[chunk:chunk + 50]:
-        taken, pairs = run_program(seed, dev)
+        taken, pairs = run_program(seed, dev, ref=ref)
         for k, (c, r) in enumerate(pairs):
-            got = r.cpu()
+            got, want = r.cpu(), c.resolve_conj().resolve_neg().cpu()
             if (c.shape != got.shape or (c.is_conj(), c.is_neg()) != (r.is_conj(), r.is_neg())
-                    or not torch.allclose(c.resolve_conj().resolve_neg(), got, atol=1e-3, rtol=1e-3, equal_nan=True)):
-                failures.append(f"seed {seed}, tensor {k}: {' '.join(taken)}")
+                    or not torch.allclose(want, got, atol=1e-3, rtol=1e-3, equal_nan=True)):
+                diff = ((want - got).abs().max().item() if want.shape == got.shape and want.numel() else "-")
+                failures.append(f"seed {seed}, tensor {k} (largest difference {diff}): {' '.join(taken)}")
                 break
     assert not failures, "\n".join(failures)
 
 
-def run_autograd_program(seed: int, dev, steps: int = 30):
+def run_autograd_program(seed: int, dev, steps: int = 30, ref: str = "cpu"):
     """Leaves that require grad, random views, ops and in-place writes on non-leaves, one loss:
     its steps, the losses and the leaves (cpu, remote). A write into a tensor the backward needs
     makes both sides' backward refuse (version counters), which is part of what is compared."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     dtype = torch.complex64 if seed % 2 else torch.float32
-    leaves = [torch.randn(4, 6, dtype=dtype, requires_grad=True), torch.randn(2, 3, 4, dtype=dtype, requires_grad=True)]
+    leaves = [torch.randn(4, 6, dtype=dtype).to(ref).requires_grad_(),
+              torch.randn(2, 3, 4, dtype=dtype).to(ref).requires_grad_()]
     pairs = [(c, c.detach().to(dev).requires_grad_()) for c in leaves]
     leaves = list(pairs)
 
@@ -180,8 +195,9 @@ def run_autograd_program(seed: int, dev, steps: int = 30):
 @pytest.mark.parametrize("chunk", range(0, 200, 50))
 def test_random_autograd_programs_match_cpu(dev, chunk):
     failures = []
+    ref = reference_device()
     for seed in range(chunk, chunk + 50):
-        taken, (loss_c, loss_r), leaves = run_autograd_program(seed, dev)
+        taken, (loss_c, loss_r), leaves = run_autograd_program(seed, dev, ref=ref)
         refused = []
         for loss in (loss_c, loss_r):
             try:
@@ -189,11 +205,11 @@ def test_random_autograd_programs_match_cpu(dev, chunk):
                 refused.append(None)
             except RuntimeError as e:
                 refused.append("modified by an inplace operation" in str(e) or str(e))
-        same = refused[0] == refused[1] and torch.allclose(loss_c.detach(), loss_r.detach().cpu(), atol=1e-3,
+        same = refused[0] == refused[1] and torch.allclose(loss_c.detach().cpu(), loss_r.detach().cpu(), atol=1e-3,
                                                            rtol=1e-3, equal_nan=True)
         if same and refused[0] is None:
             same = all((c.grad is None) == (r.grad is None) and (c.grad is None or torch.allclose(
-                c.grad, r.grad.cpu(), atol=1e-3, rtol=1e-3, equal_nan=True)) for c, r in leaves)
+                c.grad.cpu(), r.grad.cpu(), atol=1e-3, rtol=1e-3, equal_nan=True)) for c, r in leaves)
         if not same:
             failures.append(f"seed {seed} ({refused}): {' '.join(taken)}")
     assert not failures, "\n".join(failures)
