@@ -60,6 +60,11 @@ def _callable_of(op):
     return inner if callable(inner) else op
 
 
+def _settings_key(request) -> str:
+    """The numerics settings a request runs under, as a key (they choose among kernels)."""
+    return repr(request.numerics or numerics.DEFAULT)
+
+
 _NOT_RESIZABLE = "Trying to resize storage that is not resizable"
 
 
@@ -134,7 +139,9 @@ class Executor:
         rnn_cells.register()  # CPU kernels for the fused LSTM/GRU cell ops torch picks for clients' devices
         self.has_cuda = any(d.type == "cuda" for d in devices)
         self.cuda_ipc_offered = False  # set by the server: clients on this host may take GPU tensors by handle
-        self._warm_ops: set[str] = set()  # op names run on a GPU before (see quick_to_start)
+        # (op name, numerics settings) run on a GPU before (see quick_to_start): other settings pick
+        # other kernels (a first TF32 matmul took 3.8-4.6 s on an H100 where FP32 ones had run).
+        self._warm_ops: set[tuple[str, str]] = set()
         self.bulk = bulk  # BulkListener, or None when the daemon offers no bulk lanes
         # Storages are named to clients by a keyed hash of their address: equal for tensors sharing
         # one, and no daemon memory address leaves the process.
@@ -207,6 +214,7 @@ class Executor:
             # No autograd on a daemon (clients record it): inference mode skips its dispatch and
             # version-counter work on every op (traced step of the demo GPT: min 423 -> 367 us).
             if request.ops or request.shared or device.type != "cpu":
+                settings = _settings_key(request) if self.has_cuda else ""
                 with _InferenceMode(True), client.streams.context(device, request.stream):
                     if request.shared:
                         self._import_shared(request.shared, device)
@@ -216,7 +224,7 @@ class Executor:
                         if last:
                             reported = self._describe(call.outs, result)
                         if self.has_cuda:
-                            self._warm_ops.add(call.name)
+                            self._warm_ops.add((call.name, settings))
             # else a read or free of CPU tensors (most blocking reads): no op to run in either
             # context, and entering them was a tenth of such a request's time here.
             for handle in request.frees:
@@ -441,7 +449,8 @@ class Executor:
         if self.has_cuda:
             if not client.streams.idle(self.devices):
                 return False
-            if not all(call.name in self._warm_ops for call in request.ops):
+            settings = _settings_key(request)
+            if not all((call.name, settings) in self._warm_ops for call in request.ops):
                 return False
         budget = INLINE_TENSOR_BYTES
         for call in request.ops:
