@@ -67,7 +67,9 @@ def _built(source: str) -> ctypes.CDLL:
     target = os.path.join(_cache_dir(), f"{stem}-{key}.so")
     if not os.path.exists(target):
         _build(source, target)
-    return ctypes.CDLL(target, mode=ctypes.RTLD_GLOBAL)
+    # RTLD_LOCAL: its symbols (inline c10 and std:: ones among them) must not stand in for those of
+    # libraries loaded later.
+    return ctypes.CDLL(target, mode=ctypes.RTLD_LOCAL)
 
 
 def load() -> bool:
