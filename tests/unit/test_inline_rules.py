@@ -1,13 +1,17 @@
 """Which requests a daemon may run on its event loop (Executor.quick_to_start), without a daemon:
 never a replay that still has to trace, and on a GPU never with the client's GPU work queued or
-with an op the daemon has not run before (a first conv loads cuDNN: the loop would miss heartbeats)."""
+with an op the daemon has not run before under the same numerics settings (a first conv loads
+cuDNN, a first TF32 matmul took ~4 s on an H100: the loop would miss heartbeats)."""
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from daemon import fused, programs
-from daemon.executor import REPLAY_OP, Executor
+from daemon.executor import REPLAY_OP, Executor, _settings_key
 from daemon.handles import ClientState, MemoryAccount
+from genie.transport import numerics
 from genie.transport.protocol import Exec, OpCall
 
 
@@ -45,10 +49,13 @@ def test_on_a_gpu_only_ops_run_there_before_and_only_with_the_gpu_idle(monkeypat
     monkeypatch.setattr(client.streams, "idle", lambda devices: idle[0])
     request = _request("aten::conv2d", "aten::relu")
     assert not executor.quick_to_start(client, request)
-    executor._warm_ops.update({"aten::conv2d"})
+    settings = _settings_key(request)
+    executor._warm_ops.update({("aten::conv2d", settings)})
     assert not executor.quick_to_start(client, request)
-    executor._warm_ops.add("aten::relu")
+    executor._warm_ops.add(("aten::relu", settings))
     assert executor.quick_to_start(client, request)
+    tf32 = ["tf32", *numerics.DEFAULT[1:]]  # other settings pick other kernels: not warm yet
+    assert not executor.quick_to_start(client, dataclasses.replace(request, numerics=tf32))
     idle[0] = False
     assert not executor.quick_to_start(client, request)
 
@@ -57,8 +64,9 @@ def test_running_a_request_on_a_gpu_daemon_warms_its_ops():
     executor = Executor([torch.device("cpu")])
     executor.has_cuda = True
     client = ClientState(b"unit", MemoryAccount())
-    executor.run(client, _request("aten::zeros"), [])  # a bad call still counts: it ran
-    assert "aten::zeros" in executor._warm_ops
+    request = _request("aten::zeros")
+    executor.run(client, request, [])  # a bad call still counts: it ran
+    assert ("aten::zeros", _settings_key(request)) in executor._warm_ops
 
 
 def _call(name, *args, **kwargs):
