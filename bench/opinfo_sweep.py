@@ -59,7 +59,18 @@ def to_cpu(tree):
     values = genie.materialize_sync([leaves[i] for i in lazy]) if lazy else []
     for i, v in zip(lazy, values):
         leaves[i] = v
+    leaves = [v.cpu() if isinstance(v, torch.Tensor) and v.device.type not in ("cpu", "meta") else v for v in leaves]
     return pytree.tree_unflatten(leaves, spec)
+
+
+def on_reference(tree, reference: str, layout: str = "as_given"):
+    """The sample's arguments where the reference runs: as they are on the CPU, else copied there
+    (with the layout's view bits made again, as on the device)."""
+    if reference == "cpu":
+        return tree
+    moved = to_device(tree, reference)
+    view = DEVICE_VIEWS.get(layout)
+    return moved if view is None else pytree.tree_map_only(torch.Tensor, view, moved)
 
 
 def _dense(shape, stride) -> bool:
@@ -129,9 +140,11 @@ def laid_out(sample, layout: str) -> tuple[tuple, dict]:
     return (pytree.tree_map_only(torch.Tensor, change, args), pytree.tree_map_only(torch.Tensor, change, kwargs))
 
 
-def run_sample(op, args: tuple, kwargs: dict, dev, layout: str = "as_given") -> bool:
-    """Checks the remote result's values against the CPU's; returns whether its layout differs."""
-    expected = op(*args, **kwargs)
+def run_sample(op, args: tuple, kwargs: dict, dev, layout: str = "as_given", expected=None) -> bool:
+    """Checks the remote result's values against the reference's, `expected` (the CPU's when not
+    given); returns whether its layout differs."""
+    if expected is None:
+        expected = op(*args, **kwargs)
     remote_args, remote_kwargs = to_device((args, kwargs), dev)
     view = DEVICE_VIEWS.get(layout)
     if view is not None:
@@ -206,7 +219,10 @@ def run_sample_forward_ad(op, args: tuple, kwargs: dict, dev, want, tangents) ->
 
 def sweep(only: set[str] | None = None, max_samples: int | None = None, dev: str = "remote_accelerator:0",
           verbose: bool = False, layout: str = "as_given", dtype: torch.dtype = torch.float32,
-          backward: bool = False, forward_ad: bool = False) -> dict:
+          backward: bool = False, forward_ad: bool = False, reference: str = "cpu") -> dict:
+    """`reference`: where the values compared with come from: the CPU, or e.g. this process's own
+    GPU where the daemon computes on CUDA (outputs and forward AD; gradients need the CPU, as a
+    local CUDA backward is impossible after import genie: pytorch/pytorch#161129)."""
     from torch.testing._internal.common_methods_invocations import op_db
 
     passed = failed = skipped = 0
@@ -239,13 +255,15 @@ def sweep(only: set[str] | None = None, max_samples: int | None = None, dev: str
                         if want is None:  # nothing of it takes part in autograd
                             raise LookupError
                     elif forward_ad:
-                        want, tangents = _tangents(opinfo.op, args, kwargs)
+                        want, tangents = _tangents(opinfo.op, *on_reference((args, kwargs), reference, layout))
                         if not want or all(t is None for t in want):
                             raise LookupError
+                        want = to_cpu(want)
                     else:
-                        opinfo.op(*args, **kwargs)  # the CPU takes it (its result is compared later)
+                        ref_args, ref_kwargs = on_reference((args, kwargs), reference, layout)
+                        expected = to_cpu(opinfo.op(*ref_args, **ref_kwargs))
             except Exception:
-                skipped += 1  # the CPU itself rejects this sample
+                skipped += 1  # the reference itself rejects this sample
                 continue
             try:
                 with warnings.catch_warnings():
@@ -254,7 +272,7 @@ def sweep(only: set[str] | None = None, max_samples: int | None = None, dev: str
                         run_sample_backward(opinfo.op, args, kwargs, dev, want, weights)
                     elif forward_ad:
                         run_sample_forward_ad(opinfo.op, args, kwargs, dev, want, tangents)
-                    elif run_sample(opinfo.op, args, kwargs, dev, layout):
+                    elif run_sample(opinfo.op, args, kwargs, dev, layout, expected):
                         layouts[opinfo.name] += 1
                 passed += 1
                 counts[0] += 1
@@ -288,6 +306,8 @@ def main(argv=None) -> int:
     p.add_argument("--backward", action="store_true", help="compare gradients instead of outputs")
     p.add_argument("--forward-ad", action="store_true",
                    help="compare forward-mode derivatives (tangents of dual tensors) instead of outputs")
+    p.add_argument("--reference", default="cpu",
+                   help="where the compared values come from: cpu, or e.g. cuda against a CUDA daemon")
     p.add_argument("--strict-layouts", action="store_true",
                    help="exit with status 1 when the daemon holds any result otherwise than planned")
     args = p.parse_args(argv)
@@ -295,8 +315,10 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype, None)
     if not isinstance(dtype, torch.dtype):
         p.error(f"not a torch dtype: {args.dtype}")
+    if args.backward and args.reference != "cpu":
+        p.error("--backward compares with the CPU (a local CUDA backward is impossible after import genie)")
     result = sweep(only, args.max_samples, verbose=args.verbose, layout=args.layout, dtype=dtype,
-                   backward=args.backward, forward_ad=args.forward_ad)
+                   backward=args.backward, forward_ad=args.forward_ad, reference=args.reference)
     for name, msgs in sorted(result["failures"].items()):
         print(f"  {name}: {msgs[0]}")
     print(f"OpInfo {args.dtype} samples ({'backward' if args.backward else 'forward AD' if args.forward_ad else args.layout}): {result['passed']} passed, {result['failed']} failed "

@@ -37,6 +37,6 @@ step random 60 python3 -m pytest -q --timeout 45 -rfE -W ignore tests/test_rando
 step ops 90 python3 -m pytest -q --timeout 30 -rfE tests/test_ops.py
 step gpu_paths 100 python3 -m bench.gpu_paths --repeats 3
 OPS=nn.functional.conv2d,nn.functional.conv_transpose2d,nn.functional.batch_norm,nn.functional.layer_norm,nn.functional.max_pool2d,nn.functional.avg_pool2d,nn.functional.interpolate,matmul,addmm,bmm,nn.functional.scaled_dot_product_attention,nn.functional.linear,softmax,sum,nn.functional.group_norm,nn.functional.embedding,cumsum,sort,index_put,nn.functional.cross_entropy
-step sweep 60 python3 -m bench.opinfo_sweep --strict-layouts --ops "$OPS"
+step sweep 60 python3 -m bench.opinfo_sweep --strict-layouts --reference cuda --ops "$OPS"
 step sweep_backward 60 python3 -m bench.opinfo_sweep --backward --ops "$OPS"
 echo "### end at $(( $(date +%s) - T0 ))s"

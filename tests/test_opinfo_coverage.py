@@ -42,3 +42,26 @@ def test_opinfo_pass_rate(dev, dtype, layout):
     assert result["pass_rate"] >= (0.99 if layout in ("conj_view", "backward", "forward_ad") else 0.90), \
         result["failures"]
     assert not result["layout_differs"], result["layout_differs"]
+
+
+def test_a_reference_other_than_the_cpu(dev, sent_ops):
+    """`--reference DEVICE` (against a CUDA daemon, this process's own GPU) takes the compared values
+    from that device: arguments copied there, the op run there, results brought back. Here the
+    device is the daemon itself: every sample's op then runs twice on it (once as the reference),
+    and the two agree (outputs and forward AD)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from bench.opinfo_sweep import sweep
+
+    def cumsums():
+        return sum(1 for name in sent_ops if "cumsum" in name)
+
+    alone = sweep(only={"cumsum"}, dev=dev)
+    once = cumsums()
+    outputs = sweep(only={"cumsum", "add", "mm", "nn.functional.conv2d", "conj_physical"}, dev=dev, reference=dev)
+    assert once >= alone["passed"] > 0 and cumsums() - once == 2 * once
+    assert outputs["failed"] == 0 and outputs["passed"] > 40, outputs["failures"]
+    tangents = sweep(only={"mul", "sin", "mm"}, dev=dev, reference=dev, forward_ad=True)
+    assert tangents["failed"] == 0 and tangents["passed"] > 10, tangents["failures"]
