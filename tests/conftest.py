@@ -30,6 +30,18 @@ def dev(daemon_endpoint):
 
 
 @pytest.fixture
+def reference(dev):
+    """Where a test's reference side runs: this process's GPU where the session daemon computes on
+    CUDA and this process has CUDA too (the same kernels; scripts/gpu_node_check.sh), else the CPU."""
+    import torch
+
+    import genie
+
+    on_cuda = genie.get_runtime().links[0].devices[0]["type"] == "cuda"
+    return "cuda" if on_cuda and torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
 def two_daemons(daemon_endpoint):
     """genie connected to two fresh daemons, one over tcp and one over ipc; disconnected afterwards."""
     import shutil

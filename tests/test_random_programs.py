@@ -121,16 +121,6 @@ def _play(rng, pairs: list, steps: int, choose) -> list[str]:
     return taken
 
 
-def reference_device() -> str:
-    """Where the reference side runs: this process's GPU where the daemon computes on CUDA and
-    this process has CUDA too (the same kernels), else the CPU."""
-    import genie
-
-    links = genie.get_runtime().links
-    on_cuda = bool(links) and links[0].devices[0]["type"] == "cuda"
-    return "cuda" if on_cuda and torch.cuda.is_available() else "cpu"
-
-
 def run_program(seed: int, dev, steps: int = 40, ref: str = "cpu"):
     """The program of `seed`, run on both sides; its steps, and the pairs (reference, remote) it made."""
     rng = random.Random(seed)
@@ -147,9 +137,9 @@ def run_program(seed: int, dev, steps: int = 40, ref: str = "cpu"):
 
 
 @pytest.mark.parametrize("chunk", range(0, len(SEEDS), 50))
-def test_random_view_and_write_programs_match_cpu(dev, chunk):
+def test_random_view_and_write_programs_match_cpu(dev, reference, chunk):
     failures = []
-    ref = reference_device()
+    ref = reference
     for seed in SEEDS[chunk:chunk + 50]:
         taken, pairs = run_program(seed, dev, ref=ref)
         for k, (c, r) in enumerate(pairs):
@@ -192,12 +182,12 @@ def run_autograd_program(seed: int, dev, steps: int = 30):
 
 
 @pytest.mark.parametrize("chunk", range(0, 200, 50))
-def test_random_autograd_programs_match_cpu(dev, chunk):
+def test_random_autograd_programs_match_cpu(dev, reference, chunk):
     failures = []
     # Against a CUDA daemon the reference loss is this process's GPU's (CUDA's kernels); gradients
     # are the CPU's, compared where the two forwards agree: a local CUDA backward is not possible in
     # a process that imports genie (pytorch/pytorch#161129, README: local CUDA autograd).
-    on_cuda = reference_device() == "cuda"
+    on_cuda = reference == "cuda"
     for seed in range(chunk, chunk + 50):
         taken, (loss_c, loss_r), leaves = run_autograd_program(seed, dev)
         if on_cuda:
