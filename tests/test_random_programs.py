@@ -139,9 +139,8 @@ def run_program(seed: int, dev, steps: int = 40, ref: str = "cpu"):
 @pytest.mark.parametrize("chunk", range(0, len(SEEDS), 50))
 def test_random_view_and_write_programs_match_cpu(dev, reference, chunk):
     failures = []
-    ref = reference
     for seed in SEEDS[chunk:chunk + 50]:
-        taken, pairs = run_program(seed, dev, ref=ref)
+        taken, pairs = run_program(seed, dev, ref=reference)
         for k, (c, r) in enumerate(pairs):
             got, want = r.cpu(), c.resolve_conj().resolve_neg().cpu()
             if (c.shape != got.shape or (c.is_conj(), c.is_neg()) != (r.is_conj(), r.is_neg())
