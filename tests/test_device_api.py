@@ -88,6 +88,18 @@ def test_pin_memory_and_a_pinning_data_loader_work_after_import(dev):
     assert torch.equal(batches[1].to(dev).cpu(), batches[1])
 
 
+@pytest.mark.skipif(not _native_backend(), reason="needs Genie's C++ backend library (no C++ compiler here)")
+def test_the_backend_library_keeps_its_symbols_to_itself():
+    """Loaded RTLD_LOCAL: its symbols (~120 weak c10 and std:: ones among them) do not stand in
+    for those of libraries loaded later. While it was loaded RTLD_GLOBAL, a client on an H100 node
+    crashed in ml_dtypes importing torch's OpInfo database after import genie (that this was the
+    cause is not established; with RTLD_LOCAL the import ran)."""
+    import ctypes
+
+    with pytest.raises(AttributeError):
+        ctypes.CDLL(None).genie_install_guard  # the process's global namespace does not hold it
+
+
 def test_storage_on_the_device_is_refused_with_a_way_out(dev):
     """The process has no storage for remote tensors: asking for some raises and says what to do;
     it used to crash the process (a null allocator)."""
