@@ -168,5 +168,36 @@ def test_remote_tensors_sent_to_a_process_arrive_on_the_device(tmp_path):
         assert lines["NONLEAF"] == "Cowardly refusing to serialize non-leaf", method
 
 
+LOADING = textwrap.dedent("""
+    import sys, torch, genie
+
+    class Samples(torch.utils.data.Dataset):  # samples made on the device, in the workers
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return {"x": torch.full((3,), float(i), device="remote_accelerator"), "label": i}
+
+    if __name__ == "__main__":
+        loader = torch.utils.data.DataLoader(Samples(), batch_size=4, num_workers=2,
+                                             multiprocessing_context=sys.argv[1])
+        print("BATCHES", [(b["x"].device.type, b["x"][:, 0].tolist(), b["label"].tolist()) for b in loader])
+""")
+
+
+def test_data_loader_workers_may_make_remote_samples(tmp_path):
+    """A Dataset whose samples are made on the device, loaded by worker processes: torch's default
+    collate stacked each batch into new shared-memory storage of the samples' device, which
+    remote tensors cannot have ('cannot allocate or copy storage'); batches are stacked on the
+    device now, and arrive as any remote tensor sent between processes does (a copy)."""
+    script = tmp_path / "loading.py"
+    script.write_text(LOADING)
+    for method in ("spawn", "fork"):
+        lines = _run_file(script, method)
+        assert ast.literal_eval(lines["BATCHES"]) == [
+            ("remote_accelerator", [0.0, 1.0, 2.0, 3.0], [0, 1, 2, 3]),
+            ("remote_accelerator", [4.0, 5.0, 6.0, 7.0], [4, 5, 6, 7])], method
+
+
 def _run_file(script, *args) -> dict[str, str]:
     return _run(None, [str(script), *args])

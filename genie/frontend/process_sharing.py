@@ -8,6 +8,11 @@ tensor's memory belongs to one client of a daemon, which no other process can na
 receiver gets a copy, made from the values sent (which travel as CPU tensors do, in shared
 memory) and uploaded to the same-numbered remote device of its own (the same daemon where both
 processes use one configuration). Writes in one process are not seen by the other.
+
+DataLoader workers' batches of remote samples are stacked on the device (`_collate`): torch's
+default collate stacks a worker's batch into new shared-memory storage of the samples' device,
+which remote tensors cannot have (it failed with Genie's storage refusal); the batch then leaves
+the worker as any remote tensor does, above.
 """
 from __future__ import annotations
 
@@ -37,11 +42,19 @@ def _reduce(t: LazyTensor):
     return _rebuild, (values, str(t.device), t.requires_grad, bool(getattr(t, "_is_param", False)))
 
 
+def _collate(batch, *, collate_fn_map=None) -> torch.Tensor:
+    """default_collate's rule for remote tensors: stacked on their device, in workers too."""
+    return torch.stack(batch, 0)
+
+
 _registered = False
 
 
 def register() -> None:
     global _registered
     if not _registered:
+        from torch.utils.data._utils.collate import default_collate_fn_map
+
         ForkingPickler.register(LazyTensor, _reduce)
+        default_collate_fn_map.setdefault(LazyTensor, _collate)
         _registered = True
