@@ -20,8 +20,8 @@ __version__ = "0.1.0"
 
 # A genie-daemon process imports genie.transport (the wire) and nothing of the client
 # (daemon/entry.py marks it before Genie is imported): a registered remote_accelerator would become
-# PyTorch's accelerator there in CUDA's place, and on a GPU node cuDNN convolutions then crashed
-# the daemon and its CUDA autograd stopped at an internal assert.
+# PyTorch's accelerator there in CUDA's place, which stops CUDA autograd (pytorch/pytorch#161129),
+# and with the client loaded a GPU daemon crashed at its first cuDNN convolution.
 if not getattr(_sys.modules.get("genie_daemon"), "SERVING", False):
     from . import frontend  # noqa: F401  (genie.frontend.analysis etc. reachable as attributes)
     from ._client import (analysis_cache_stats, analyze, capture, capture_stats, flush, init, materialize,
