@@ -88,6 +88,18 @@ def test_pin_memory_and_a_pinning_data_loader_work_after_import(dev):
     assert torch.equal(batches[1].to(dev).cpu(), batches[1])
 
 
+def test_pinning_a_remote_tensor_is_refused_as_for_cuda_tensors(dev, sent_ops):
+    """torch refuses to pin a CUDA tensor; a remote one is refused alike, in this process (the
+    daemon answered 'Cannot access accelerator device', after a round trip)."""
+    t = torch.ones(3, device=dev)
+    genie.synchronize()
+    sent_ops.clear()
+    with pytest.raises(RuntimeError, match="only dense CPU tensors can be pinned"):
+        t.pin_memory()
+    assert not sent_ops
+    assert torch.equal(t.cpu(), torch.ones(3))  # the tensor is as it was
+
+
 @pytest.mark.skipif(not _native_backend(), reason="needs Genie's C++ backend library (no C++ compiler here)")
 def test_the_backend_library_keeps_its_symbols_to_itself():
     """Loaded RTLD_LOCAL: its symbols (~120 weak c10 and std:: ones among them) do not stand in

@@ -916,8 +916,18 @@ def _nested_from_mask(func, args, kwargs):
         "its results are then the same except at padded positions, which the nested path sets to 0)")
 
 
+def _pin_remote(func, args, kwargs):
+    # As torch refuses to pin a CUDA tensor, here rather than after a round trip to the daemon
+    # (which said "Cannot access accelerator device": DataLoader(pin_memory=True) of remote samples).
+    raise RuntimeError("cannot pin a remote_accelerator tensor: only dense CPU tensors can be pinned "
+                       "(as with CUDA tensors); pin the CPU tensor before moving it, or leave pin_memory off")
+
+
 _SPECIAL = {
     id(torch.ops.aten._local_scalar_dense.default): _item,
+    id(torch.ops.aten._pin_memory.default): _pin_remote,
+    # Memory on a device is never pinned host memory (CUDA tensors say False too): no round trip.
+    id(torch.ops.aten.is_pinned.default): lambda func, args, kwargs: False,
     id(torch.ops.aten._to_copy.default): _to_copy,
     id(torch.ops.aten.copy_.default): _copy_,
     id(torch.ops.aten.set_.source_Storage_storage_offset): _set_storage,
