@@ -63,14 +63,17 @@ def to_cpu(tree):
     return pytree.tree_unflatten(leaves, spec)
 
 
-def on_reference(tree, reference: str, layout: str = "as_given"):
-    """The sample's arguments where the reference runs: as they are on the CPU, else copied there
-    (with the layout's view bits made again, as on the device)."""
-    if reference == "cpu":
-        return tree
-    moved = to_device(tree, reference)
+def placed(tree, dev, layout: str = "as_given"):
+    """The sample's arguments copied to `dev`, the layout's view bits made again there (a copy
+    resolves them)."""
+    moved = to_device(tree, dev)
     view = DEVICE_VIEWS.get(layout)
     return moved if view is None else pytree.tree_map_only(torch.Tensor, view, moved)
+
+
+def on_reference(tree, reference: str, layout: str = "as_given"):
+    """The sample's arguments where the reference runs: as they are on the CPU, else placed there."""
+    return tree if reference == "cpu" else placed(tree, reference, layout)
 
 
 def _dense(shape, stride) -> bool:
@@ -140,15 +143,10 @@ def laid_out(sample, layout: str) -> tuple[tuple, dict]:
     return (pytree.tree_map_only(torch.Tensor, change, args), pytree.tree_map_only(torch.Tensor, change, kwargs))
 
 
-def run_sample(op, args: tuple, kwargs: dict, dev, layout: str = "as_given", expected=None) -> bool:
-    """Checks the remote result's values against the reference's, `expected` (the CPU's when not
-    given); returns whether its layout differs."""
-    if expected is None:
-        expected = op(*args, **kwargs)
-    remote_args, remote_kwargs = to_device((args, kwargs), dev)
-    view = DEVICE_VIEWS.get(layout)
-    if view is not None:
-        remote_args, remote_kwargs = pytree.tree_map_only(torch.Tensor, view, (remote_args, remote_kwargs))
+def run_sample(op, args: tuple, kwargs: dict, dev, layout: str, expected) -> bool:
+    """Checks the remote result's values against the reference's, `expected`; returns whether its
+    layout differs."""
+    remote_args, remote_kwargs = placed((args, kwargs), dev, layout)
     remote = op(*remote_args, **remote_kwargs)
     differs = layout_differs(expected, remote)
     torch.testing.assert_close(to_cpu(remote), expected, equal_nan=True, check_device=False)
