@@ -9,7 +9,6 @@ from __future__ import annotations
 import sys
 
 
-
 def mark_daemon_process() -> None:
     """Before Genie is imported: this process serves; `import genie` registers no client device here."""
     sys.modules[__package__].SERVING = True

@@ -13,9 +13,14 @@ boot = ("import faulthandler, signal, sys, runpy; faulthandler.enable(); "
         f"sys.argv=['genie-daemon','--listen','ipc://{tmp}/d.sock','--log-level','INFO','--device','cuda:0']; "
         "runpy.run_module('genie_daemon', run_name='__main__')")
 proc = subprocess.Popen([sys.executable, "-c", boot], stdout=subprocess.PIPE, stderr=err, text=True)
+endpoint = None  # bounded by the caller's timeout (scripts/gpu_quick_check.sh) if it never comes
 for line in proc.stdout:
     if line.startswith("GENIE_DAEMON_READY"):
-        endpoint = line.split()[1]; break
+        endpoint = line.split()[1]
+        break
+if endpoint is None:
+    err.close()
+    sys.exit(f"the daemon did not start (exit {proc.wait()}):\n" + open(os.path.join(out, "daemon_diag.err")).read()[-3000:])
 import genie
 genie.init(endpoint)
 def step(name, fn):
