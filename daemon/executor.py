@@ -40,6 +40,7 @@ SEND_OP = "genie::send"
 RECV_OP = "genie::recv"
 EVENT_RECORD_OP = "genie::event_record"
 EVENT_WAIT_OP = "genie::event_wait"
+RECORD_STREAM_OP = "genie::record_stream"  # [handle]: t.record_stream(the request's stream)
 ADOPT_OP = protocol.ADOPT_OP
 SHARE_CUDA_OP = "genie::share_cuda"  # a resident GPU tensor for a client on this host, by CUDA IPC
 ALIAS_STORAGE_OP = "genie::alias_storage"  # a tensor over one of the client's tensors' storage (torch.load)
@@ -174,6 +175,7 @@ class Executor:
             EVENT_RECORD_OP: lambda c, call, f, d: c.streams.record(
                 _int_arg(call, 0), bool(call.args[1:2] and call.args[1]), d),
             EVENT_WAIT_OP: lambda c, call, f, d: c.streams.wait(_int_arg(call, 0), d),
+            RECORD_STREAM_OP: lambda c, call, f, d: self._record_stream(c, call),
             ADOPT_OP: self._adopt,
             SHARE_CUDA_OP: lambda c, call, f, d: self._share_cuda(c, call),
             ALIAS_STORAGE_OP: lambda c, call, f, d: self._alias_storage(c, call),
@@ -612,6 +614,17 @@ class Executor:
         # A conjugate or negative view's storage holds the unconjugated, unnegated values: its bits too.
         bits = [source.is_conj(), source.is_neg()]
         return whole, int.from_bytes(name, "little") >> 1, source.storage_offset(), list(source.stride()), bits
+
+    @staticmethod
+    def _record_stream(client: ClientState, call: OpCall) -> None:
+        """The client's `t.record_stream(s)`, run on s: on a GPU the caching allocator keeps the
+        tensor's block from reuse until the work queued on s so far is done. A CPU device runs
+        every stream's work in order, so its memory can never be reused early: nothing to do."""
+        if len(call.args) != 1 or not isinstance(call.args[0], HandleRef) or call.outs is not None:
+            raise ProtocolError(f"{RECORD_STREAM_OP} takes [handle] and no output")
+        tensor = _held(client, call.args[0])
+        if tensor.is_cuda:
+            tensor.record_stream(torch.cuda.current_stream(tensor.device))
 
     def _copy_storage(self, client: ClientState, call: OpCall, frames: list, device: torch.device):
         """copy.deepcopy of one of this client's tensors, as PyTorch copies a CPU one: the same

@@ -207,6 +207,33 @@ def test_copy_storage_copies_a_tensors_storage_once_per_memo(sock, args, outs, e
     assert rid == 80 and ok
 
 
+@pytest.mark.parametrize("args, outs, expected", [
+    ([protocol.encode_handle(0)], None, None),
+    ([protocol.encode_handle(9)], None, "9"),  # not this client's handle
+    ([protocol.encode_handle(0)], 2, "takes \\[handle\\] and no output"),
+    ([0], None, "takes \\[handle\\] and no output"),
+    ([protocol.encode_handle(0), protocol.encode_handle(0)], None, "takes \\[handle\\] and no output"),
+])
+def test_record_stream_takes_one_of_the_clients_tensors(sock, args, outs, expected):
+    """genie::record_stream (t.record_stream(s)) names one of the client's own tensors and leaves it
+    as it was; anything else is refused and the daemon carries on."""
+    import re
+
+    ops = [op("aten::arange", [6], 0, {"dtype": protocol.encode_dtype(torch.float32)}),
+           op("genie::record_stream", args, outs)]
+    fetch = [outs] if type(outs) is int else [0]  # an output it was given is poisoned, and says why
+    (rid, ok, body), frames = call(sock, [protocol.pack(["exec", 17, {"ops": ops, "stream": 3, "fetch": fetch}])])
+    if expected is None:
+        assert ok and "failed" not in body, body
+        assert torch.frombuffer(bytearray(frames[0]), dtype=torch.float32).tolist() == [0, 1, 2, 3, 4, 5]
+    else:
+        # An op without outputs poisons nothing: its failure comes with the request's answer.
+        text = body["failed"]["message"] if ok and "failed" in body else error_text(ok, body)
+        assert re.search(expected, text), body
+    (rid, ok, body), _ = call(sock, [protocol.pack(["ping", 81, {}])])
+    assert rid == 81 and ok
+
+
 @pytest.mark.parametrize("settings", ["tf32", [], [True] * 17, ["fast"] + [True] * 16])
 def test_malformed_numerics_settings_get_an_error_and_the_daemon_carries_on(sock, settings):
     ops = [op("aten::zeros", [[4]], 1, {"dtype": protocol.encode_dtype(torch.float32)})]

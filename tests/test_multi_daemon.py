@@ -88,7 +88,8 @@ def test_one_daemon_with_two_devices(daemon_endpoint):
             s = torch.Stream(device="remote_accelerator:1")
             e = torch.Event(device="remote_accelerator:1", enable_timing=True)
             e.record(s)
-            assert s.device == torch.device("remote_accelerator:1") and e.query()
+            e.synchronize()
+            assert s.device == torch.device("remote_accelerator:1") and e.query() and s.query()
         finally:
             genie.shutdown()
 

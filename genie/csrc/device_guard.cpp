@@ -3,10 +3,11 @@
 // PyTorch's Python-level guard for a Python backend knows one device only, so
 // autograd on remote_accelerator:1 hits an internal assert and set_device is
 // ignored. This guard keeps a thread-local current device and stream per the
-// DeviceGuardImplInterface contract, reports a device count that covers every
-// device Genie connected to (deviceCount never throws), and gives events timestamps. The remote work
-// itself is ordered by Genie's streams; these guard-level events are complete
-// when recorded, because everything before them was already submitted in order.
+// DeviceGuardImplInterface contract and reports a device count that covers every
+// device Genie connected to (deviceCount never throws). Its streams and events
+// are Genie's (genie/frontend/streams.py, through hooks): torch.Stream,
+// torch.Event, torch.accelerator.synchronize() and the autograd engine's stream
+// guards order and wait for the remote work itself, as they do on CUDA.
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/Generator.h>
 #include <ATen/detail/CUDAHooksInterface.h>
@@ -22,7 +23,6 @@
 #include <torch/csrc/Generator.h>
 
 #include <atomic>
-#include <chrono>
 #include <cstring>
 #include <mutex>
 #include <unordered_map>
@@ -39,13 +39,78 @@ thread_local c10::DeviceIndex t_device = 0;
 thread_local std::unordered_map<c10::DeviceIndex, c10::StreamId> t_streams;
 std::atomic<c10::StreamId> g_next_stream{1};
 
-struct GuardEvent {
-  double time_ms;
+// Holds the GIL for a call into the hooks (THPGenerator's methods hold it already; other C++
+// callers may not). Released on every way out, exceptions included.
+struct GilHeld {
+  PyGILState_STATE state = PyGILState_Ensure();
+  ~GilHeld() { PyGILState_Release(state); }
 };
 
-double now_ms() {
-  using namespace std::chrono;
-  return duration<double, std::milli>(steady_clock::now().time_since_epoch()).count();
+// The pending Python exception of a hook, as a c10::Error (a RuntimeError to the program) with
+// its message. The GIL is held.
+[[noreturn]] void throw_hook_error() {
+  PyObject *type = nullptr, *value = nullptr, *traceback = nullptr;
+  PyErr_Fetch(&type, &value, &traceback);
+  std::string message = "remote_accelerator: a hook into Genie failed";
+  if (value != nullptr) {
+    if (PyObject* text = PyObject_Str(value)) {
+      if (const char* utf8 = PyUnicode_AsUTF8(text)) message = utf8;
+      Py_DECREF(text);
+    }
+  }
+  PyErr_Clear();
+  Py_XDECREF(type);
+  Py_XDECREF(value);
+  Py_XDECREF(traceback);
+  TORCH_CHECK(false, message);
+}
+
+// Genie's Python side of streams and events (genie.frontend.streams; borrowed: it keeps both
+// alive for the life of the process, see genie_set_stream_hooks).
+// stream hook(action, device index, stream id) -> truth: "current" (a C++ caller made the stream
+// current on this thread), "query", "synchronize", "synchronize_device".
+PyObject* g_stream_hook = nullptr;
+// event hook(action, event, other event, device index, stream id, timing) -> object: "record"
+// (returns the Genie event, made when `event` is None), "wait", "query", "synchronize", "elapsed".
+PyObject* g_event_hook = nullptr;
+constexpr const char* kNoStreamHooks =
+    "remote_accelerator streams and events need Genie's device module (import genie)";
+
+bool call_stream_hook(const char* action, c10::DeviceIndex device, c10::StreamId stream) {
+  TORCH_CHECK(g_stream_hook != nullptr, kNoStreamHooks);
+  GilHeld gil;
+  PyObject* answer = PyObject_CallFunction(g_stream_hook, "siL", action, static_cast<int>(device),
+                                           static_cast<long long>(stream));
+  if (answer == nullptr) throw_hook_error();
+  int truth = PyObject_IsTrue(answer);
+  Py_DECREF(answer);
+  if (truth < 0) throw_hook_error();
+  return truth == 1;
+}
+
+// A torch.Event on remote_accelerator: the Genie event it was last recorded as (a new reference).
+struct GuardEvent {
+  PyObject* genie = nullptr;
+};
+
+// The hook's answer (a new reference); the GIL is held by the caller.
+PyObject* call_event_hook(const char* action, PyObject* event, PyObject* other, c10::DeviceIndex device,
+                          c10::StreamId stream, bool timing) {
+  TORCH_CHECK(g_event_hook != nullptr, kNoStreamHooks);
+  PyObject* answer = PyObject_CallFunction(g_event_hook, "sOOiLi", action, event ? event : Py_None,
+                                           other ? other : Py_None, static_cast<int>(device),
+                                           static_cast<long long>(stream), timing ? 1 : 0);
+  if (answer == nullptr) throw_hook_error();
+  return answer;
+}
+
+bool event_hook_truth(const char* action, void* event) {
+  GilHeld gil;
+  PyObject* answer = call_event_hook(action, static_cast<GuardEvent*>(event)->genie, nullptr, -1, 0, false);
+  int truth = PyObject_IsTrue(answer);
+  Py_DECREF(answer);
+  if (truth < 0) throw_hook_error();
+  return truth == 1;
 }
 
 struct RemoteGuardImpl final : public c10::impl::DeviceGuardImplInterface {
@@ -75,7 +140,9 @@ struct RemoteGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   }
   c10::Stream getDefaultStream(c10::Device d) const override { return c10::Stream(c10::Stream::DEFAULT, d); }
   c10::Stream getNewStream(c10::Device d, int /*priority*/) const override {
-    return c10::Stream(c10::Stream::UNSAFE, d, g_next_stream.fetch_add(1));
+    // torch.Stream(device="remote_accelerator") names no index: the current device's, as on CUDA.
+    c10::Device on(kType, d.has_index() ? d.index() : t_device);
+    return c10::Stream(c10::Stream::UNSAFE, on, g_next_stream.fetch_add(1));
   }
   c10::Stream getStreamFromGlobalPool(c10::Device d, bool /*high_priority*/) const override {
     return getNewStream(d, 0);
@@ -83,6 +150,16 @@ struct RemoteGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   c10::Stream exchangeStream(c10::Stream s) const override {
     c10::Stream old = getStream(s.device());
     t_streams[s.device_index()] = s.id();
+    // Genie's ops follow this thread's current stream (torch.accelerator.set_stream, `with
+    // stream:`, and the autograd engine running each backward node on its forward's stream).
+    // Called from guards' destructors too: a failure here is dropped, not thrown.
+    if (old.id() != s.id() && g_stream_hook != nullptr) {
+      GilHeld gil;
+      PyObject* answer = PyObject_CallFunction(g_stream_hook, "siL", "current", static_cast<int>(s.device_index()),
+                                               static_cast<long long>(s.id()));
+      if (answer == nullptr) PyErr_Clear();
+      Py_XDECREF(answer);
+    }
     return old;
   }
 
@@ -111,23 +188,62 @@ struct RemoteGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   }
 #endif
 
-  void record(void** event, const c10::Stream& /*stream*/, const c10::DeviceIndex /*device_index*/,
-              const c10::EventFlag /*flag*/) const override {
-    if (*event == nullptr) *event = new GuardEvent{0.0};
-    static_cast<GuardEvent*>(*event)->time_ms = now_ms();
+  void record(void** event, const c10::Stream& stream, const c10::DeviceIndex /*device_index*/,
+              const c10::EventFlag flag) const override {
+    GilHeld gil;
+    auto* guard_event = static_cast<GuardEvent*>(*event);
+    PyObject* recorded = call_event_hook("record", guard_event ? guard_event->genie : nullptr, nullptr,
+                                         stream.device_index(), stream.id(),
+                                         flag == c10::EventFlag::BACKEND_DEFAULT);
+    if (guard_event == nullptr) {
+      *event = guard_event = new GuardEvent;
+    }
+    Py_XDECREF(guard_event->genie);
+    guard_event->genie = recorded;
   }
-  void block(void* /*event*/, const c10::Stream& /*stream*/) const override {}
-  bool queryEvent(void* /*event*/) const override { return true; }
+  void block(void* event, const c10::Stream& stream) const override {
+    if (event == nullptr) return;  // never recorded: nothing to wait for, as with CUDA events
+    GilHeld gil;
+    Py_DECREF(call_event_hook("wait", static_cast<GuardEvent*>(event)->genie, nullptr, stream.device_index(),
+                              stream.id(), false));
+  }
+  bool queryEvent(void* event) const override { return event == nullptr || event_hook_truth("query", event); }
   void destroyEvent(void* event, const c10::DeviceIndex /*device_index*/) const noexcept override {
-    delete static_cast<GuardEvent*>(event);
+    auto* guard_event = static_cast<GuardEvent*>(event);
+    if (guard_event == nullptr) return;
+    // At interpreter exit the Genie event is left to Python's own teardown.
+#if PY_VERSION_HEX >= 0x030D0000
+    bool finalizing = Py_IsFinalizing();
+#else
+    bool finalizing = _Py_IsFinalizing();
+#endif
+    if (guard_event->genie != nullptr && Py_IsInitialized() && !finalizing) {
+      GilHeld gil;
+      Py_DECREF(guard_event->genie);
+    }
+    delete guard_event;
   }
-  bool queryStream(const c10::Stream& /*stream*/) const override { return true; }
-  void synchronizeStream(const c10::Stream& /*stream*/) const override {}
-  void synchronizeEvent(void* /*event*/) const override {}
-  void synchronizeDevice(const c10::DeviceIndex /*device_index*/) const override {}
+  bool queryStream(const c10::Stream& stream) const override {
+    return call_stream_hook("query", stream.device_index(), stream.id());
+  }
+  void synchronizeStream(const c10::Stream& stream) const override {
+    call_stream_hook("synchronize", stream.device_index(), stream.id());
+  }
+  void synchronizeEvent(void* event) const override {
+    if (event != nullptr) event_hook_truth("synchronize", event);
+  }
+  void synchronizeDevice(const c10::DeviceIndex device_index) const override {
+    call_stream_hook("synchronize_device", device_index, 0);
+  }
   double elapsedTime(void* start, void* end, const c10::DeviceIndex /*device_index*/) const override {
-    TORCH_CHECK(start && end, "both events must be recorded");
-    return static_cast<GuardEvent*>(end)->time_ms - static_cast<GuardEvent*>(start)->time_ms;
+    TORCH_CHECK(start && end, "both events must be recorded before calling elapsed_time()");
+    GilHeld gil;
+    PyObject* answer = call_event_hook("elapsed", static_cast<GuardEvent*>(start)->genie,
+                                       static_cast<GuardEvent*>(end)->genie, -1, 0, false);
+    double ms = PyFloat_AsDouble(answer);
+    Py_DECREF(answer);
+    if (ms == -1.0 && PyErr_Occurred()) throw_hook_error();
+    return ms;
   }
 };
 
@@ -151,32 +267,6 @@ constexpr const char* kNoStateHooks =
 // Borrowed: genie.frontend.device keeps both alive for the life of the process.
 PyObject* g_get_state_hook = nullptr;
 PyObject* g_set_state_hook = nullptr;
-
-// Holds the GIL for a call into the hooks (THPGenerator's methods hold it already; other C++
-// callers may not). Released on every way out, exceptions included.
-struct GilHeld {
-  PyGILState_STATE state = PyGILState_Ensure();
-  ~GilHeld() { PyGILState_Release(state); }
-};
-
-// The pending Python exception of a hook, as a c10::Error (a RuntimeError to the program) with
-// its message. The GIL is held.
-[[noreturn]] void throw_hook_error() {
-  PyObject *type = nullptr, *value = nullptr, *traceback = nullptr;
-  PyErr_Fetch(&type, &value, &traceback);
-  std::string message = "remote_accelerator: a hook into Genie failed";
-  if (value != nullptr) {
-    if (PyObject* text = PyObject_Str(value)) {
-      if (const char* utf8 = PyUnicode_AsUTF8(text)) message = utf8;
-      Py_DECREF(text);
-    }
-  }
-  PyErr_Clear();
-  Py_XDECREF(type);
-  Py_XDECREF(value);
-  Py_XDECREF(traceback);
-  TORCH_CHECK(false, message);
-}
 
 // Ids of generators destroyed since Genie last asked (genie_generators_dropped): their twins
 // on the daemons can go. (Python wrappers of one generator come and go, so only this side knows.)
@@ -438,6 +528,17 @@ void genie_set_generator_state_hooks(PyObject* get, PyObject* set) {
   g_get_state_hook = get;
   g_set_state_hook = set;
 }
+// Genie's Python functions behind streams and events (see g_stream_hook; borrowed).
+void genie_set_stream_hooks(PyObject* stream, PyObject* event) {
+  g_stream_hook = stream;
+  g_event_hook = event;
+}
+// Genie made `stream` current on `device` for this thread (no hook is called back).
+void genie_set_current_stream(int device, int64_t stream) {
+  t_streams[static_cast<c10::DeviceIndex>(device)] = static_cast<c10::StreamId>(stream);
+}
+// A stream id no other stream of this process has (torch.Stream(device=...) draws from the same count).
+int64_t genie_new_stream_id() { return g_next_stream.fetch_add(1); }
 // Genie's Python function behind torch.accelerator's memory calls (see g_memory_hook).
 void genie_set_memory_hook(PyObject* hook) { g_memory_hook = hook; }
 // Called by Genie after (re)connecting: the number of remote devices.

@@ -923,8 +923,16 @@ def _pin_remote(func, args, kwargs):
                        "(as with CUDA tensors); pin the CPU tensor before moving it, or leave pin_memory off")
 
 
+def _record_stream(func, args, kwargs):
+    from .streams import record_stream
+
+    tensor, stream = (*args, *kwargs.values())
+    record_stream(tensor, stream)
+
+
 _SPECIAL = {
     id(torch.ops.aten._local_scalar_dense.default): _item,
+    id(torch.ops.aten.record_stream.default): _record_stream,
     id(torch.ops.aten._pin_memory.default): _pin_remote,
     # Memory on a device is never pinned host memory (CUDA tensors say False too): no round trip.
     id(torch.ops.aten.is_pinned.default): lambda func, args, kwargs: False,

@@ -88,6 +88,9 @@ def load() -> bool:
         lib.genie_generators_dropped.restype = ctypes.c_int
         lib.genie_set_generator_state_hooks.argtypes = [ctypes.py_object, ctypes.py_object]
         lib.genie_set_memory_hook.argtypes = [ctypes.py_object]
+        lib.genie_set_stream_hooks.argtypes = [ctypes.py_object, ctypes.py_object]
+        lib.genie_set_current_stream.argtypes = [ctypes.c_int, ctypes.c_int64]
+        lib.genie_new_stream_id.restype = ctypes.c_int64
     except Exception as e:  # noqa: BLE001 - any failure: keep the Python guard and say so
         warnings.warn(f"genie: using PyTorch's single-device Python guard for remote_accelerator ({e}); "
                       "autograd and device guards on remote_accelerator:1 and above will not work", RuntimeWarning)
@@ -139,6 +142,26 @@ def set_memory_hook(hook) -> None:
     (hook(action, device index) -> tuple of ints). Borrowed, as the generator state hooks are."""
     if _lib is not None:
         _lib.genie_set_memory_hook(hook)
+
+
+def set_stream_hooks(stream_hook, event_hook) -> None:
+    """The Python functions behind the guard's streams and events (torch.Stream, torch.Event,
+    torch.accelerator.synchronize, autograd's stream guards). Borrowed, as the other hooks are."""
+    if _lib is not None:
+        _lib.genie_set_stream_hooks(stream_hook, event_hook)
+
+
+def set_current_stream(device: int, stream_id: int) -> None:
+    """Tell the guard that Genie made `stream_id` current on `device` for this thread (autograd
+    records it with each op and runs the op's backward on it)."""
+    if _lib is not None:
+        _lib.genie_set_current_stream(device, stream_id)
+
+
+def new_stream_id() -> int | None:
+    """A stream id unique in this process, from the guard's count (which torch.Stream also draws
+    from); None without the C++ guard."""
+    return None if _lib is None else int(_lib.genie_new_stream_id())
 
 
 def generators_dropped() -> list[int]:

@@ -6,6 +6,13 @@ captured while a stream is current run on it (a CUDA stream each on a GPU
 daemon). Cross-stream dependencies are expressed with events. Before a wait on
 an event (or a stream), the recording stream's queued ops are sent, so the
 daemon always sees a record before a wait that depends on it.
+
+These streams are PyTorch's streams of the device (a Stream is a torch.Stream;
+the C++ device guard's current stream is Genie's), so PyTorch's device-generic
+API acts on the remote work: `torch.accelerator.synchronize()` / `set_stream()` /
+`current_stream()`, `torch.Stream` and `torch.Event` (through the hooks below),
+`t.record_stream(s)`, and the autograd engine, which runs each op's backward on
+the stream its forward ran on.
 """
 from __future__ import annotations
 
@@ -18,10 +25,14 @@ import torch
 from genie.runtime import get_runtime
 from genie.runtime.stream import current_stream_id, set_current_stream_id
 
-EVENT_RECORD_OP, EVENT_WAIT_OP = "genie::event_record", "genie::event_wait"
+from . import native_guard
 
-_stream_ids = itertools.count(1)
+EVENT_RECORD_OP, EVENT_WAIT_OP = "genie::event_record", "genie::event_wait"
+RECORD_STREAM_OP = "genie::record_stream"
+
+_stream_ids = itertools.count(1)  # without the C++ guard (whose count torch.Stream shares)
 _event_ids = itertools.count(1)
+_PRIVATEUSE1 = int(torch._C._autograd.DeviceType.PrivateUse1)  # torch.Stream's device_type of remote_accelerator
 
 
 def _device_index(device) -> int:
@@ -34,13 +45,25 @@ def _device_index(device) -> int:
     return rt.current_device if d.index is None else d.index
 
 
-class Stream:
+def _make_current(device_index: int, stream_id: int) -> None:
+    set_current_stream_id(device_index, stream_id)
+    native_guard.set_current_stream(device_index, stream_id)
+
+
+class Stream(torch.Stream):
+    """A stream of a remote device; `torch.Stream(device="remote_accelerator")` makes one too, and
+    every Genie call that takes a stream accepts either."""
+
+    def __new__(cls, device=None, priority: int = 0, *, _stream_id: int | None = None):
+        index = _device_index(device)
+        if _stream_id is None:
+            _stream_id = native_guard.new_stream_id()
+            if _stream_id is None:
+                _stream_id = next(_stream_ids)
+        return super().__new__(cls, stream_id=_stream_id, device_index=index, device_type=_PRIVATEUSE1)
+
     def __init__(self, device=None, priority: int = 0, *, _stream_id: int | None = None) -> None:
-        self.device_index = _device_index(device)
-        self.device = torch.device("remote_accelerator", self.device_index)
         self.priority = priority
-        self.stream_id = next(_stream_ids) if _stream_id is None else _stream_id
-        self._mark: tuple[int, Event] | None = None  # (ops captured on the device then, event recorded)
 
     @property
     def _queue(self):
@@ -67,26 +90,43 @@ class Stream:
     def wait_stream(self, stream: "Stream") -> None:
         self.wait_event(stream.record_event())
 
-    def _completion_event(self) -> "Event":
-        """An event after all work queued so far (reused while nothing new was queued)."""
-        captured = self._queue.ops_captured
-        if self._mark is None or self._mark[0] != captured:
+    def _completion_event(self) -> list | None:
+        """[ops covered, event, seen complete]: an event recorded after all work queued on this
+        stream so far (reused while nothing new is queued); None when all of it is known to have
+        completed, or there never was any: that needs no round trip."""
+        q = self._queue
+        q.flush()
+        last = q.last_op_on.get(self.stream_id, 0)
+        mark = q.completion_marks.get(self.stream_id)
+        if last == 0 or mark is not None and mark[2] and mark[0] >= last:
+            return None
+        if mark is None or mark[0] < last:
             event = self.record_event()
-            self._mark = (self._queue.ops_captured, event)
-        return self._mark[1]
+            q.flush()
+            mark = q.completion_marks[self.stream_id] = [q.last_op_on[self.stream_id], event, False]
+        return mark
 
     def query(self) -> bool:
-        """True when all work queued on this stream so far has completed."""
-        return self._completion_event().query()
+        """True when all work queued on this stream so far has completed (answered at once)."""
+        mark = self._completion_event()
+        if mark is None:
+            return True
+        mark[2] = mark[1].query()
+        return mark[2]
 
     def synchronize(self) -> None:
-        self._completion_event().synchronize()
+        mark = self._completion_event()
+        if mark is not None:
+            mark[1].synchronize()
+            mark[2] = True
 
-    def __eq__(self, other) -> bool:
-        return isinstance(other, Stream) and (self.device_index, self.stream_id) == (other.device_index, other.stream_id)
+    def __enter__(self) -> "Stream":
+        self._previous = current_stream_id(self.device_index)
+        _make_current(self.device_index, self.stream_id)
+        return self
 
-    def __hash__(self) -> int:
-        return hash((self.device_index, self.stream_id))
+    def __exit__(self, *exc) -> None:
+        _make_current(self.device_index, self._previous)
 
     def __repr__(self) -> str:
         return f"<torch.remote_accelerator.Stream device={self.device} stream_id={self.stream_id}>"
@@ -101,28 +141,32 @@ class Event:
         self.event_id = next(_event_ids)
         self._stream: Stream | None = None
 
-    def record(self, stream: Stream | None = None) -> None:
-        stream = stream or current_stream()
+    def record(self, stream: torch.Stream | None = None) -> None:
+        stream = current_stream() if stream is None else _as_stream(stream)
         self._stream = stream
         stream._enqueue([EVENT_RECORD_OP, [self.event_id, self.enable_timing], {}, None])
 
-    def wait(self, stream: Stream | None = None) -> None:
-        stream = stream or current_stream()
+    def wait(self, stream: torch.Stream | None = None) -> None:
+        stream = current_stream() if stream is None else _as_stream(stream)
         if self._stream is not None:
             self._stream._queue.flush()  # the record reaches the daemon before the wait
         stream._enqueue([EVENT_WAIT_OP, [self.event_id], {}, None])
 
     def query(self) -> bool:
+        """Whether the work before the record has completed; answered at once, as CUDA's is (the
+        daemon answers event queries without waiting behind queued work)."""
         if self._stream is None:
             return True  # never recorded: nothing to wait for, as with CUDA events
         q = self._stream._queue
         q.flush()
-        done = q.link.request("event", {"query": [self.event_id]}).body["done"][0]
-        return bool(done)
+        return bool(q.link.request("event", {"query": [self.event_id]}, collect=False).body["done"][0])
 
     def synchronize(self) -> None:
         if self._stream is None:
             return
+        q = self._stream._queue
+        q.flush()
+        q.link.collect_direct()  # the answers to batches already sent (the record's among them) first
         delay = 1e-4
         while not self.query():
             time.sleep(delay)
@@ -141,6 +185,16 @@ class Event:
         return f"<torch.remote_accelerator.Event id={self.event_id}>"
 
 
+def _as_stream(s: torch.Stream) -> Stream:
+    """Genie's Stream for a torch.Stream of a remote device (torch.Stream(device=...), or one
+    torch.accelerator returned)."""
+    if isinstance(s, Stream):
+        return s
+    if isinstance(s, torch.Stream) and s.device_type == _PRIVATEUSE1:
+        return Stream(None if s.device_index < 0 else s.device_index, _stream_id=s.stream_id)
+    raise TypeError(f"expected a remote_accelerator stream, got {s!r}")
+
+
 def current_stream(device=None) -> Stream:
     index = _device_index(device)
     return Stream(index, _stream_id=current_stream_id(index))
@@ -150,19 +204,80 @@ def default_stream(device=None) -> Stream:
     return Stream(_device_index(device), _stream_id=0)
 
 
-def set_stream(stream: Stream) -> None:
-    set_current_stream_id(stream.device_index, stream.stream_id)
+def set_stream(stream: torch.Stream) -> None:
+    stream = _as_stream(stream)
+    _make_current(stream.device_index, stream.stream_id)
 
 
 @contextlib.contextmanager
-def stream(s: Stream | None):
+def stream(s: torch.Stream | None):
     """Like torch.cuda.stream: make `s` current (on its device) inside the block; None does nothing."""
     if s is None:
         yield
         return
+    s = _as_stream(s)
     previous = current_stream_id(s.device_index)
-    set_current_stream_id(s.device_index, s.stream_id)
+    _make_current(s.device_index, s.stream_id)
     try:
         yield s
     finally:
-        set_current_stream_id(s.device_index, previous)
+        _make_current(s.device_index, previous)
+
+
+def record_stream(tensor: torch.Tensor, s: torch.Stream) -> None:
+    """`t.record_stream(s)`, as on CUDA: the daemon's allocator does not reuse `t`'s memory, once
+    it is freed, until the work queued on `s` so far has run (on a GPU daemon; a CPU daemon runs
+    every stream's work in order, so there its memory is never reused early)."""
+    s = _as_stream(s)
+    if tensor._genie.stream.global_index != s.device_index:
+        raise RuntimeError(f"record_stream: the stream is on remote_accelerator:{s.device_index}, "
+                           f"the tensor on {tensor.device}")
+    s._enqueue([RECORD_STREAM_OP, [tensor._genie.wire], {}, None])
+
+
+# ------------------------------------------------------------------ PyTorch's device-generic API
+# The C++ device guard (genie/csrc/device_guard.cpp) calls these for torch.Stream, torch.Event,
+# torch.accelerator and the autograd engine's stream guards.
+
+
+def _guard_stream(action: str, device: int, stream_id: int):
+    if action == "current":  # a C++ caller made this stream current on this thread
+        set_current_stream_id(device, stream_id)
+        return None
+    rt = get_runtime()
+    if not rt.started:
+        return True  # nothing was ever queued: nothing to wait for (and no daemon to start for it)
+    index = None if device < 0 else device
+    if action == "synchronize_device":
+        rt.stream(_device_index(index)).synchronize()
+        return None
+    s = Stream(index, _stream_id=stream_id)
+    if action == "query":
+        return s.query()
+    if action == "synchronize":
+        s.synchronize()
+        return None
+    raise ValueError(f"unknown stream action {action!r}")
+
+
+def _guard_event(action: str, event: Event | None, other: Event | None, device: int, stream_id: int,
+                 timing: int):
+    if action == "record":
+        event = Event(enable_timing=bool(timing)) if event is None else event
+        event.record(Stream(None if device < 0 else device, _stream_id=stream_id))
+        return event
+    if action == "wait":
+        event.wait(Stream(None if device < 0 else device, _stream_id=stream_id))
+        return None
+    if action == "query":
+        return event.query()
+    if action == "synchronize":
+        event.synchronize()
+        return None
+    if action == "elapsed":
+        return event.elapsed_time(other)
+    raise ValueError(f"unknown event action {action!r}")
+
+
+def install_guard_hooks() -> None:
+    native_guard.set_stream_hooks(_guard_stream, _guard_event)  # module functions: alive for good

@@ -545,8 +545,11 @@ class DaemonLink:
         if timing:
             stream.exec_log.append(tuple(timing))
 
-    def request(self, kind: str, body: dict, timeout: float | None = None):
-        self.collect_direct()  # answers to batches posted before it first: it may be about their work
+    def request(self, kind: str, body: dict, timeout: float | None = None, collect: bool = True):
+        """Ask the daemon (on the channel) and wait for the answer. First, with `collect`, read the
+        answers to batches posted before it: it may be about their work."""
+        if collect:
+            self.collect_direct()
         return self.wait(self.channel.post_threadsafe(self.runtime.loop.loop, kind, body), timeout)
 
     def wait(self, future: concurrent.futures.Future, timeout: float | None = None):

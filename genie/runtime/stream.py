@@ -102,6 +102,11 @@ class DeviceStream:
         self.batch_bytes = batch_bytes
         self._async_error: BaseException | None = None
         self.ops_captured = 0
+        # Per daemon-side stream id: ops_captured when its last batch was taken, and the frontend's
+        # [ops covered, event, seen complete] for its last completion event (frontend/streams.py:
+        # a stream's query needs no round trip once its work is known complete).
+        self.last_op_on: dict[int, int] = {}
+        self.completion_marks: dict[int, list] = {}
         self.batch_stream = 0  # daemon-side stream id of the ops in the current batch
         # (start, end) wall-clock times of recent batches on the daemon, for overlap checks.
         self.exec_log: collections.deque[tuple[float, float]] = collections.deque(maxlen=4096)
@@ -237,6 +242,7 @@ class DeviceStream:
         body = {"dev": self.local_index, "stream": self.batch_stream, "ops": self.ops, "frees": frees,
                 "fetch": fetch, "report": report}
         if self.ops:
+            self.last_op_on[self.batch_stream] = self.ops_captured
             # TF32, deterministic algorithms...: as this process has them now, or as the caller
             # read them when the ops were captured (frontend/settings_barrier.py)
             settings = numerics.current() if settings is None else (None if settings == numerics.DEFAULT else settings)
