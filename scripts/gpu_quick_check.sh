@@ -32,6 +32,7 @@ export PYTHONFAULTHANDLER=1  # a crash prints every thread's Python stack (daemo
 step opinfo_import 45 python3 -c "import genie, torch; import torch.testing._internal.common_methods_invocations as m; print('OpInfos', len(m.op_db))"
 TAILN=20 step diag 60 python3 scripts/gpu_daemon_diag.py
 step cuda_paths 60 python3 -m pytest -q --timeout 40 -rfE tests/test_cuda_paths.py
+step streams 40 python3 -m pytest -q --timeout 30 -rfE tests/test_streams_events.py
 step demo 60 python3 -m genie.examples.demo
 step random 60 python3 -m pytest -q --timeout 45 -rfE -W ignore tests/test_random_programs.py
 step ops 90 python3 -m pytest -q --timeout 30 -rfE tests/test_ops.py

@@ -204,3 +204,27 @@ def test_torch_accelerator_memory_figures_from_a_gpu_daemon(gpu_daemon):
     assert pinned.is_pinned()
     del pinned
     acc.empty_host_cache()
+
+
+def test_side_stream_forward_and_backward_on_the_gpu(gpu_daemon):
+    """A forward on a side stream: its backward runs on that CUDA stream too, and the autograd
+    engine orders it against the default stream with events (without them the default stream
+    could read the gradients before they are written). torch.Event times the GPU's work."""
+    torch.manual_seed(0)
+    w_cpu, x_cpu = torch.randn(1024, 1024, requires_grad=True), torch.randn(256, 1024)
+    w = w_cpu.detach().to("remote_accelerator:0").requires_grad_()
+    x = x_cpu.to("remote_accelerator:0")
+    side = torch.remote_accelerator.Stream()
+    side.wait_stream(torch.remote_accelerator.current_stream())
+    start, end = torch.Event(device="remote_accelerator", enable_timing=True), \
+        torch.Event(device="remote_accelerator", enable_timing=True)
+    with torch.remote_accelerator.stream(side):
+        start.record()
+        loss = torch.tanh(x @ w).pow(2).sum()
+        x.record_stream(side)
+        end.record()
+    loss.backward()
+    torch.accelerator.synchronize()
+    torch.tanh(x_cpu @ w_cpu).pow(2).sum().backward()
+    torch.testing.assert_close(w.grad.cpu(), w_cpu.grad, rtol=1e-3, atol=1e-3)
+    assert end.query() and start.elapsed_time(end) > 0
