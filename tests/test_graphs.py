@@ -438,3 +438,64 @@ def test_a_replay_runs_under_the_settings_it_was_recorded_under(dev):
                 out.add_(ra @ rb)
     finally:
         numerics.apply(numerics.DEFAULT)
+
+
+needs_accelerator_graph = pytest.mark.skipif(not hasattr(torch.accelerator, "Graph"),
+                                             reason="torch.accelerator.Graph needs PyTorch >= 2.13")
+
+
+@needs_accelerator_graph
+def test_torch_accelerator_graph_captures_without_running_then_replays(dev, tmp_path):
+    """torch.accelerator.Graph, as on CUDA: the capture runs nothing (the block's writes and
+    results appear at the first replay), each replay runs it once."""
+    x = torch.zeros(4, device=dev)
+    w = torch.full((4,), 2.0, device=dev)
+    g = torch.accelerator.Graph()
+    g.enable_debug_mode()
+    with g:
+        x += w
+        y = x * 3
+    assert x.cpu().tolist() == [0.0] * 4
+    with pytest.raises(Exception, match="does not exist"):
+        y.cpu()  # made by the block: it exists from the first replay on (a CUDA graph's holds garbage)
+    g.replay()
+    assert x.cpu().tolist() == [2.0] * 4 and y.cpu().tolist() == [6.0] * 4
+    g.replay()
+    g.replay()
+    assert x.cpu().tolist() == [6.0] * 4 and y.cpu().tolist() == [18.0] * 4
+    g.debug_dump(str(tmp_path / "ops.txt"))
+    assert (tmp_path / "ops.txt").read_text().split() == ["aten::add_.Tensor", "aten::mul.Tensor"]
+    assert g.pool() != torch.accelerator.Graph().pool()
+    with pytest.raises(RuntimeError, match="already holds a capture"):
+        g.capture_begin()
+    g.reset()
+    with pytest.raises(RuntimeError, match="captured nothing"):
+        g.replay()
+    with g:  # reset: it may capture again
+        x.mul_(0.5)
+    g.replay()
+    assert x.cpu().tolist() == [3.0] * 4
+
+
+@needs_accelerator_graph
+def test_a_training_step_captured_with_torch_accelerator_graph_replays_like_eager(dev):
+    local = _mlp()
+    remote = copy.deepcopy(local).to(dev)
+    x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
+    xr, yr = x.to(dev), y.to(dev)
+    opt_local = torch.optim.AdamW(local.parameters(), lr=0.05)
+    opt_remote = torch.optim.AdamW(remote.parameters(), lr=0.05, capturable=True)
+    _train_step(local, opt_local, x, y)
+    _train_step(remote, opt_remote, xr, yr)  # a warm-up step outside, as CUDA graphs want
+    loss = torch.zeros((), device=dev)
+    g = torch.accelerator.Graph()
+    with torch.Stream(device="remote_accelerator"), g:
+        loss.copy_(_train_step(remote, opt_remote, xr, yr))  # captured, not run
+    expected = [_train_step(local, opt_local, x, y).item() for _ in range(5)]  # steps 2-6
+    got = []
+    for _ in range(5):
+        g.replay()
+        got.append(loss.item())
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    for a, b in zip(local.parameters(), remote.parameters()):
+        torch.testing.assert_close(b.detach().cpu(), a.detach(), rtol=1e-4, atol=1e-5)

@@ -16,6 +16,7 @@
 #include <c10/core/CPUAllocator.h>
 #if GENIE_TORCH_VERSION >= 213
 #include <ATen/core/CachingHostAllocator.h>
+#include <ATen/core/GraphImplInterface.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #endif
 #include <c10/core/GeneratorImpl.h>
@@ -487,6 +488,74 @@ struct RemoteHostAllocator final : public at::HostAllocator {
 };
 #endif
 
+#if GENIE_TORCH_VERSION >= 213
+// torch.accelerator.Graph on remote_accelerator: a genie.Graph recorded without running (as a CUDA
+// graph's capture runs nothing) and replayed on the daemon, through Genie's Python side:
+// hook(action, state, path) with "begin" (returns the state), "end", "replay", "reset", "dump".
+// Borrowed: genie.frontend.graphs keeps it alive for the life of the process.
+PyObject* g_graph_hook = nullptr;
+std::atomic<uint64_t> g_next_graph{1};
+
+struct RemoteGraphImpl final : public at::GraphImplInterface {
+  explicit RemoteGraphImpl(const at::GraphImplArgs& /*args*/) : id_(g_next_graph.fetch_add(1)) {}
+  ~RemoteGraphImpl() override {
+    if (state_ != nullptr && Py_IsInitialized()) {
+      GilHeld gil;
+      Py_DECREF(state_);
+    }
+  }
+  // One capture per graph, as a CUDA graph: reset() before capturing again. The capture mode is
+  // not used: capture records this thread's ops on its current device, whatever other threads do.
+  void capture_begin(at::MempoolId_t /*pool*/, at::GraphCaptureMode /*capture_mode*/) override {
+    TORCH_CHECK(state_ == nullptr, "this graph already holds a capture: reset() it, or make a new one");
+    GilHeld gil;
+    state_ = call("begin", Py_None, "");
+  }
+  void capture_end() override {
+    TORCH_CHECK(state_ != nullptr, "capture_end() without capture_begin()");
+    GilHeld gil;
+    Py_DECREF(call("end", state_, ""));
+  }
+  void instantiate() override {}  // the daemon checks the program when the capture ends
+  void replay() override {
+    TORCH_CHECK(state_ != nullptr, "replay() of a graph that captured nothing");
+    GilHeld gil;
+    Py_DECREF(call("replay", state_, ""));
+  }
+  void reset() override {
+    if (state_ == nullptr) return;
+    GilHeld gil;
+    PyObject* state = state_;
+    state_ = nullptr;
+    PyObject* answer = PyObject_CallFunction(g_graph_hook, "sOs", "reset", state, "");
+    Py_DECREF(state);
+    if (answer == nullptr) throw_hook_error();
+    Py_DECREF(answer);
+  }
+  at::MempoolId_t pool() const override { return {0, id_}; }  // each graph its own (Genie keeps no pools)
+  void enable_debug_mode() override { debug_ = true; }
+  // One line per recorded op, in order.
+  void debug_dump(const std::string& path) override {
+    TORCH_CHECK(debug_, "debug_dump() needs enable_debug_mode() first");
+    TORCH_CHECK(state_ != nullptr, "debug_dump() of a graph that captured nothing");
+    GilHeld gil;
+    Py_DECREF(call("dump", state_, path.c_str()));
+  }
+
+ private:
+  // The hook's answer (a new reference); the GIL is held.
+  PyObject* call(const char* action, PyObject* state, const char* path) const {
+    TORCH_CHECK(g_graph_hook != nullptr, "remote_accelerator graphs need Genie's device module (import genie)");
+    PyObject* answer = PyObject_CallFunction(g_graph_hook, "sOs", action, state, path);
+    if (answer == nullptr) throw_hook_error();
+    return answer;
+  }
+  const uint64_t id_;
+  PyObject* state_ = nullptr;
+  bool debug_ = false;
+};
+#endif
+
 }  // namespace
 
 extern "C" {
@@ -539,6 +608,14 @@ void genie_set_current_stream(int device, int64_t stream) {
 }
 // A stream id no other stream of this process has (torch.Stream(device=...) draws from the same count).
 int64_t genie_new_stream_id() { return g_next_stream.fetch_add(1); }
+// Genie's Python function behind torch.accelerator.Graph (see g_graph_hook; borrowed).
+void genie_set_graph_hook(PyObject* hook) {
+#if GENIE_TORCH_VERSION >= 213
+  g_graph_hook = hook;
+#else
+  (void)hook;
+#endif
+}
 // Genie's Python function behind torch.accelerator's memory calls (see g_memory_hook).
 void genie_set_memory_hook(PyObject* hook) { g_memory_hook = hook; }
 // Called by Genie after (re)connecting: the number of remote devices.
@@ -552,6 +629,13 @@ void genie_install_guard() {
 #if GENIE_TORCH_VERSION >= 213
   static RemoteHostAllocator host;
   at::setHostAllocator(c10::DeviceType::PrivateUse1, &host);
+  // Keyed by the backend's name (PyTorch looks it up that way): registered after the rename.
+  std::string graph_key = c10::DeviceTypeName(c10::DeviceType::PrivateUse1, /*lower_case=*/false);
+  if (!at::GraphImplRegistry()->Has(graph_key)) {
+    at::GraphImplRegistry()->Register(graph_key, [](at::GraphImplArgs args) -> std::unique_ptr<at::GraphImplInterface> {
+      return std::make_unique<RemoteGraphImpl>(args);
+    });
+  }
 #endif
 }
 }

@@ -380,7 +380,7 @@ def register() -> types.ModuleType:
     module = sys.modules[__name__]
     if _registered:
         return module
-    from . import factories, native_guard, process_sharing, serialization, settings_barrier, streams, torchscript
+    from . import factories, graphs, native_guard, process_sharing, serialization, settings_barrier, streams, torchscript
 
     if torch._C._get_privateuse1_backend_name() != NAME:
         _setup_backend(module)
@@ -395,6 +395,7 @@ def register() -> types.ModuleType:
         native_guard.set_generator_state_hooks(_generator_state, _set_generator_state)  # module functions: alive for good
         native_guard.set_memory_hook(_accelerator_memory)
         streams.install_guard_hooks()
+        graphs.install_accelerator_graph()
     get_runtime().on_start.append(_apply_pending_seed)
     get_runtime().on_start.append(_mark_initialized)
     from .meta import import_lazy_dependencies

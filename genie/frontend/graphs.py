@@ -38,6 +38,7 @@ class Graph:
     def __init__(self) -> None:
         self.program_id: int | None = None
         self.ops = 0  # ops recorded
+        self.op_names: list[str] = []  # their names, in order
         self._stream = None
         self._finalizer = None
         # The tensors from before the block that it reads (weights, static inputs, caches): held
@@ -99,9 +100,9 @@ class _OnlyThisDevice(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-@contextlib.contextmanager
-def graph(g: Graph, device="remote_accelerator:0"):
-    """Run the block once and record its ops on `device` into `g` (see the module docstring)."""
+def _begin(g: Graph, device, run: bool) -> tuple:
+    """Start recording into `g` on `device`; `run`: the recorded ops also run now (genie.graph),
+    else they only record (torch.accelerator.Graph, whose capture runs nothing, as CUDA's)."""
     if g.program_id is not None:
         raise GenieError("this genie.Graph already holds a program; make a new one")
     device = torch.device(device)
@@ -111,15 +112,24 @@ def graph(g: Graph, device="remote_accelerator:0"):
             raise GenieError("genie.graph blocks cannot be nested on one device")
         stream.flush()  # ops from before the block are not part of it
         stream.recording = []
+        stream.record_only = not run
         guard = _OnlyThisDevice(stream.device, stream, first_new=stream.new_handle())
+    guard.__enter__()
+    return stream, guard
+
+
+def _end(g: Graph, stream, guard, completed: bool) -> None:
+    """Stop recording; when the block `completed`, define its program on the daemon."""
     try:
-        with guard:
-            yield g
-        with stream.lock:
-            stream.flush()
+        guard.__exit__(None, None, None)
+        if completed:
+            with stream.lock:
+                stream.flush()
     finally:
         with stream.lock:
-            batches, stream.recording = stream.recording, None
+            batches, stream.recording, stream.record_only = stream.recording, None, False
+    if not completed:
+        return
     batches = [b for b in batches if b[0]]  # frees alone need no replay
     if not batches:
         raise GenieError("the genie.graph block recorded no remote ops")
@@ -138,4 +148,53 @@ def graph(g: Graph, device="remote_accelerator:0"):
     stream.synchronize()  # the daemon checks the program now, so a bad one fails here, not at replay
     g.program_id, g._stream, g._inputs = program_id, stream, guard.inputs
     g.ops = sum(len(b[0]) for b in batches)
+    g.op_names = [op[0] for b in batches for op in b[0]]
     g._finalizer = weakref.finalize(g, _drop, stream, program_id)
+
+
+@contextlib.contextmanager
+def graph(g: Graph, device="remote_accelerator:0"):
+    """Run the block once and record its ops on `device` into `g` (see the module docstring)."""
+    stream, guard = _begin(g, device, run=True)
+    try:
+        yield g
+    except BaseException:
+        _end(g, stream, guard, completed=False)
+        raise
+    _end(g, stream, guard, completed=True)
+
+
+# ------------------------------------------------------------------ torch.accelerator.Graph
+# Genie's C++ graph implementation for the device (genie/csrc/device_guard.cpp) calls this: a
+# capture records a program on the current device without running it, as a CUDA graph's capture
+# runs nothing (tensors the block makes get their values at the first replay); replay() replays it.
+
+
+def _accelerator_graph(action: str, state: list | None, path: str):
+    """state: [genie.Graph, (stream, guard) while capturing, else None], made by "begin"."""
+    if action == "begin":
+        g = Graph()
+        return [g, _begin(g, torch.device("remote_accelerator", get_runtime().current_device), run=False)]
+    if action == "end":
+        g, capture = state
+        state[1] = None
+        _end(g, *capture, completed=True)
+    elif action == "replay":
+        state[0].replay()
+    elif action == "reset":  # the graph (and its program on the daemon) goes; a capture in progress ends
+        if state[1] is not None:
+            capture, state[1] = state[1], None
+            _end(state[0], *capture, completed=False)
+        state[0] = None
+    elif action == "dump":
+        with open(path, "w") as f:
+            f.write("".join(f"{name}\n" for name in state[0].op_names))
+    else:
+        raise ValueError(f"unknown graph action {action!r}")
+    return None
+
+
+def install_accelerator_graph() -> None:
+    from . import native_guard
+
+    native_guard.set_graph_hook(_accelerator_graph)  # a module function: alive for good

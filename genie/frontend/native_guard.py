@@ -91,6 +91,7 @@ def load() -> bool:
         lib.genie_set_stream_hooks.argtypes = [ctypes.py_object, ctypes.py_object]
         lib.genie_set_current_stream.argtypes = [ctypes.c_int, ctypes.c_int64]
         lib.genie_new_stream_id.restype = ctypes.c_int64
+        lib.genie_set_graph_hook.argtypes = [ctypes.py_object]
     except Exception as e:  # noqa: BLE001 - any failure: keep the Python guard and say so
         warnings.warn(f"genie: using PyTorch's single-device Python guard for remote_accelerator ({e}); "
                       "autograd and device guards on remote_accelerator:1 and above will not work", RuntimeWarning)
@@ -149,6 +150,13 @@ def set_stream_hooks(stream_hook, event_hook) -> None:
     torch.accelerator.synchronize, autograd's stream guards). Borrowed, as the other hooks are."""
     if _lib is not None:
         _lib.genie_set_stream_hooks(stream_hook, event_hook)
+
+
+def set_graph_hook(hook) -> None:
+    """The Python function behind torch.accelerator.Graph on remote_accelerator (PyTorch >= 2.13;
+    older ones have no such API). Borrowed, as the other hooks are."""
+    if _lib is not None:
+        _lib.genie_set_graph_hook(hook)
 
 
 def set_current_stream(device: int, stream_id: int) -> None:

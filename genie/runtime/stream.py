@@ -112,6 +112,7 @@ class DeviceStream:
         self.exec_log: collections.deque[tuple[float, float]] = collections.deque(maxlen=4096)
         # While a genie.graph records this stream: the [ops, frees] of each batch taken (see graphs).
         self.recording: list | None = None
+        self.record_only = False  # while recording: the batches are kept, not sent (torch.accelerator.Graph)
         # (transfer id, bytes, device or None) claimed by the op being queued; the bytes hold the tensor.
         self.pending_bulk: list = []
         # The daemon keeps an adopted upload as received, reading it only for later ops (a CPU
@@ -254,6 +255,8 @@ class DeviceStream:
         frames = self.frames
         if self.recording is not None and (self.ops or frees):
             self.recording.append([self.ops, frees, body.get("num")])  # a program keeps its settings
+            if self.record_only:
+                body["ops"], body["frees"] = [], []
         self.ops, self.frames, self.inline_bytes = [], [], 0
         return body, frames
 
