@@ -369,27 +369,44 @@ def _mlp():
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))
 
 
+class _TwinTraining:
+    """The same MLP and AdamW on the CPU and on the device (capturable there, as graphs need),
+    after one warm-up step each (the optimizer makes its state outside any graph)."""
+
+    def __init__(self, dev) -> None:
+        self.local = _mlp()
+        self.remote = copy.deepcopy(self.local).to(dev)
+        self.x, self.y = torch.randn(6, 8), torch.randint(0, 3, (6,))
+        self.xr, self.yr = self.x.to(dev), self.y.to(dev)
+        self.opt_local = torch.optim.AdamW(self.local.parameters(), lr=0.05)
+        self.opt_remote = torch.optim.AdamW(self.remote.parameters(), lr=0.05, capturable=True)
+        self.local_step()
+        self.remote_step()
+
+    def local_step(self) -> float:
+        return _train_step(self.local, self.opt_local, self.x, self.y).item()
+
+    def remote_step(self) -> torch.Tensor:
+        return _train_step(self.remote, self.opt_remote, self.xr, self.yr)
+
+    def assert_same(self, got: list[float], expected: list[float]) -> None:
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+        for a, b in zip(self.local.parameters(), self.remote.parameters()):
+            torch.testing.assert_close(b.detach().cpu(), a.detach(), rtol=1e-4, atol=1e-5)
+
+
 def test_a_training_step_with_a_capturable_optimizer_replays_like_eager(dev):
-    local = _mlp()
-    remote = copy.deepcopy(local).to(dev)
-    x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
-    xr, yr = x.to(dev), y.to(dev)
-    opt_local = torch.optim.AdamW(local.parameters(), lr=0.05)
-    opt_remote = torch.optim.AdamW(remote.parameters(), lr=0.05, capturable=True)
-    _train_step(local, opt_local, x, y)
-    _train_step(remote, opt_remote, xr, yr)  # a warm-up step outside: the optimizer makes its state
+    twins = _TwinTraining(dev)
     loss = torch.zeros((), device=dev)
     g = genie.Graph()
     with genie.graph(g):
-        loss.copy_(_train_step(remote, opt_remote, xr, yr))  # step 2, recorded
-    expected = [_train_step(local, opt_local, x, y).item() for _ in range(6)]  # steps 2-7
+        loss.copy_(twins.remote_step())  # step 2, recorded
+    expected = [twins.local_step() for _ in range(6)]  # steps 2-7
     got = [loss.item()]
     for _ in range(5):
         g.replay()
         got.append(loss.item())
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
-    for a, b in zip(local.parameters(), remote.parameters()):
-        torch.testing.assert_close(b.detach().cpu(), a.detach(), rtol=1e-4, atol=1e-5)
+    twins.assert_same(got, expected)
 
 
 def test_a_write_into_a_cpu_tensor_while_recording_is_refused(dev):
@@ -479,23 +496,14 @@ def test_torch_accelerator_graph_captures_without_running_then_replays(dev, tmp_
 
 @needs_accelerator_graph
 def test_a_training_step_captured_with_torch_accelerator_graph_replays_like_eager(dev):
-    local = _mlp()
-    remote = copy.deepcopy(local).to(dev)
-    x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
-    xr, yr = x.to(dev), y.to(dev)
-    opt_local = torch.optim.AdamW(local.parameters(), lr=0.05)
-    opt_remote = torch.optim.AdamW(remote.parameters(), lr=0.05, capturable=True)
-    _train_step(local, opt_local, x, y)
-    _train_step(remote, opt_remote, xr, yr)  # a warm-up step outside, as CUDA graphs want
+    twins = _TwinTraining(dev)
     loss = torch.zeros((), device=dev)
     g = torch.accelerator.Graph()
     with torch.Stream(device="remote_accelerator"), g:
-        loss.copy_(_train_step(remote, opt_remote, xr, yr))  # captured, not run
-    expected = [_train_step(local, opt_local, x, y).item() for _ in range(5)]  # steps 2-6
+        loss.copy_(twins.remote_step())  # captured, not run
+    expected = [twins.local_step() for _ in range(5)]  # steps 2-6
     got = []
     for _ in range(5):
         g.replay()
         got.append(loss.item())
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
-    for a, b in zip(local.parameters(), remote.parameters()):
-        torch.testing.assert_close(b.detach().cpu(), a.detach(), rtol=1e-4, atol=1e-5)
+    twins.assert_same(got, expected)
