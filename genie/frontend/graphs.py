@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_leaves
 
 from genie.errors import GenieError
 from genie.runtime import get_runtime
+from genie.runtime.stream import unreplayed_captures
 
 from .lazy_tensor import LazyTensor
 
@@ -45,6 +46,9 @@ class Graph:
         # while the graph lives, so a replay never finds them dropped by the code that made them
         # (e.g. a step function's closure that went out of scope after recording).
         self._inputs: dict = {}
+        # Captured without running (torch.accelerator.Graph) and not replayed yet: the range of
+        # handle ids the capture made (see runtime.stream.unreplayed_captures).
+        self._unreplayed: tuple[str, int, int] | None = None
 
     def replay(self) -> None:
         if self.program_id is None:
@@ -52,6 +56,9 @@ class Graph:
         stream = self._stream
         with stream.lock:
             stream.append([REPLAY_OP, [self.program_id], {}, None])
+        if self._unreplayed is not None:  # the handles its capture made exist from now on
+            unreplayed_captures.discard(self._unreplayed)
+            self._unreplayed = None
 
     def __repr__(self) -> str:
         state = f"program {self.program_id}, {self.ops} ops" if self.program_id is not None else "empty"
@@ -127,7 +134,8 @@ def _end(g: Graph, stream, guard, completed: bool) -> None:
                 stream.flush()
     finally:
         with stream.lock:
-            batches, stream.recording, stream.record_only = stream.recording, None, False
+            batches, stream.recording = stream.recording, None
+            ran, stream.record_only = not stream.record_only, False
     if not completed:
         return
     batches = [b for b in batches if b[0]]  # frees alone need no replay
@@ -150,6 +158,10 @@ def _end(g: Graph, stream, guard, completed: bool) -> None:
     g.ops = sum(len(b[0]) for b in batches)
     g.op_names = [op[0] for b in batches for op in b[0]]
     g._finalizer = weakref.finalize(g, _drop, stream, program_id)
+    if not ran:
+        g._unreplayed = (stream.link.endpoint, guard.first_new, program_id)
+        unreplayed_captures.add(g._unreplayed)
+        weakref.finalize(g, unreplayed_captures.discard, g._unreplayed)
 
 
 @contextlib.contextmanager
