@@ -100,6 +100,21 @@ def test_pinning_a_remote_tensor_is_refused_as_for_cuda_tensors(dev, sent_ops):
     assert torch.equal(t.cpu(), torch.ones(3))  # the tensor is as it was
 
 
+def test_dlpack_export_of_a_remote_tensor_is_refused_with_the_way_out(dev):
+    """DLPack shares memory in this process; a remote tensor's is on the daemon. torch's own export
+    gave a capsule over a null pointer (torch.utils.dlpack.from_dlpack made a tensor over address 0)."""
+    import numpy as np
+
+    t = torch.arange(4.0, device=dev)
+    for export in (t.__dlpack__, t.__dlpack_device__, lambda: torch.utils.dlpack.to_dlpack(t),
+                   lambda: torch.from_dlpack(t), lambda: np.from_dlpack(t)):
+        with pytest.raises(BufferError, match=r"cannot be shared by DLPack.*t\.cpu\(\)"):
+            export()
+    cpu = torch.arange(3.0)
+    assert torch.equal(torch.from_dlpack(torch.utils.dlpack.to_dlpack(cpu)), cpu)  # CPU tensors as before
+    assert np.asarray(t).tolist() == [0.0, 1.0, 2.0, 3.0]  # a copy, as .numpy() (documented)
+
+
 @pytest.mark.skipif(not _native_backend(), reason="needs Genie's C++ backend library (no C++ compiler here)")
 def test_the_backend_library_keeps_its_symbols_to_itself():
     """Loaded RTLD_LOCAL: its symbols (~120 weak c10 and std:: ones among them) do not stand in

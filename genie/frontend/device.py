@@ -380,7 +380,8 @@ def register() -> types.ModuleType:
     module = sys.modules[__name__]
     if _registered:
         return module
-    from . import factories, graphs, native_guard, process_sharing, serialization, settings_barrier, streams, torchscript
+    from . import (factories, graphs, lazy_tensor, native_guard, process_sharing, serialization, settings_barrier,
+                   streams, torchscript)
 
     if torch._C._get_privateuse1_backend_name() != NAME:
         _setup_backend(module)
@@ -389,6 +390,7 @@ def register() -> types.ModuleType:
     process_sharing.register()
     generators.register_copying()
     torchscript.install()
+    lazy_tensor.refuse_dlpack_export()
     settings_barrier.install()
     if native_guard.load():
         get_runtime().on_start.append(lambda: native_guard.set_device_count(len(get_runtime().streams)))

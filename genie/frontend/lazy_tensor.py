@@ -56,6 +56,29 @@ def _warn_compile_once() -> None:
 _compile_warned = False
 
 
+NO_DLPACK = ("a remote_accelerator tensor cannot be shared by DLPack: its memory is on the genie-daemon, "
+             "not in this process. Copy it first: t.cpu() (or t.to('cuda') on a GPU host)")
+
+
+def refuse_dlpack_export() -> None:
+    """torch.utils.dlpack.to_dlpack (torch's C function, which reads the storage without dispatch)
+    refuses remote tensors too, as their __dlpack__ does."""
+    from torch.utils import dlpack
+
+    export = dlpack.to_dlpack
+    if getattr(export, "_genie", False):
+        return
+
+    def to_dlpack(tensor):
+        if isinstance(tensor, LazyTensor):
+            raise BufferError(NO_DLPACK)
+        return export(tensor)
+
+    to_dlpack.__doc__ = export.__doc__
+    to_dlpack._genie = True
+    dlpack.to_dlpack = to_dlpack
+
+
 def _dispatch(func, args, kwargs):
     # Replaced by genie.frontend.capture.dispatch when that module loads (it imports this one).
     from .capture import dispatch
@@ -247,6 +270,16 @@ class LazyTensor(torch.Tensor):
     def __array__(self, dtype=None, copy=None):
         arr = self.numpy()
         return arr.astype(dtype, copy=False) if dtype is not None else arr
+
+    # DLPack shares memory within one process, and a remote tensor's memory is on the daemon:
+    # torch's own export gave a capsule with a null data pointer (torch.utils.dlpack.from_dlpack
+    # of it made a tensor over address 0). Refused, saying what to do (as torch refuses devices
+    # DLPack has no type for).
+    def __dlpack__(self, *args, **kwargs):
+        raise BufferError(NO_DLPACK)
+
+    def __dlpack_device__(self):
+        raise BufferError(NO_DLPACK)
 
     def __reduce_ex__(self, protocol):
         # torch.save / pickling of a remote tensor stores its values, fetched now, as a CPU tensor
