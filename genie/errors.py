@@ -1,6 +1,8 @@
 """Genie's exception types, in one place. Each carries what a user needs to act."""
 from __future__ import annotations
 
+import torch
+
 
 class GenieError(RuntimeError):
     """Base class of everything Genie raises."""
@@ -20,6 +22,18 @@ class RemoteExecutionError(GenieError):
         self.daemon = daemon
         where = f" on {daemon}" if daemon else ""
         super().__init__(f"{op or 'request'} failed{where}: {error_type}: {message}")
+
+
+class RemoteOutOfMemoryError(RemoteExecutionError, torch.OutOfMemoryError):
+    """The daemon ran out of memory for an op. `except torch.OutOfMemoryError` (torch.cuda's is
+    the same class) catches it, as it catches CUDA's: code that retries with a smaller batch works."""
+
+
+def remote_execution_error(op: str | None, message: str, error_type: str = "RuntimeError",
+                           daemon: str = "") -> RemoteExecutionError:
+    """The error for a failure the daemon reported, of the class its type calls for."""
+    cls = RemoteOutOfMemoryError if error_type == "OutOfMemoryError" else RemoteExecutionError
+    return cls(op, message, error_type, daemon=daemon)
 
 
 class UnsupportedOperationError(GenieError):

@@ -42,8 +42,11 @@ def test_limit_error_isolation_and_baseline(limited_daemon):
     small = torch.ones(1024, 256, device="remote_accelerator")  # 1 MiB: fine
     assert small.sum().item() == 1024 * 256
     big = torch.ones(4096, 1024, device="remote_accelerator")  # 16 MiB: over the limit
-    with pytest.raises(genie.RemoteExecutionError, match="memory limit of 0.01 GiB"):
+    with pytest.raises(genie.RemoteExecutionError, match="memory limit of 0.01 GiB") as failure:
         big.cpu()
+    # Caught as CUDA's out-of-memory errors are (code that retries with a smaller batch).
+    assert isinstance(failure.value, torch.OutOfMemoryError) and failure.value.error_type == "OutOfMemoryError"
+    assert ra.OutOfMemoryError is torch.cuda.OutOfMemoryError
 
     # The other client is undisturbed.
     _, ok, body = other_call(2, {"ops": [["aten::mul.Scalar", [protocol.encode_handle(1), 3], {}, 2]], "fetch": [2]})

@@ -190,3 +190,16 @@ def test_record_stream_accepts_both_kinds_of_stream(dev):
 
     with pytest.raises(TypeError, match="remote_accelerator stream"):
         genie.frontend.streams.record_stream(x, torch.Stream(device="cpu"))
+
+
+def test_stream_context_and_capturing_flag(dev):
+    s = ra.Stream()
+    assert not ra.is_current_stream_capturing()
+    with ra.StreamContext(s):
+        assert ra.current_stream() == s
+    assert ra.current_stream() == ra.default_stream()
+    g = genie.Graph()
+    with genie.graph(g):
+        assert ra.is_current_stream_capturing()
+        torch.ones(2, device=dev).add_(1)
+    assert not ra.is_current_stream_capturing()

@@ -16,7 +16,12 @@ import torch
 from genie.runtime import get_runtime
 
 from . import capture, generators
-from .streams import Event, Stream, current_stream, default_stream, set_stream, stream
+from .streams import (Event, Stream, StreamContext, current_stream, default_stream, is_current_stream_capturing,
+                      set_stream, stream)
+
+# `except torch.remote_accelerator.OutOfMemoryError` as `except torch.cuda.OutOfMemoryError`: the
+# same class, which Genie's error for a daemon out of memory is (genie.errors.RemoteOutOfMemoryError).
+OutOfMemoryError = torch.OutOfMemoryError
 
 NAME = "remote_accelerator"
 SEED_OP = "genie::manual_seed"
@@ -433,5 +438,6 @@ __all__ = [
     "is_bf16_supported", "init", "get_rng_state", "set_rng_state", "get_rng_state_all", "set_rng_state_all",
     "manual_seed", "manual_seed_all", "seed", "seed_all",
     "initial_seed", "register", "capture", "Stream", "Event", "current_stream", "default_stream",
-    "set_stream", "stream", "get_amp_supported_dtype",
+    "set_stream", "stream", "get_amp_supported_dtype", "StreamContext", "is_current_stream_capturing",
+    "OutOfMemoryError",
 ]

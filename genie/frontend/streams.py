@@ -224,6 +224,28 @@ def stream(s: torch.Stream | None):
         _make_current(s.device_index, previous)
 
 
+class StreamContext:
+    """`with StreamContext(s):` as torch.cuda.StreamContext: `stream(s)` as an object."""
+
+    def __init__(self, stream: torch.Stream | None) -> None:
+        self.stream = stream
+        self._block = None
+
+    def __enter__(self):
+        self._block = stream(self.stream)
+        return self._block.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        self._block.__exit__(*exc)
+
+
+def is_current_stream_capturing() -> bool:
+    """Whether ops on the current device are being recorded into a graph now (a
+    torch.accelerator.Graph capture or a genie.graph block), as torch.cuda's answers for CUDA graphs."""
+    rt = get_runtime()
+    return rt.started and rt.stream(rt.current_device).recording is not None
+
+
 def record_stream(tensor: torch.Tensor, s: torch.Stream) -> None:
     """`t.record_stream(s)`, as on CUDA: the daemon's allocator does not reuse `t`'s memory, once
     it is freed, until the work queued on `s` so far has run (on a GPU daemon; a CPU daemon runs

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from genie.errors import GenieConnectionError, RemoteExecutionError
+from genie.errors import GenieConnectionError, RemoteExecutionError, remote_execution_error
 from genie.transport import numerics, protocol
 from genie.transport.channel import RemoteError
 from genie.transport.bulk import tensor_bytes
@@ -378,8 +378,8 @@ class DeviceStream:
                 continue
             if isinstance(desc, dict):
                 err = desc.get("error") or {}
-                failure = failure or RemoteExecutionError(err.get("op"), _explained(err.get("message", ""), self.link.endpoint),
-                                                          err.get("type", "RuntimeError"), daemon=self.link.endpoint)
+                failure = failure or remote_execution_error(err.get("op"), _explained(err.get("message", ""), self.link.endpoint),
+                                                            err.get("type", "RuntimeError"), daemon=self.link.endpoint)
                 out.append(None)
                 continue
             frame, dtype, shape = desc
@@ -448,7 +448,7 @@ def _explained(message: str, endpoint: str) -> str:
 
 
 def remote_error(exc: RemoteError, endpoint: str) -> RemoteExecutionError:
-    return RemoteExecutionError(exc.op, _explained(exc.message, endpoint), exc.error_type, daemon=endpoint)
+    return remote_execution_error(exc.op, _explained(exc.message, endpoint), exc.error_type, daemon=endpoint)
 
 
 __all__ = ["DeviceStream", "HandleRef", "remote_error"]
