@@ -72,3 +72,20 @@ def test_op_with_kernels_for_particular_devices_is_refused_when_called(dev):
     with pytest.raises(UnsupportedOperationError, match="genie_test::cuda_only"):
         cuda_only(torch.ones(2).to(dev))
     torch.testing.assert_close((torch.ones(2).to(dev) + 1).cpu(), torch.full((2,), 2.0))  # the stream goes on
+
+
+def test_a_distributed_collective_on_a_remote_tensor_is_refused_with_the_way_out(dev, tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        t = torch.ones(4, device=dev)
+        with pytest.raises(UnsupportedOperationError, match=r"c10d::allreduce_.*collectives run in this "
+                                                             r"process's backend.*t\.cpu\(\)"):
+            dist.all_reduce(t)
+        c = t.cpu()  # the way the message gives
+        dist.all_reduce(c)
+        t.copy_(c)
+        assert t.sum().item() == 4.0
+    finally:
+        dist.destroy_process_group()

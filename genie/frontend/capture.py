@@ -465,6 +465,11 @@ def _library_op(func, args, kwargs):
     as any others (from now on straight from `dispatch`). One whose kernels are all for
     particular devices (CUDA, CPU) cannot run on the daemon: refused now, by name, rather than
     by the daemon when its batch runs."""
+    if func.namespace == "c10d":
+        raise UnsupportedOperationError(
+            op_name(func), "torch.distributed collectives run in this process's backend (gloo, NCCL), "
+            "which cannot reach memory on a genie-daemon: run the collective on a CPU copy "
+            "(c = t.cpu(); dist.all_reduce(c); t.copy_(c)), or move data between remote devices with t.to(...)")
     if not func.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeExplicitAutograd):
         raise UnsupportedOperationError(
             op_name(func), "it is not an aten operator and has no kernel for every device (only "
