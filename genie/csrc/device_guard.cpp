@@ -77,16 +77,25 @@ PyObject* g_event_hook = nullptr;
 constexpr const char* kNoStreamHooks =
     "remote_accelerator streams and events need Genie's device module (import genie)";
 
-bool call_stream_hook(const char* action, c10::DeviceIndex device, c10::StreamId stream) {
-  TORCH_CHECK(g_stream_hook != nullptr, kNoStreamHooks);
-  GilHeld gil;
-  PyObject* answer = PyObject_CallFunction(g_stream_hook, "siL", action, static_cast<int>(device),
-                                           static_cast<long long>(stream));
+// Whether a hook's answer is true; the answer (a new reference, or nullptr with the hook's error
+// pending) is dropped, the error raised. The GIL is held.
+bool truth_of(PyObject* answer) {
   if (answer == nullptr) throw_hook_error();
   int truth = PyObject_IsTrue(answer);
   Py_DECREF(answer);
   if (truth < 0) throw_hook_error();
   return truth == 1;
+}
+
+// The stream hook's answer: a new reference, or nullptr with its error pending. The GIL is held.
+PyObject* stream_hook_answer(const char* action, c10::DeviceIndex device, c10::StreamId stream) {
+  return PyObject_CallFunction(g_stream_hook, "siL", action, static_cast<int>(device), static_cast<long long>(stream));
+}
+
+bool call_stream_hook(const char* action, c10::DeviceIndex device, c10::StreamId stream) {
+  TORCH_CHECK(g_stream_hook != nullptr, kNoStreamHooks);
+  GilHeld gil;
+  return truth_of(stream_hook_answer(action, device, stream));
 }
 
 // A torch.Event on remote_accelerator: the Genie event it was last recorded as (a new reference).
@@ -107,11 +116,7 @@ PyObject* call_event_hook(const char* action, PyObject* event, PyObject* other, 
 
 bool event_hook_truth(const char* action, void* event) {
   GilHeld gil;
-  PyObject* answer = call_event_hook(action, static_cast<GuardEvent*>(event)->genie, nullptr, -1, 0, false);
-  int truth = PyObject_IsTrue(answer);
-  Py_DECREF(answer);
-  if (truth < 0) throw_hook_error();
-  return truth == 1;
+  return truth_of(call_event_hook(action, static_cast<GuardEvent*>(event)->genie, nullptr, -1, 0, false));
 }
 
 struct RemoteGuardImpl final : public c10::impl::DeviceGuardImplInterface {
@@ -156,8 +161,7 @@ struct RemoteGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     // Called from guards' destructors too: a failure here is dropped, not thrown.
     if (old.id() != s.id() && g_stream_hook != nullptr) {
       GilHeld gil;
-      PyObject* answer = PyObject_CallFunction(g_stream_hook, "siL", "current", static_cast<int>(s.device_index()),
-                                               static_cast<long long>(s.id()));
+      PyObject* answer = stream_hook_answer("current", s.device_index(), s.id());
       if (answer == nullptr) PyErr_Clear();
       Py_XDECREF(answer);
     }
