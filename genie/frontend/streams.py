@@ -64,6 +64,7 @@ class Stream(torch.Stream):
 
     def __init__(self, device=None, priority: int = 0, *, _stream_id: int | None = None) -> None:
         self.priority = priority
+        self._previous: list[int] = []  # the streams current before each `with` of this one
 
     @property
     def _queue(self):
@@ -121,12 +122,12 @@ class Stream(torch.Stream):
             mark[2] = True
 
     def __enter__(self) -> "Stream":
-        self._previous = current_stream_id(self.device_index)
+        self._previous.append(current_stream_id(self.device_index))
         _make_current(self.device_index, self.stream_id)
         return self
 
     def __exit__(self, *exc) -> None:
-        _make_current(self.device_index, self._previous)
+        _make_current(self.device_index, self._previous.pop())
 
     def __repr__(self) -> str:
         return f"<torch.remote_accelerator.Stream device={self.device} stream_id={self.stream_id}>"
@@ -191,8 +192,13 @@ def _as_stream(s: torch.Stream) -> Stream:
     if isinstance(s, Stream):
         return s
     if isinstance(s, torch.Stream) and s.device_type == _PRIVATEUSE1:
-        return Stream(None if s.device_index < 0 else s.device_index, _stream_id=s.stream_id)
+        return _stream_at(s.device_index, s.stream_id)
     raise TypeError(f"expected a remote_accelerator stream, got {s!r}")
+
+
+def _stream_at(device_index: int, stream_id: int) -> Stream:
+    """Stream `stream_id` of a device as PyTorch names it (index -1: the current device)."""
+    return Stream(None if device_index < 0 else device_index, _stream_id=stream_id)
 
 
 def current_stream(device=None) -> Stream:
@@ -215,13 +221,8 @@ def stream(s: torch.Stream | None):
     if s is None:
         yield
         return
-    s = _as_stream(s)
-    previous = current_stream_id(s.device_index)
-    _make_current(s.device_index, s.stream_id)
-    try:
-        yield s
-    finally:
-        _make_current(s.device_index, previous)
+    with _as_stream(s) as current:
+        yield current
 
 
 class StreamContext:
@@ -269,11 +270,10 @@ def _guard_stream(action: str, device: int, stream_id: int):
     rt = get_runtime()
     if not rt.started:
         return True  # nothing was ever queued: nothing to wait for (and no daemon to start for it)
-    index = None if device < 0 else device
+    s = _stream_at(device, stream_id)
     if action == "synchronize_device":
-        rt.stream(_device_index(index)).synchronize()
+        s._queue.synchronize()
         return None
-    s = Stream(index, _stream_id=stream_id)
     if action == "query":
         return s.query()
     if action == "synchronize":
@@ -286,10 +286,10 @@ def _guard_event(action: str, event: Event | None, other: Event | None, device: 
                  timing: int):
     if action == "record":
         event = Event(enable_timing=bool(timing)) if event is None else event
-        event.record(Stream(None if device < 0 else device, _stream_id=stream_id))
+        event.record(_stream_at(device, stream_id))
         return event
     if action == "wait":
-        event.wait(Stream(None if device < 0 else device, _stream_id=stream_id))
+        event.wait(_stream_at(device, stream_id))
         return None
     if action == "query":
         return event.query()
