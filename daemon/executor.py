@@ -61,9 +61,6 @@ def _callable_of(op):
     return inner if callable(inner) else op
 
 
-def _settings_key(request) -> str:
-    """The numerics settings a request runs under, as a key (they choose among kernels)."""
-    return repr(request.numerics or numerics.DEFAULT)
 
 
 _NOT_RESIZABLE = "Trying to resize storage that is not resizable"
@@ -143,6 +140,7 @@ class Executor:
         # (op name, numerics settings) run on a GPU before (see quick_to_start): other settings pick
         # other kernels (a first TF32 matmul took 3.8-4.6 s on an H100 where FP32 ones had run).
         self._warm_ops: set[tuple[str, str]] = set()
+        self._last_settings: tuple = (None, repr(numerics.DEFAULT))  # (a request's numerics, their key)
         self.bulk = bulk  # BulkListener, or None when the daemon offers no bulk lanes
         # Storages are named to clients by a keyed hash of their address: equal for tensors sharing
         # one, and no daemon memory address leaves the process.
@@ -216,7 +214,7 @@ class Executor:
             # No autograd on a daemon (clients record it): inference mode skips its dispatch and
             # version-counter work on every op (traced step of the demo GPT: min 423 -> 367 us).
             if request.ops or request.shared or device.type != "cpu":
-                settings = _settings_key(request) if self.has_cuda else ""
+                settings = self._settings_key(request) if self.has_cuda else ""
                 with _InferenceMode(True), client.streams.context(device, request.stream):
                     if request.shared:
                         self._import_shared(request.shared, device)
@@ -439,6 +437,16 @@ class Executor:
                 return False  # made dense (a copy kernel) or read back from a GPU first
         return True
 
+    def _settings_key(self, request) -> str:
+        """The numerics settings a request runs under, as a key (they choose among kernels). A GPU
+        daemon asks twice per request (quick_to_start, then run): the key is made once per
+        settings object (the one kept here cannot be freed and its id reused; read as one tuple,
+        as the loop and the worker thread both ask)."""
+        last = self._last_settings
+        if request.numerics is not last[0]:
+            last = self._last_settings = (request.numerics, repr(request.numerics or numerics.DEFAULT))
+        return last[1]
+
     def quick_to_start(self, client: ClientState, request) -> bool:
         """Whether the request can run on the daemon's event loop without stalling it: no GPU work
         of this client still running (a read-back would wait for it), no op this daemon has not run
@@ -451,7 +459,7 @@ class Executor:
         if self.has_cuda:
             if not client.streams.idle(self.devices):
                 return False
-            settings = _settings_key(request)
+            settings = self._settings_key(request)
             if not all((call.name, settings) in self._warm_ops for call in request.ops):
                 return False
         budget = INLINE_TENSOR_BYTES

@@ -9,7 +9,7 @@ import dataclasses
 import torch
 
 from daemon import fused, programs
-from daemon.executor import REPLAY_OP, Executor, _settings_key
+from daemon.executor import REPLAY_OP, Executor
 from daemon.handles import ClientState, MemoryAccount
 from genie.transport import numerics
 from genie.transport.protocol import Exec, OpCall
@@ -49,7 +49,7 @@ def test_on_a_gpu_only_ops_run_there_before_and_only_with_the_gpu_idle(monkeypat
     monkeypatch.setattr(client.streams, "idle", lambda devices: idle[0])
     request = _request("aten::conv2d", "aten::relu")
     assert not executor.quick_to_start(client, request)
-    settings = _settings_key(request)
+    settings = executor._settings_key(request)
     executor._warm_ops.update({("aten::conv2d", settings)})
     assert not executor.quick_to_start(client, request)
     executor._warm_ops.add(("aten::relu", settings))
@@ -66,7 +66,7 @@ def test_running_a_request_on_a_gpu_daemon_warms_its_ops():
     client = ClientState(b"unit", MemoryAccount())
     request = _request("aten::zeros")
     executor.run(client, request, [])  # a bad call still counts: it ran
-    assert ("aten::zeros", _settings_key(request)) in executor._warm_ops
+    assert ("aten::zeros", executor._settings_key(request)) in executor._warm_ops
 
 
 def _call(name, *args, **kwargs):
