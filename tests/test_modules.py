@@ -476,3 +476,76 @@ def test_views_under_inference_mode_follow_pytorch(dev):
         want, got = mha(x, x, x)[0], remote(xr, xr, xr)[0]
     assert got.is_inference()
     torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-4)
+
+
+class _TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.emb(ids))
+
+
+@pytest.mark.parametrize("back", ["cpu", "to_cpu"])
+def test_moving_a_remote_model_back_keeps_its_parameters_and_ties(dev, back):
+    """model.cpu() made every module a new Parameter: tied weights came apart (two CPU copies
+    trained apart) and an optimizer made before the move no longer moved the model."""
+    torch.manual_seed(0)
+    m = _TiedLM().to(dev)
+    m(torch.tensor([1, 2], device=dev)).sum().backward()
+    weight, grad = m.emb.weight, m.emb.weight.grad.cpu()
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    m.cpu() if back == "cpu" else m.to("cpu")
+    assert m.emb.weight is weight and m.head.weight is weight and weight.device.type == "cpu"
+    assert weight.grad.device.type == "cpu" and torch.equal(weight.grad, grad)
+    before = weight.detach().clone()
+    opt.step()  # the optimizer made on the device steps the model's CPU parameters
+    torch.testing.assert_close(weight.detach(), before - 0.5 * grad)
+
+
+def test_moving_a_model_while_an_earlier_graph_is_alive(dev):
+    """model.to(dev) failed ("_apply(): Couldn't swap ...") while the autograd graph of an earlier
+    CPU forward was alive. Now it moves (the parameters keep their identity and the tie), and that
+    stale graph's backward raises instead of putting gradients on tensors the model no longer has."""
+    torch.manual_seed(0)
+    m = _TiedLM()
+    ids = torch.tensor([1, 2, 3])
+    stale = m(ids).sum()
+    expected = m(ids).detach()
+    weight = m.emb.weight
+    m.to(dev)
+    assert m.emb.weight is weight and m.head.weight is weight and weight.device.type == "remote_accelerator"
+    torch.testing.assert_close(m(ids.to(dev)).cpu(), expected)
+    with pytest.raises(RuntimeError, match="poisoned|built before its parameter moved"):
+        stale.backward()
+    remote_stale = m(ids.to(dev)).sum()  # and back: a graph on the device alive during .cpu()
+    m.cpu()
+    assert m.emb.weight is weight and weight.device.type == "cpu"
+    torch.testing.assert_close(m(ids).detach(), expected)
+    with pytest.raises(RuntimeError, match="poisoned|built before its parameter moved"):
+        remote_stale.backward()
+
+
+def test_multihead_attention_moves_after_a_cpu_forward(dev):
+    torch.manual_seed(0)
+    m = nn.MultiheadAttention(16, 4, batch_first=True)
+    x = torch.randn(2, 5, 16)
+    out, weights = m(x, x, x, need_weights=True)  # its graph holds the output projection's weight
+    m.to(dev)
+    xr = x.to(dev)
+    got, got_weights = m(xr, xr, xr, need_weights=True)
+    torch.testing.assert_close(got.cpu(), out, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got_weights.cpu(), weights, rtol=1e-4, atol=1e-5)
+
+
+def test_cpu_only_conversions_keep_pytorchs_behaviour():
+    """Only modules holding remote parameters convert by swapping."""
+    m = nn.Linear(3, 3)
+    stale = m(torch.randn(2, 3, requires_grad=True)).sum()
+    weight = m.weight
+    m.double()
+    assert m.weight is weight and not torch.__future__.get_swap_module_params_on_conversion()
+    stale.backward()  # as in PyTorch: `param.data = new`, the old graph still runs

@@ -385,8 +385,8 @@ def register() -> types.ModuleType:
     module = sys.modules[__name__]
     if _registered:
         return module
-    from . import (factories, graphs, lazy_tensor, native_guard, process_sharing, serialization, settings_barrier,
-                   streams, torchscript)
+    from . import (factories, graphs, lazy_tensor, module_conversion, native_guard, process_sharing, serialization,
+                   settings_barrier, streams, torchscript)
 
     if torch._C._get_privateuse1_backend_name() != NAME:
         _setup_backend(module)
@@ -395,6 +395,7 @@ def register() -> types.ModuleType:
     process_sharing.register()
     generators.register_copying()
     torchscript.install()
+    module_conversion.install()
     lazy_tensor.refuse_dlpack_export()
     settings_barrier.install()
     if native_guard.load():
