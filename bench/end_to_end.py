@@ -33,6 +33,11 @@ def wire_bytes() -> int:
     return sum(s["bytes_sent"] + s["bytes_received"] for s in genie.transport_stats().values())
 
 
+def blocking_waits() -> int:
+    """Answers this process has blocked on: on a real network, a round trip each."""
+    return sum(s["blocking_waits"] for s in genie.transport_stats().values())
+
+
 def time_it(fn, repeats: int) -> float:
     fn()  # warm (capture caches, allocator)
     runs = []
@@ -103,12 +108,12 @@ def gpt(tokens: int, prompt_len: int, repeats: int) -> dict:
     (local_static, local_static_first), (remote_replay, replay_first) = decode["local_static"], decode["remote_replay"]
     best_local = max(local_gen, local_static)
     faster_local = "local" if local_gen >= local_static else "local_static"
-    b0 = wire_bytes()
+    b0, w0 = wire_bytes(), blocking_waits()
     generate(remote, rprompt, tokens)
-    per_token = (wire_bytes() - b0) / tokens
-    b0 = wire_bytes()
+    per_token, waits_per_token = (wire_bytes() - b0) / tokens, (blocking_waits() - w0) / tokens
+    b0, w0 = wire_bytes(), blocking_waits()
     generate_static(remote, rprompt, tokens)
-    per_token_replay = (wire_bytes() - b0) / tokens
+    per_token_replay, waits_per_token_replay = (wire_bytes() - b0) / tokens, (blocking_waits() - w0) / tokens
     assert generate(remote, rprompt, 8) == generate(model, prompt, 8) == generate_static(remote, rprompt, 8)
     return {
         "prefill_tokens_per_s": {"local": prompt_len / local_prefill, "remote": prompt_len / remote_prefill},
@@ -128,6 +133,8 @@ def gpt(tokens: int, prompt_len: int, repeats: int) -> dict:
             rounds["local"], rounds["local_static"], rounds["remote_replay"])]),
         "decode_rounds_tokens_per_s": {name: rounds[name] for name in ("local", "local_static", "remote_replay")},
         "wire_bytes_per_token": per_token, "wire_bytes_per_token_replay": per_token_replay,
+        # prefill and (replay) the recording included, as for the bytes
+        "blocking_waits_per_token": waits_per_token, "blocking_waits_per_token_replay": waits_per_token_replay,
     }
 
 
@@ -177,7 +184,13 @@ def training(batch: int, seq: int, rounds: int) -> dict:
     assert abs(losses["remote"] - losses["local"]) <= 1e-3 * abs(losses["local"]) + 1e-4, losses
     assert abs(losses["remote_replay"] - losses["local"]) <= 1e-3 * abs(losses["local"]) + 1e-4, losses
     rates = {name: 1 / median(ts) for name, ts in times.items()}
+    w0 = blocking_waits()
+    for _ in range(4):
+        step(copies["remote"], optimizers["remote"], *inputs)
+    waits = (blocking_waits() - w0) / 4  # without reading the loss (the timed runs read it: one wait)
+    torch.remote_accelerator.synchronize()
     return {"steps_per_s": rates, "ops_per_step": graph.ops, "final_loss": losses,
+            "blocking_waits_per_step_unread": waits,
             "slowdown": rates["local"] / rates["remote"], "slowdown_replay": rates["local"] / rates["remote_replay"]}
 
 
@@ -225,12 +238,16 @@ def main(argv=None) -> int:
          f"{g['prefill_and_first_step_s']['remote_replay'] * 1e3:.1f}", ""),
         ("GPT bytes on the wire per token (torch.cat / replay)", "",
          f"{g['wire_bytes_per_token']:.0f} / {g['wire_bytes_per_token_replay']:.0f}", ""),
+        ("GPT waits for the daemon per token (torch.cat / replay)", "",
+         f"{g['blocking_waits_per_token']:.2f} / {g['blocking_waits_per_token_replay']:.2f}", ""),
         ("CNN images/s (batch 32, 64x64)", f"{c['images_per_s']['local']:.0f}", f"{c['images_per_s']['remote']:.0f}",
          f"{c['slowdown']:.1f}x slower"),
         (f"GPT training steps/s (AdamW, batch {args.train_batch} x {args.train_seq}), op by op",
          f"{t['steps_per_s']['local']:.1f}", f"{t['steps_per_s']['remote']:.1f}", f"{t['slowdown']:.1f}x slower"),
         (f"GPT training steps/s, step replayed ({t['ops_per_step']} ops)", "",
          f"{t['steps_per_s']['remote_replay']:.1f}", f"{t['slowdown_replay']:.2f}x slower"),
+        ("GPT training: waits for the daemon per step, loss not read", "",
+         f"{t['blocking_waits_per_step_unread']:.2f}", ""),
     ], ("workload", "local eager", "genie (local daemon)", "ratio"))
     print("wrote", write_json("end_to_end", {"gpt": g, "cnn": c, "training": t}))
     return 0

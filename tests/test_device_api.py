@@ -1,4 +1,6 @@
 """torch.remote_accelerator: the torch.cuda-like module, with figures from the daemon."""
+import warnings
+
 import pytest
 import torch
 
@@ -251,3 +253,64 @@ def test_capability_and_bf16_come_from_the_daemons_device(dev):
     assert ra.is_bf16_supported() is True  # a CPU daemon
     with pytest.raises(genie.GenieError, match="no CUDA compute capability"):
         ra.get_device_capability()
+
+
+@pytest.fixture
+def sync_debug_mode():
+    yield torch.remote_accelerator.set_sync_debug_mode
+    torch.remote_accelerator.set_sync_debug_mode("default")
+
+
+def test_sync_debug_mode_warns_at_the_lines_that_wait_for_the_daemon(dev, sync_debug_mode):
+    """As torch.cuda.set_sync_debug_mode: each warning names the user's line and what waits."""
+    x = torch.arange(6.0, device=dev)
+    sync_debug_mode("warn")
+    assert torch.remote_accelerator.get_sync_debug_mode() == 1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = (x * 2 + 1).relu()  # queued: no wait
+        torch.remote_accelerator.synchronize()  # explicit: not reported
+        quiet = len(caught)
+        assert y.sum().item() == 36.0
+        assert y.cpu().tolist() == [1.0, 3.0, 5.0, 7.0, 9.0, 11.0]
+        assert torch.nonzero(y > 6).cpu().flatten().tolist() == [3, 4, 5]
+    assert quiet == 0
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 4, messages  # .item(), .cpu(), nonzero, and nonzero's .cpu()
+    assert all(w.filename == __file__ for w in caught)
+    assert "reading a value (.item()" in messages[0] and "reading values on the CPU" in messages[1]
+    assert "aten::nonzero" in messages[2]
+
+
+async def test_sync_debug_mode_leaves_awaited_reads_alone(dev, sync_debug_mode):
+    x = torch.ones(3, device=dev)
+    sync_debug_mode(2)
+    assert (await genie.materialize(x * 3)).tolist() == [3.0, 3.0, 3.0]
+
+
+def test_sync_debug_mode_error_raises_before_anything_is_sent(dev, sync_debug_mode):
+    x = torch.ones(4, device=dev)
+    y = x * 5
+    sync_debug_mode("error")
+    with pytest.raises(RuntimeError, match="synchronizing remote_accelerator operation"):
+        y.sum().item()
+    with pytest.raises(RuntimeError, match="synchronizing remote_accelerator operation"):
+        y.cpu()
+    sync_debug_mode(0)
+    assert y.cpu().tolist() == [5.0] * 4 and (y + 1).sum().item() == 24.0
+    with pytest.raises(RuntimeError, match="expected one of"):
+        sync_debug_mode("loud")
+    with pytest.raises(RuntimeError, match="expected 0, 1 or 2"):
+        sync_debug_mode(3)
+
+
+def test_transport_stats_count_the_waits_for_answers(dev):
+    x = torch.zeros(8, device=dev)
+    x.sum().item()
+    endpoint, = genie.transport_stats()
+    before = genie.transport_stats()[endpoint]["blocking_waits"]
+    for _ in range(200):
+        x = x + 1
+    assert genie.transport_stats()[endpoint]["blocking_waits"] == before  # queued and sent, never waited for
+    assert x.sum().item() == 1600.0
+    assert genie.transport_stats()[endpoint]["blocking_waits"] == before + 1

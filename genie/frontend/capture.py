@@ -22,7 +22,7 @@ from genie.transport import cuda_ipc, protocol
 from genie.transport.hostmem import snapshot
 from genie.transport.tensors import DTYPE_NAMES, is_dense, parse_dtype, tensor_to_frames
 
-from . import generators, meta, shape_rules
+from . import generators, meta, shape_rules, sync_debug
 from .lazy_tensor import LazyTensor
 
 log = logging.getLogger("genie.capture")
@@ -562,6 +562,7 @@ def _row_major(shape, stride) -> bool:
 def run_reported(func, args, kwargs, stream, wire_args: list | None = None):
     """Run one op on the daemon now and build its outputs from what the daemon reports.
     `wire_args`: the encoded positional arguments when the caller has them (no kwargs)."""
+    sync_debug.note(_SYNC_WHAT.get(id(func)) or f"{op_name(func)} (its result depends on values)")
     returns = _return_types.get(id(func))
     if returns is None:
         returns = _return_types[id(func)] = tuple(str(r.type) for r in func._schema.returns)
@@ -577,6 +578,8 @@ def run_reported(func, args, kwargs, stream, wire_args: list | None = None):
 
 
 _return_types: dict = {}  # id(op overload) -> its schema's return types, as strings
+# What sync_debug says for the reads that reach the daemon as these ops.
+_SYNC_WHAT = {id(torch.ops.aten._local_scalar_dense.default): "reading a value (.item(), bool(t), if t:, int(t))"}
 
 
 # Ops that return a list of tensors of data-dependent length get this many handle slots.

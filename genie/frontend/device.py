@@ -16,6 +16,7 @@ import torch
 from genie.runtime import get_runtime
 
 from . import capture, generators
+from .sync_debug import get_sync_debug_mode, set_sync_debug_mode
 from .streams import (Event, Stream, StreamContext, current_stream, default_stream, is_current_stream_capturing,
                       set_stream, stream)
 
@@ -440,5 +441,5 @@ __all__ = [
     "manual_seed", "manual_seed_all", "seed", "seed_all",
     "initial_seed", "register", "capture", "Stream", "Event", "current_stream", "default_stream",
     "set_stream", "stream", "get_amp_supported_dtype", "StreamContext", "is_current_stream_capturing",
-    "OutOfMemoryError",
+    "OutOfMemoryError", "set_sync_debug_mode", "get_sync_debug_mode",
 ]

@@ -10,6 +10,7 @@ import asyncio
 
 import torch
 
+from . import sync_debug
 from .lazy_tensor import LazyTensor
 
 
@@ -33,6 +34,7 @@ def _largest(tensors: list, idx: list[int]) -> int:
 
 def to_cpu_many(tensors: list) -> list[torch.Tensor]:
     tensors = [_check(t) for t in tensors]
+    sync_debug.note("reading values on the CPU (.cpu(), .to('cpu'), .tolist(), print(t), .numpy())")
     out: list = [None] * len(tensors)
     groups = _group(tensors)
     # One group: block on it directly. Several: post them all first so the daemons work in parallel.

@@ -106,6 +106,8 @@ class DaemonLink:
         self.inflight_bytes = 0
         self._inflight = threading.Condition()
         self._outstanding = 0  # exec requests posted through the loop and not yet answered
+        self.blocking_waits = 0  # answers a caller thread blocked on (transport_stats)
+        self._waits_lock = threading.Lock()
         self._direct_busy = False  # a caller thread is using the direct socket (see `direct_exec`)
         # Batches posted on the direct socket whose answers are not read yet, oldest first (see `post_direct`).
         self._direct_unread: collections.deque[_Posted] = collections.deque()
@@ -556,6 +558,8 @@ class DaemonLink:
         if self.runtime.loop.in_loop_thread():
             raise GenieError("blocking materialization called from Genie's own event loop thread")
         timeout = self.runtime.config.request_timeout if timeout is None else timeout
+        with self._waits_lock:
+            self.blocking_waits += 1
         try:
             return future.result(timeout)
         except concurrent.futures.TimeoutError:
@@ -772,7 +776,8 @@ class Runtime:
             stats[link.endpoint] = {
                 "bytes_sent": ch.bytes_sent + bulk_sent, "bytes_received": ch.bytes_received + bulk_received,
                 "bulk_bytes_sent": bulk_sent, "bulk_bytes_received": bulk_received,
-                "messages_sent": ch.messages_sent, "latency_s": link.measured_rtt_s,
+                "messages_sent": ch.messages_sent, "blocking_waits": link.blocking_waits,
+                "latency_s": link.measured_rtt_s,
                 "bandwidth_Bps": link.bandwidth,
             }
         return stats
