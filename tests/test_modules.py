@@ -549,3 +549,43 @@ def test_cpu_only_conversions_keep_pytorchs_behaviour():
     m.double()
     assert m.weight is weight and not torch.__future__.get_swap_module_params_on_conversion()
     stale.backward()  # as in PyTorch: `param.data = new`, the old graph still runs
+
+
+@pytest.mark.parametrize("back", [False, True], ids=["to_device", "back_to_cpu"])
+def test_hooks_on_parameters_survive_a_move(dev, back):
+    """register_hook / register_post_accumulate_grad_hook live on the C++ tensor, which a swap
+    replaces: after model.to(dev) (and back) they no longer ran; on CUDA they do."""
+    m = nn.Linear(3, 1)
+    if back:
+        m.to(dev)
+    calls = []
+    m.weight.register_hook(lambda g: calls.append("grad") or g * 2)
+    m.weight.register_post_accumulate_grad_hook(lambda p: calls.append("accumulated"))
+    m.to("cpu" if back else dev)
+    x = torch.ones(2, 3, device=m.weight.device)
+    m(x).sum().backward()
+    assert calls == ["grad", "accumulated"]
+    torch.testing.assert_close(m.weight.grad.cpu(), torch.full((1, 3), 4.0))  # 2 rows of ones, doubled
+
+
+def test_lazy_modules_move_before_their_first_forward(dev):
+    """nn.LazyLinear & co.: .to(dev) failed ("Can't access the shape of an uninitialized parameter").
+    Their parameters are made by the first forward and then moved, as the module was asked."""
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.LazyLinear(4), nn.LazyBatchNorm1d(), nn.ReLU(), nn.LazyLinear(2))
+
+    x = torch.randn(6, 5)
+    expected = make()(x)
+    m = make().to(dev)
+    got = m(x.to(dev))
+    assert type(m[0]) is nn.Linear and type(m[1]) is nn.BatchNorm1d
+    for t in [*m.parameters(), *m.buffers()]:
+        assert t.device.type == "remote_accelerator"
+    torch.testing.assert_close(got.cpu(), expected.detach(), rtol=1e-4, atol=1e-5)  # made alike on the CPU
+    got.sum().backward()
+    assert m[0].weight.grad.device.type == "remote_accelerator" and m[1].num_batches_tracked.item() == 1
+    assert not m[0]._forward_pre_hooks and "_genie_after_init" not in m[0].__dict__
+    half = nn.LazyLinear(3).to(dev).half()  # conversions before the first forward apply in order
+    assert half(torch.randn(2, 4, device=dev).half()).dtype == torch.float16
+    assert half.weight.dtype == torch.float16 and half.weight.device.type == "remote_accelerator"

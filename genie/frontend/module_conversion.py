@@ -18,6 +18,11 @@ keeps the old tensor and values. If the holder is an autograd graph, its backwar
 gradients on the old tensor, so that tensor's gradient accumulator raises instead, as
 swap_tensors arranges when the graph's accumulator is the only holder. On CUDA the same
 backward fails too (a CPU gradient for a CUDA parameter).
+
+A swap also left behind the hooks registered on a parameter (they live on the C++ tensor): they
+are registered again on the new one. And a lazy module's uninitialized parameters (nn.LazyLinear
+before its first forward) cannot become remote tensors: they are made by that forward, on the
+CPU, and then moved as the module was asked.
 """
 from __future__ import annotations
 
@@ -42,9 +47,43 @@ def _holds_remote(module: torch.nn.Module) -> bool:
     return any(isinstance(p, LazyTensor) for p in module._parameters.values())
 
 
+def _uninitialized(module: torch.nn.Module) -> list[tuple[dict, str]]:
+    return [(table, key) for table in (module._parameters, module._buffers)
+            for key, t in table.items() if torch.nn.parameter.is_lazy(t)]
+
+
+def _defer_uninitialized(module: torch.nn.Module, fn) -> bool:
+    """A lazy module's uninitialized parameters (nn.LazyLinear, ...) cannot become remote tensors:
+    they stay as they are and `fn` is applied to them once its first forward has made them (on
+    the CPU: the uninitialized ones know no device). Whether `fn` makes remote tensors is seen by
+    applying it to an empty tensor."""
+    pending = module.__dict__.get("_genie_after_init")
+    if pending is None:
+        with torch.no_grad():
+            if not isinstance(fn(torch.empty(0)), LazyTensor):
+                return False
+        pending = module.__dict__["_genie_after_init"] = []
+
+        def move_once_made(mod, args, kwargs=None):
+            if _uninitialized(mod):
+                return
+            handle.remove()
+            for later in mod.__dict__.pop("_genie_after_init", ()):
+                mod._apply(later, recurse=False)
+
+        # Registered after the module's own initializing hook, so it runs after it.
+        handle = module.register_forward_pre_hook(move_once_made, with_kwargs=True)
+    pending.append(fn)
+    return True
+
+
 def _wrap_apply(original):
     @functools.wraps(original)
     def _apply(self, fn, recurse=True):
+        lazy = _uninitialized(self)
+        deferred = [(table, key, table[key]) for table, key in lazy] if lazy and _defer_uninitialized(self, fn) else []
+        for table, key, _ in deferred:
+            table[key] = None  # skipped by _apply, which keeps None entries as they are
         before = getattr(_state, "swap", False)
         # Children set and restore their own mode; the module's own parameters convert after them.
         _state.swap = _holds_remote(self)
@@ -52,6 +91,8 @@ def _wrap_apply(original):
             return original(self, fn, recurse)
         finally:
             _state.swap = before
+            for table, key, t in deferred:
+                table[key] = t
 
     _apply._genie_wraps = original
     return _apply
@@ -96,19 +137,30 @@ def _swap_held(t1: torch.Tensor, t2: torch.Tensor) -> None:
     torch._C._swap_tensor_impl(t1, t2)
 
 
+def _keep_hooks(t: torch.Tensor) -> None:
+    """Hooks registered on a tensor (register_hook, register_post_accumulate_grad_hook) live on its
+    C++ tensor, which a swap replaces: registered again on the new one, as `param.data = new` keeps them."""
+    for name in ("_backward_hooks", "_post_accumulate_grad_hooks"):
+        hooks = getattr(t, name, None)
+        if hooks:
+            setattr(t, name, hooks)
+
+
 def _wrap_swap(original):
     @functools.wraps(original)
     def swap_tensors(t1, t2):
+        remote = isinstance(t1, LazyTensor) or isinstance(t2, LazyTensor)
         try:
-            return original(t1, t2)
+            original(t1, t2)
         except RuntimeError as e:
             # Checked before anything is swapped: the other reasons (weak references, slots) stand.
-            if not (str(e).startswith("Expected use_count of t1")
-                    and (isinstance(t1, LazyTensor) or isinstance(t2, LazyTensor))
+            if not (remote and str(e).startswith("Expected use_count of t1")
                     and not weakref.getweakrefs(t1) and not weakref.getweakrefs(t2)
                     and set(copyreg._slotnames(t1.__class__)) == set(copyreg._slotnames(t2.__class__))):
                 raise
-        _swap_held(t1, t2)
+            _swap_held(t1, t2)
+        if remote:
+            _keep_hooks(t1)
 
     swap_tensors._genie_wraps = original
     return swap_tensors
