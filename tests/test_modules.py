@@ -552,12 +552,14 @@ def test_cpu_only_conversions_keep_pytorchs_behaviour():
 
 
 @pytest.mark.parametrize("back", [False, True], ids=["to_device", "back_to_cpu"])
-def test_hooks_on_parameters_survive_a_move(dev, back):
+def test_hooks_and_attributes_of_parameters_survive_a_move(dev, back):
     """register_hook / register_post_accumulate_grad_hook live on the C++ tensor, which a swap
-    replaces: after model.to(dev) (and back) they no longer ran; on CUDA they do."""
+    replaces: after model.to(dev) (and back) they no longer ran; on CUDA they do. Attributes set on
+    a parameter (as libraries mark parameters for their optimizers) were lost the same way."""
     m = nn.Linear(3, 1)
     if back:
         m.to(dev)
+    m.weight.no_weight_decay = True
     calls = []
     m.weight.register_hook(lambda g: calls.append("grad") or g * 2)
     m.weight.register_post_accumulate_grad_hook(lambda p: calls.append("accumulated"))
@@ -565,6 +567,7 @@ def test_hooks_on_parameters_survive_a_move(dev, back):
     x = torch.ones(2, 3, device=m.weight.device)
     m(x).sum().backward()
     assert calls == ["grad", "accumulated"]
+    assert m.weight.no_weight_decay is True and isinstance(m.weight, nn.Parameter)
     torch.testing.assert_close(m.weight.grad.cpu(), torch.full((1, 3), 4.0))  # 2 rows of ones, doubled
 
 

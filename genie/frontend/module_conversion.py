@@ -19,8 +19,8 @@ gradients on the old tensor, so that tensor's gradient accumulator raises instea
 swap_tensors arranges when the graph's accumulator is the only holder. On CUDA the same
 backward fails too (a CPU gradient for a CUDA parameter).
 
-A swap also left behind the hooks registered on a parameter (they live on the C++ tensor): they
-are registered again on the new one. And a lazy module's uninitialized parameters (nn.LazyLinear
+A swap also left behind the hooks registered on a parameter (they live on the C++ tensor) and
+the attributes set on it (it exchanges the whole __dict__): both stay with the parameter. And a lazy module's uninitialized parameters (nn.LazyLinear
 before its first forward) cannot become remote tensors: they are made by that forward, on the
 CPU, and then moved as the module was asked.
 """
@@ -146,6 +146,19 @@ def _keep_hooks(t: torch.Tensor) -> None:
             setattr(t, name, hooks)
 
 
+# A remote tensor's own state in its __dict__ (its daemon handle, torch's mark of a Parameter).
+_TENSOR_STATE = ("_genie", "_is_param")
+
+
+def _keep_attributes(t: torch.Tensor, former: dict) -> None:
+    """Attributes the program set on a parameter (p.my_flag = ..., as libraries mark parameters
+    for their optimizers) stay with it, as `param.data = new` keeps them; a swap exchanges the
+    whole __dict__, whose tensor state must come with the new contents."""
+    for key, value in former.items():
+        if key not in _TENSOR_STATE and key not in t.__dict__:
+            t.__dict__[key] = value
+
+
 def _wrap_swap(original):
     @functools.wraps(original)
     def swap_tensors(t1, t2):
@@ -161,6 +174,7 @@ def _wrap_swap(original):
             _swap_held(t1, t2)
         if remote:
             _keep_hooks(t1)
+            _keep_attributes(t1, t2.__dict__)  # t2 now holds t1's former attributes
 
     swap_tensors._genie_wraps = original
     return swap_tensors
