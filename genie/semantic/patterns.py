@@ -24,6 +24,7 @@ TRANSPARENT = frozenset({
     "aten::add", "aten::dropout", "aten::native_dropout", "aten::slice", "aten::select", "aten::split",
     "aten::split_with_sizes", "aten::getitem", "aten::lift_fresh", "aten::_reshape_alias",
     "aten::where", "aten::neg", "aten::scalar_tensor", "aten::type_as", "aten::copy",
+    "aten::float", "aten::half", "aten::bfloat16", "aten::double", "aten::type",  # casts as an FX graph names them
 })
 MATMUL = frozenset({"aten::mm", "aten::bmm", "aten::matmul", "aten::baddbmm", "aten::addmm", "aten::einsum"})
 SOFTMAX = frozenset({"aten::softmax", "aten::_softmax", "aten::_safe_softmax", "aten::special_softmax"})
@@ -262,12 +263,39 @@ class EmbeddingPattern(PatternPlugin):
 
 
 class NormalizationPattern(PatternPlugin):
+    """A normalisation op, or RMSNorm written out as most LLMs write it (Llama, Mistral, Qwen, T5):
+    x * rsqrt(mean(x ** 2, -1) + eps), then times a weight."""
+
     name = "normalization"
-    expected_ops = NORM
+    expected_ops = NORM | {"aten::rsqrt"}
 
     def match(self, graph: Graph) -> list[PatternMatch]:
-        return [PatternMatch(self.name, 1.0, (n.id,), {"kind": n.op.split("::")[-1]})
-                for n in graph.nodes if n.op in NORM]
+        found = [PatternMatch(self.name, 1.0, (n.id,), {"kind": n.op.split("::")[-1]})
+                 for n in graph.nodes if n.op in NORM]
+        found += [m for n in graph.nodes if n.op == "aten::rsqrt" for m in [_written_out_rms_norm(graph, n.id)] if m]
+        return found
+
+
+def _written_out_rms_norm(graph: Graph, rsqrt: int) -> PatternMatch | None:
+    def producer(nid: int, ops: tuple[str, ...]):
+        ids = graph[nid].input_ids
+        return ids[0] if ids and graph[ids[0]].op in ops else None
+
+    add = producer(rsqrt, ("aten::add",))
+    mean = add is not None and producer(add, ("aten::mean",))
+    square = mean and producer(mean, ("aten::pow", "aten::square", "aten::mul"))
+    if not square or not graph[square].input_ids:
+        return None
+    x = set(source_through_transparent(graph, graph[square].input_ids[0]))
+    scaled = next((c for c in graph.consumers(rsqrt) if graph[c].op == "aten::mul" and any(
+        i != rsqrt and x & set(source_through_transparent(graph, i)) for i in graph[c].input_ids)), None)
+    if scaled is None:
+        return None
+    nodes = [square, mean, add, rsqrt, scaled]
+    weighted, path = walk_forward(graph, scaled, frozenset({"aten::mul"}), limit=2)
+    if weighted is not None and any(graph[i].op == "param" for i in graph[weighted].input_ids):
+        nodes += [*path, weighted]
+    return PatternMatch("normalization", 0.9, tuple(sorted(nodes)), {"kind": "rms_norm", "written_out": True})
 
 
 class ResidualAddPattern(PatternPlugin):

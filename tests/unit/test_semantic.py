@@ -190,3 +190,34 @@ def test_repeated_decode_steps_hit_the_cache(gpt, prefer):
     stats = cache.stats()
     assert stats["topology"]["hit_rate"] >= 0.9, stats
     assert stats["topology"]["misses"] == 1
+
+
+class _RMSNorm(nn.Module):
+    """As Llama, Mistral and Qwen write it (transformers' LlamaRMSNorm)."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        return self.weight * (x.float() * torch.rsqrt(variance + 1e-6)).to(x.dtype)
+
+
+@pytest.mark.parametrize("prefer", BUILDERS)
+def test_written_out_rms_norm_is_a_normalization(prefer):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), _RMSNorm(16), nn.Linear(16, 16), _RMSNorm(16)).eval()
+    a, _ = analyse(model, (torch.randn(2, 16),), prefer=prefer)
+    norms = a.matches("normalization")
+    assert len(norms) == 2 and all(m.hints["kind"] == "rms_norm" for m in norms)
+    ops = [{a.graph[i].op for i in m.nodes} for m in norms]
+    assert all({"aten::pow", "aten::mean", "aten::rsqrt", "aten::mul"} <= o for o in ops)
+    assert all(any(a.graph[i].op == "param" for n in m.nodes for i in a.graph[n].input_ids) for m in norms)  # the weight
+
+    class Rsqrt(nn.Module):  # an rsqrt alone is no normalisation
+        def forward(self, x):
+            return x * torch.rsqrt(x.abs() + 1)
+
+    b, _ = analyse(nn.Sequential(nn.Linear(16, 16), Rsqrt()).eval(), (torch.randn(2, 16),), prefer=prefer)
+    assert not b.matches("normalization")
