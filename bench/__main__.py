@@ -31,6 +31,7 @@ SUITE = {
     "analysis_cache": ([], ["--steps", "20"]),
     "gpu_paths": (["--repeats", "5"], ["--repeats", "2", "--max-mb", "64"]),
     "rpc_peer": (["--repeats", "3"], ["--repeats", "2", "--tokens", "16"]),
+    "network_latency": (["--repeats", "5"], ["--repeats", "2", "--rtt-ms", "0,2", "--tokens", "8"]),
     "opinfo_sweep": (["--json", os.path.join(RESULTS, "opinfo_sweep.json")],
                      ["--json", os.path.join(RESULTS, "opinfo_sweep.json"), "--max-samples", "2"]),
 }
@@ -153,6 +154,12 @@ def summary() -> None:
     if ac:
         rows.append(("analysis cache over decode steps", f"{ac['topology_hit_rate'] * 100:.0f}% hits, "
                                                           f"{ac['analysis_on_topology_hit_ms']:.2f} ms per analysis"))
+    nl = load("network_latency")
+    for r in nl.get("runs", []):
+        t, d = r["train_step"], r["decode_per_token"]
+        rows.append((f"RTT {r['rtt_ms']:g} ms (proxy): training step / decode token, op by op",
+                     f"{t[0] * 1e3:.1f} ms, {t[1]:.0f} round trip for {t[2]:.0f} ops / {d[0] * 1e3:.2f} ms, "
+                     f"{d[1]:.1f} for {d[2]:.0f} ops"))
     op = load("opinfo_sweep")
     if op:
         rows.append(("OpInfo float32 samples equal to CPU", f"{op['pass_rate'] * 100:.1f}%"))

@@ -24,6 +24,7 @@ RUNS = {
     "capture_overhead": ["--ops", "400", "--repeats", "1", "--roundtrips", "20"],
     "hf_decode": ["--tokens", "4", "--repeats", "1"],
     "model_transfer": ["--layers", "1", "--width", "64", "--vocab", "100", "--repeats", "1"],
+    "network_latency": ["--rtt-ms", "0,1", "--repeats", "1", "--tokens", "2"],
 }
 
 
@@ -36,3 +37,43 @@ def test_benchmark_runs(name, tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     with open(tmp_path / f"{name}.json") as f:
         assert json.load(f)["machine"]["cpus"] == os.cpu_count()
+
+
+def test_the_latency_proxy_delays_and_keeps_every_byte_in_order():
+    """bench.network_latency's proxy: a round trip through it takes at least its RTT, and a large
+    payload arrives whole and in order (else that benchmark would measure something else)."""
+    import socket
+    import threading
+    import time
+
+    from bench.network_latency import DelayProxy
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+
+    def echo():
+        conn, _ = server.accept()
+        with conn:
+            while data := conn.recv(1 << 16):
+                conn.sendall(data)
+
+    threading.Thread(target=echo, daemon=True).start()
+    proxy = DelayProxy(server.getsockname()[1], one_way_s=0.01)
+    try:
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as s:
+            t0 = time.perf_counter()
+            s.sendall(b"x")
+            assert s.recv(1) == b"x"
+            assert time.perf_counter() - t0 >= 0.02
+            payload = os.urandom(3 << 20)
+            threading.Thread(target=s.sendall, args=(payload,), daemon=True).start()
+            got = bytearray()
+            while len(got) < len(payload):
+                chunk = s.recv(1 << 20)
+                assert chunk
+                got += chunk
+            assert bytes(got) == payload
+    finally:
+        proxy.close()
+        server.close()

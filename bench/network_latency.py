@@ -1,0 +1,199 @@
+"""Genie over a network with latency: a loopback proxy that delays every byte by half a round trip.
+
+Loopback has almost no latency, and a GPU node in a rack is 0.1-1 ms away (more across
+buildings). This runs the same workloads with the client's connection going through a
+forwarding proxy that holds each chunk for RTT/2 in each direction (propagation delay only,
+no bandwidth limit), at several round-trip times, and reports for each:
+- a tiny op's round trip, `(x + 1).item()`;
+- a training step of the demo GPT (AdamW), reading its loss each step, op by op;
+- greedy decoding op by op (`torch.cat` cache) and with the step replayed (`genie.graph`);
+- the round trips each needed (`transport_stats()[...]["blocking_waits"]`), and the ops each
+  captured, so the cost of a design that waits on every op (ops x RTT) can be set beside it.
+One daemon (tcp, `--no-bulk-lane`); the client's direct lane is off (GENIE_DIRECT_LANE=0), so
+every message takes the one proxied connection. Medians of several repetitions; the RTT-0 row
+is the same path through the proxy with no delay.
+
+    python -m bench.network_latency [--rtt-ms 0,1,5] [--repeats 5]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import os
+import socket
+import sys
+import threading
+import time
+
+import torch
+
+from bench.common import machine, median, print_table, write_json
+
+DEV = "remote_accelerator:0"
+
+
+class DelayProxy:
+    """Forwards loopback TCP connections to `target_port`, each chunk sent `one_way_s` after it arrived."""
+
+    def __init__(self, target_port: int, one_way_s: float) -> None:
+        self.target_port, self.one_way_s = target_port, one_way_s
+        self._listener = socket.socket()
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(16)
+        self.port = self._listener.getsockname()[1]
+        self._sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            for s in (client, upstream):
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sockets += [client, upstream]
+            for src, dst in ((client, upstream), (upstream, client)):
+                held: collections.deque = collections.deque()
+                ready = threading.Condition()
+                threading.Thread(target=self._read, args=(src, held, ready), daemon=True).start()
+                threading.Thread(target=self._write, args=(dst, held, ready), daemon=True).start()
+
+    def _read(self, src, held, ready) -> None:
+        while True:
+            try:
+                data = src.recv(1 << 20)
+            except OSError:
+                data = b""
+            with ready:
+                held.append((time.monotonic() + self.one_way_s, data))
+                ready.notify()
+            if not data:
+                return
+
+    def _write(self, dst, held, ready) -> None:
+        while True:
+            with ready:
+                while not held:
+                    ready.wait()
+                due, data = held.popleft()
+            delay = due - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            try:
+                if not data:
+                    dst.shutdown(socket.SHUT_WR)
+                    return
+                dst.sendall(data)
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self._listener.close()
+        for s in self._sockets:
+            try:
+                s.close()
+            except OSError:
+                pass
+
+
+def _waits() -> int:
+    import genie
+
+    return sum(s["blocking_waits"] for s in genie.transport_stats().values())
+
+
+def _ops() -> int:
+    from genie.runtime import get_runtime
+
+    return sum(s.ops_captured for s in get_runtime().streams)
+
+
+def _timed(fn, repeats: int) -> tuple[float, float, int]:
+    """Median seconds of `fn`, and the round trips and ops of one call."""
+    fn()
+    w0, o0 = _waits(), _ops()
+    fn()
+    waits, ops = _waits() - w0, _ops() - o0
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return median(times), waits, ops
+
+
+def measure(repeats: int, tokens: int) -> dict:
+    from genie.examples.gpt import GPTConfig, TinyGPT, generate, generate_static
+
+    x = torch.zeros((), device=DEV)
+    tiny = _timed(lambda: (x + 1).item(), repeats * 4)
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layers=2, dim=64)
+    model = TinyGPT(cfg).to(DEV)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    idx = torch.randint(0, cfg.vocab_size, (4, 32), device=DEV)
+    pos = torch.arange(32, device=DEV)
+
+    def train_step():
+        optimizer.zero_grad(set_to_none=False)
+        logits, _ = model(idx, pos)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab_size), idx.reshape(-1))
+        loss.backward()
+        optimizer.step()
+        return loss.item()
+
+    train = _timed(train_step, repeats)
+    decoder = copy.deepcopy(model).eval()
+    prompt = torch.randint(0, cfg.vocab_size, (1, 16), device=DEV)
+    with torch.no_grad():
+        decode = _timed(lambda: generate(decoder, prompt, tokens), repeats)
+        replay = _timed(lambda: generate_static(decoder, prompt, tokens), repeats)
+    per_token = lambda r: (r[0] / tokens, r[1] / tokens, r[2] / tokens)  # noqa: E731
+    return {"tiny_round_trip": tiny, "train_step": train, "decode_per_token": per_token(decode),
+            "replayed_decode_per_token": per_token(replay)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rtt-ms", default="0,1,5")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--tokens", type=int, default=16)
+    args = p.parse_args(argv)
+    os.environ["GENIE_DIRECT_LANE"] = "0"  # before genie reads its configuration
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    import genie
+    from daemons import DaemonProcess
+
+    rtts = [float(r) for r in args.rtt_ms.split(",")]
+    runs = []
+    with DaemonProcess(extra=["--no-bulk-lane", "--threads", "1"]) as daemon:
+        port = int(daemon.endpoint.rsplit(":", 1)[1])
+        for rtt in rtts:
+            proxy = DelayProxy(port, rtt / 2e3)
+            try:
+                genie.init(f"tcp://127.0.0.1:{proxy.port}")
+                runs.append({"rtt_ms": rtt, **measure(args.repeats, args.tokens)})
+            finally:
+                genie.shutdown()
+                proxy.close()
+    m = machine()
+    print(f"# Genie through a loopback proxy adding round-trip latency -- {m['cpus']} cpus, medians of {args.repeats}")
+    rows = []
+    for r in runs:
+        for name, label in (("tiny_round_trip", "(x + 1).item()"), ("train_step", "GPT training step, loss read"),
+                            ("decode_per_token", "GPT decode, per token, op by op"),
+                            ("replayed_decode_per_token", "GPT decode, per token, replayed")):
+            seconds, waits, ops = r[name]
+            rows.append((f"{r['rtt_ms']:g}", label, f"{seconds * 1e3:.2f}", f"{waits:.2f}", f"{ops:.0f}",
+                         f"{ops * r['rtt_ms']:.1f}"))
+    print_table(rows, ("RTT ms", "workload", "ms", "round trips", "ops captured", "ops x RTT ms"))
+    print("wrote", write_json("network_latency", {"runs": runs, "repeats": args.repeats, "tokens": args.tokens}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
