@@ -6,7 +6,8 @@ forwarding proxy that holds each chunk for RTT/2 in each direction (propagation 
 no bandwidth limit), at several round-trip times, and reports for each:
 - a tiny op's round trip, `(x + 1).item()`;
 - a training step of the demo GPT (AdamW), reading its loss each step, op by op;
-- greedy decoding op by op (`torch.cat` cache) and with the step replayed (`genie.graph`);
+- greedy decoding op by op (`torch.cat` cache) and with the step replayed (`genie.graph`), the
+  latter also reading its tokens 8 at a time (`read_every=8`: one round trip per 8 tokens);
 - the round trips each needed (`transport_stats()[...]["blocking_waits"]`), and the ops each
   captured, so the cost of a design that waits on every op (ops x RTT) can be set beside it.
 One daemon (tcp, `--no-bulk-lane`); the client's direct lane is off (GENIE_DIRECT_LANE=0), so
@@ -31,6 +32,7 @@ import torch
 from bench.common import machine, median, print_table, write_json
 
 DEV = "remote_accelerator:0"
+READ_EVERY = 8  # tokens read per round trip in the last decode way
 
 
 class DelayProxy:
@@ -152,9 +154,10 @@ def measure(repeats: int, tokens: int) -> dict:
     with torch.no_grad():
         decode = _timed(lambda: generate(decoder, prompt, tokens), repeats)
         replay = _timed(lambda: generate_static(decoder, prompt, tokens), repeats)
+        batched = _timed(lambda: generate_static(decoder, prompt, tokens, read_every=READ_EVERY), repeats)
     per_token = lambda r: (r[0] / tokens, r[1] / tokens, r[2] / tokens)  # noqa: E731
     return {"tiny_round_trip": tiny, "train_step": train, "decode_per_token": per_token(decode),
-            "replayed_decode_per_token": per_token(replay)}
+            "replayed_decode_per_token": per_token(replay), "replayed_read_every_per_token": per_token(batched)}
 
 
 def main(argv=None) -> int:
@@ -186,7 +189,8 @@ def main(argv=None) -> int:
     for r in runs:
         for name, label in (("tiny_round_trip", "(x + 1).item()"), ("train_step", "GPT training step, loss read"),
                             ("decode_per_token", "GPT decode, per token, op by op"),
-                            ("replayed_decode_per_token", "GPT decode, per token, replayed")):
+                            ("replayed_decode_per_token", "GPT decode, per token, replayed"),
+                            ("replayed_read_every_per_token", f"same, tokens read {READ_EVERY} at a time")):
             seconds, waits, ops = r[name]
             rows.append((f"{r['rtt_ms']:g}", label, f"{seconds * 1e3:.2f}", f"{waits:.2f}", f"{ops:.0f}",
                          f"{ops * r['rtt_ms']:.1f}"))

@@ -80,6 +80,26 @@ def test_gpt_generation_matches_cpu(dev):
     assert generate(model, prompt.to(dev), 6) == expected
 
 
+@pytest.mark.parametrize("read_every", [3, 5, 20])
+def test_reading_tokens_n_at_a_time_gives_the_same_tokens_with_fewer_round_trips(dev, read_every):
+    from genie.examples.gpt import generate_static
+
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(n_layers=2, dim=64)).eval()
+    prompt = torch.randint(0, model.cfg.vocab_size, (1, 8))
+    expected = generate(model, prompt, 10)
+    assert generate_static(model, prompt, 10, replay=False, read_every=read_every) == expected
+    model.to(dev)
+    endpoint, = genie.transport_stats()
+    reads = -(-10 // read_every)
+    for decode, recording in ((generate, 0), (generate_static, 1)):  # a genie.graph recording waits once
+        seen = []
+        before = genie.transport_stats()[endpoint]["blocking_waits"]
+        assert decode(model, prompt.to(dev), 10, on_token=seen.append, read_every=read_every) == expected
+        assert seen == expected
+        assert genie.transport_stats()[endpoint]["blocking_waits"] - before == reads + recording  # 10 reads one by one
+
+
 def test_backward_and_optimizer_step_match_cpu(dev):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))

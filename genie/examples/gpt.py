@@ -101,12 +101,15 @@ class TinyGPT(nn.Module):
 
 
 @torch.no_grad()
-def generate(model: TinyGPT, prompt: torch.Tensor, new_tokens: int, on_token=None, kv_session=None) -> list[int]:
+def generate(model: TinyGPT, prompt: torch.Tensor, new_tokens: int, on_token=None, kv_session=None,
+             read_every: int = 1) -> list[int]:
     """Greedy decoding with a KV cache. `prompt` is (1, T) on the model's device.
 
     Each step reads only the chosen token (`.item()`); the cache, positions and
     the next input stay on the model's device. With `kv_session` (a genie.KVSession)
-    the daemon's KV store keeps the cache instead of `torch.cat`.
+    the daemon's KV store keeps the cache instead of `torch.cat`. `read_every=N` reads the
+    tokens N at a time (one round trip per N tokens instead of per token: what counts on a
+    link with latency; a stopping check would then see each token up to N - 1 steps late).
     """
     device = prompt.device
     t = prompt.shape[1]
@@ -114,16 +117,26 @@ def generate(model: TinyGPT, prompt: torch.Tensor, new_tokens: int, on_token=Non
     logits, past = model(prompt, pos, kv_session)
     next_tok = logits[:, -1].argmax(dim=-1, keepdim=True)
     pos = pos[-1:] + 1
-    out = []
-    for _ in range(new_tokens):
-        token = next_tok.item()
-        out.append(token)
-        if on_token is not None:
-            on_token(token)
+    out, unread = [], []
+    for i in range(new_tokens):
+        unread.append(next_tok)
+        if len(unread) == read_every or i == new_tokens - 1:
+            _take_tokens(unread, out, on_token)
         logits, past = model(next_tok, pos, kv_session if kv_session is not None else past)
         next_tok = logits[:, -1].argmax(dim=-1, keepdim=True)
         pos = pos + 1
     return out
+
+
+def _take_tokens(unread: list, out: list, on_token) -> None:
+    """Read the token tensors in `unread` ((1, n) each) with one round trip, append them to `out`."""
+    values = unread[0] if len(unread) == 1 else torch.cat(unread, dim=1)
+    tokens = [values.item()] if values.numel() == 1 else values.flatten().tolist()
+    unread.clear()
+    for token in tokens:
+        out.append(token)
+        if on_token is not None:
+            on_token(token)
 
 
 class StaticKVCache:
@@ -159,18 +172,23 @@ class StaticKVCache:
 
 @torch.no_grad()
 def generate_static(model: TinyGPT, prompt: torch.Tensor, new_tokens: int, replay: bool = True,
-                    on_token=None) -> list[int]:
+                    on_token=None, read_every: int = 1) -> list[int]:
     """Greedy decoding with a `StaticKVCache`; on a remote device with `replay`, the decode step is
     recorded once with `genie.graph` and then replayed, so each token costs one small message and
-    no Python model code. The same tokens as `generate`."""
+    no Python model code. The same tokens as `generate`. `read_every=N`: as in `generate`; the
+    step then also writes its token into a list of tokens on the device, read N at a time."""
     device = prompt.device
     cache = StaticKVCache(model.cfg, prompt.shape[0], prompt.shape[1] + new_tokens, device)
     pos = torch.arange(prompt.shape[1], device=device)
     logits, _ = model(prompt, pos, cache)
     token = logits[:, -1].argmax(dim=-1, keepdim=True)  # static input and output of the step
     pos = pos[-1:] + 1
+    first = prompt.shape[1]
+    history = torch.zeros(new_tokens, dtype=token.dtype, device=device) if read_every > 1 else None
 
     def step() -> None:
+        if history is not None:
+            history.index_copy_(0, pos - first, token.view(1))  # before the step replaces it
         logits, _ = model(token, pos, cache)
         token.copy_(logits[:, -1].argmax(dim=-1, keepdim=True))
         pos.add_(1)
@@ -182,9 +200,8 @@ def generate_static(model: TinyGPT, prompt: torch.Tensor, new_tokens: int, repla
         graph = genie.Graph()
     out = []
     for i in range(new_tokens):
-        out.append(token.item())
-        if on_token is not None:
-            on_token(out[-1])
+        if history is None:
+            _take_tokens([token], out, on_token)
         if graph is None:
             step()
         elif i == 0:
@@ -192,4 +209,6 @@ def generate_static(model: TinyGPT, prompt: torch.Tensor, new_tokens: int, repla
                 step()
         else:
             graph.replay()
+        if history is not None and (i + 1 - len(out) == read_every or i == new_tokens - 1):
+            _take_tokens([history[len(out):i + 1].view(1, -1)], out, on_token)
     return out
