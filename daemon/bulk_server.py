@@ -31,7 +31,7 @@ BULK_POOL_BYTES = 2 << 30  # most bytes of idle receive buffers the daemon keeps
 class BulkListener:
     def __init__(self, zmq_endpoint: str, is_known_client: Callable[[bytes], bool], max_transfer: int,
                  pool_bytes: int = BULK_POOL_BYTES, send_timeout_s: float = 60.0,
-                 shared_memory: bool = True) -> None:
+                 shared_memory: bool = True, tcp_port: int = 0) -> None:
         address = bulk.listen_address_for(zmq_endpoint)
         if address is None:
             raise OSError(f"no bulk lane for endpoint {zmq_endpoint}")
@@ -40,7 +40,7 @@ class BulkListener:
             family = socket.AF_INET6 if ":" in where else socket.AF_INET
             self._sock = socket.socket(family, socket.SOCK_STREAM)
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self._sock.bind((where, 0))
+            self._sock.bind((where, tcp_port))  # 0: any free port (advertised to clients in hello)
             self.advertised = ["tcp", self._sock.getsockname()[1]]
         else:
             if os.path.exists(where):

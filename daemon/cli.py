@@ -66,6 +66,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "the port can run work here)")
     p.add_argument("--no-bulk-lane", action="store_true",
                    help="send large payloads over ZeroMQ only (no second socket for bulk transfers)")
+    p.add_argument("--lane-port", type=int, default=int(os.environ.get("GENIE_LANE_PORT", "0") or 0), metavar="PORT",
+                   help="TCP port of the bulk and direct lanes' listener (0: any free port, told to clients); "
+                        "with a firewall, open this and the --listen port. Env GENIE_LANE_PORT")
     p.add_argument("--transfer-timeout", type=float, default=120.0, metavar="S",
                    help="seconds a request may wait for a peer daemon's tensor or its bulk-lane bytes")
     p.add_argument("--kv-dir", default=os.environ.get("GENIE_KV_DIR"), metavar="DIR",
@@ -135,8 +138,11 @@ async def _run(args: argparse.Namespace) -> None:
                           curve=security_from(args), transfer_timeout=args.transfer_timeout,
                           kv_dir=args.kv_dir, spin_s=max(0.0, args.spin_us) / 1e6,
                           cuda_ipc_allowed=not args.no_cuda_ipc, shared_memory=not args.no_shared_memory,
-                          ucx=args.ucx)
-    endpoint = server.bind()
+                          ucx=args.ucx, lane_port=args.lane_port)
+    try:
+        endpoint = server.bind()
+    except OSError as e:
+        raise SystemExit(f"genie-daemon: {e}") from None
     server.process_cap = cap_process_memory(devices, memory_limit, BULK_POOL_BYTES if server.bulk else 0)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -81,8 +81,9 @@ class DaemonServer:
     def __init__(self, endpoint: str, devices: list[torch.device], client_lease_s: float = 60.0,
                  memory_limit: int = 0, bulk_lanes: bool = True, curve=None, transfer_timeout: float = 120.0,
                  kv_dir: str | None = None, spin_s: float = 0.0, cuda_ipc_allowed: bool = True,
-                 shared_memory: bool = True, ucx: str = "auto") -> None:
+                 shared_memory: bool = True, ucx: str = "auto", lane_port: int = 0) -> None:
         self.endpoint = endpoint
+        self.lane_port = lane_port  # the lanes' TCP listener (0: any free port)
         self.ucx_mode = ucx  # the UCX lane (ucx_lane.wanted): auto, on, off
         self.ucx: ucx_lane.UcxListener | None = None
         self.ucx_gpu_memory = "no: no UCX lane"  # whether its lanes move GPU memory, in words (check_device_memory)
@@ -167,8 +168,11 @@ class DaemonServer:
         total = _host_ram()[0] or (1 << 40)
         try:
             self.bulk = BulkListener(self.bound_endpoint, lambda token: token in self.clients,
-                                     max_transfer=self.memory_limit or total, shared_memory=self.shared_memory)
+                                     max_transfer=self.memory_limit or total, shared_memory=self.shared_memory,
+                                     tcp_port=self.lane_port)
         except OSError as e:
+            if self.lane_port:  # asked for by the operator (a firewall's open port): not quietly another
+                raise OSError(f"cannot listen for lanes on port {self.lane_port}: {e}") from None
             log.warning("no bulk lane (large payloads go over ZeroMQ): %s", e)
             return
         self.executor.bulk = self.bulk

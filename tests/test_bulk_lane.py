@@ -13,7 +13,7 @@ import torch
 
 import genie
 from daemons import DaemonProcess, ipc_endpoint
-from genie.transport import bulk
+from genie.transport import bulk, stream_framing
 from genie.transport.shared_segments import size_class
 
 BIG = 1536 * 1024  # float32 elements: 6 MiB, above the 4 MiB default bulk threshold
@@ -418,3 +418,56 @@ def test_threads_sharing_a_shared_memory_lane_get_their_own_bytes_back():
         while lane._incoming.in_use() or any(s.busy for s in lane._outgoing._segments.values()):
             assert time.monotonic() < deadline, "segments were not all handed back"
             time.sleep(0.01)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_lane_port_fixes_where_both_lanes_connect():
+    """--lane-port: a firewall can open the lanes' port beside the --listen one (by default it is any free port)."""
+    port = _free_port()
+    with DaemonProcess(extra=["--lane-port", str(port)]) as d:
+        genie.init(d.endpoint)
+        try:
+            link = genie.get_runtime().links[0]
+            assert link.bulk_lane.sock.getpeername()[1] == port
+            assert link.channel.direct_stream.getpeername()[1] == port
+            src = torch.randn(BIG)
+            assert torch.equal(src.to("remote_accelerator:0").cpu(), src)
+        finally:
+            genie.shutdown()
+
+
+def test_a_lane_port_in_use_stops_the_daemon_with_the_reason():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        with pytest.raises(RuntimeError, match=f"cannot listen for lanes on port {taken.getsockname()[1]}"):
+            DaemonProcess(extra=["--lane-port", str(taken.getsockname()[1])]).start(timeout=60)
+
+
+def test_an_unreachable_lane_listener_is_tried_once(monkeypatch, caplog):
+    """Both lanes connect to one listener: when the bulk lane cannot reach it (a firewall dropping
+    the port waits out the connect timeout, 10 s), the direct lane is not tried too."""
+    closed = _free_port()  # nothing listens: refused
+    real = bulk.connect_address
+    monkeypatch.setattr(bulk, "connect_address", lambda advertised, endpoint: (
+        lambda a: (a[0], (a[1][0], closed)) if a else a)(real(advertised, endpoint)))
+    attempts = []
+    real_greeted = bulk.connect_greeted
+    monkeypatch.setattr(bulk, "connect_greeted", lambda *a, **k: attempts.append(a) or real_greeted(*a, **k))
+    with DaemonProcess() as d:
+        with caplog.at_level("WARNING", logger="genie"):
+            genie.init(d.endpoint)
+        try:
+            assert genie.transport_info()["links"][d.endpoint]["path"] == "zmq"
+            assert len(attempts) == 1 and attempts[0][1] != stream_framing.MAGIC  # the bulk lane's, not the direct
+            messages = " ".join(r.getMessage() for r in caplog.records)
+            assert f"at port {closed}" in messages and "--lane-port" in messages and "unreachable" in messages
+            src = torch.randn(BIG)
+            assert torch.equal(src.to("remote_accelerator:0").cpu(), src)
+        finally:
+            genie.shutdown()

@@ -10,6 +10,7 @@ import asyncio
 import atexit
 import collections
 import concurrent.futures
+import errno
 import itertools
 import logging
 import math
@@ -195,6 +196,7 @@ class DaemonLink:
                     log.warning("no UCX lane to %s (the socket lane carries large payloads): %s", self.endpoint, e)
             else:
                 log.info("bulk lane to %s: socket, not UCX: %s", self.endpoint, why)
+        unreachable = None  # the lanes' listener could not be reached: both lanes go to it
         if config.bulk_min_bytes > 0 and self.bulk_lane is None:
             try:
                 self.bulk_lane = await loop.run_in_executor(
@@ -203,8 +205,17 @@ class DaemonLink:
                 # Shared memory wins from a smaller size than the socket does (see README, GENIE_SHARED_MIN_KB).
                 self.bulk_min_bytes = config.shared_min_bytes if self.bulk_lane.shared else config.bulk_min_bytes
             except (OSError, ConnectionError) as e:
-                log.warning("no bulk lane to %s (large payloads go over ZeroMQ): %s", self.endpoint, e)
-        if config.direct_lane:
+                if isinstance(e, (TimeoutError, ConnectionRefusedError)) or getattr(e, "errno", None) in (
+                        errno.EHOSTUNREACH, errno.ENETUNREACH):
+                    unreachable = e
+                where = f" at port {address[1][1]}" if address[0] != socket.AF_UNIX else ""
+                log.warning("no bulk lane to %s%s (large payloads go over ZeroMQ): %s%s", self.endpoint, where, e,
+                            " (a firewall? start the daemon with --lane-port and open that port too)"
+                            if where and unreachable is not None else "")
+        if config.direct_lane and unreachable is not None:
+            log.warning("no direct lane to %s (blocking requests go over ZeroMQ): its listener is the bulk "
+                        "lane's, unreachable", self.endpoint)
+        elif config.direct_lane:
             try:
                 self.channel.direct_stream, _ = await loop.run_in_executor(
                     None, bulk.connect_greeted, address, stream_framing.MAGIC, self.token, min(timeout, 10.0))
