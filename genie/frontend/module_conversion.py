@@ -20,9 +20,9 @@ swap_tensors arranges when the graph's accumulator is the only holder. On CUDA t
 backward fails too (a CPU gradient for a CUDA parameter).
 
 A swap also left behind the hooks registered on a parameter (they live on the C++ tensor) and
-the attributes set on it (it exchanges the whole __dict__): both stay with the parameter. And a lazy module's uninitialized parameters (nn.LazyLinear
-before its first forward) cannot become remote tensors: they are made by that forward, on the
-CPU, and then moved as the module was asked.
+the attributes set on it (it exchanges the whole __dict__): both stay with the parameter. And a
+lazy module's uninitialized parameters (nn.LazyLinear before its first forward) cannot become
+remote tensors: they are made by that forward, on the CPU, and then moved as the module was asked.
 """
 from __future__ import annotations
 
