@@ -562,7 +562,8 @@ def _row_major(shape, stride) -> bool:
 def run_reported(func, args, kwargs, stream, wire_args: list | None = None):
     """Run one op on the daemon now and build its outputs from what the daemon reports.
     `wire_args`: the encoded positional arguments when the caller has them (no kwargs)."""
-    sync_debug.note(_SYNC_WHAT.get(id(func)) or f"{op_name(func)} (run at once: the shapes of its results come from the daemon)")
+    sync_debug.note(_SYNC_WHAT.get(id(func))
+                    or f"{op_name(func)} (run at once: the shapes of its results come from the daemon)")
     returns = _return_types.get(id(func))
     if returns is None:
         returns = _return_types[id(func)] = tuple(str(r.type) for r in func._schema.returns)
