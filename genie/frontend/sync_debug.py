@@ -31,7 +31,8 @@ def set_sync_debug_mode(debug_mode: int | str) -> None:
     global _mode
     if isinstance(debug_mode, str):
         if debug_mode not in _MODES:
-            raise RuntimeError(f'invalid value of debug_mode, expected one of "default", "warn", "error"; got {debug_mode!r}')
+            raise RuntimeError('invalid value of debug_mode, expected one of "default", "warn", "error"; '
+                               f"got {debug_mode!r}")
         debug_mode = _MODES[debug_mode]
     if type(debug_mode) is not int or debug_mode not in (0, 1, 2):
         raise RuntimeError(f"invalid value of debug_mode, expected 0, 1 or 2; got {debug_mode!r}")
