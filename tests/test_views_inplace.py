@@ -153,3 +153,22 @@ def test_a_remote_tensors_storage_reads_and_can_be_viewed(dev):
         torch.empty(0).to(dev).set_(torch.arange(6.0).to(dev).untyped_storage(), 3, (2, 2), (2, 1))
     with pytest.raises(UnsupportedOperationError, match="storage of its device"):
         torch.empty(0).to(dev).set_(torch.arange(6.0).untyped_storage())  # a CPU storage
+
+
+def test_in_place_ops_refuse_a_result_type_they_cannot_hold_at_the_call(dev):
+    """int_tensor.mul_(0.5): PyTorch's meta kernels skip this check, so the daemon refused the op
+    at the next read, far from the line at fault; the CPU and CUDA raise at the call."""
+    for make, other in ((lambda d: torch.arange(4, device=d), 0.5),
+                        (lambda d: torch.ones(2, device=d), lambda d: torch.ones(2, dtype=torch.complex64, device=d))):
+        with pytest.raises(RuntimeError, match="can't be cast to the desired output type") as on_cpu:
+            make("cpu").mul_(other("cpu") if callable(other) else other)
+        x = make(dev)
+        with pytest.raises(RuntimeError, match="can't be cast to the desired output type") as remote:
+            x.mul_(other(dev) if callable(other) else other)
+        assert str(remote.value) == str(on_cpu.value)
+        assert torch.equal(x.cpu(), make("cpu"))  # unchanged, and the device still usable
+    # What type promotion allows still runs, with the CPU's values.
+    for make in (lambda d: torch.ones(2, device=d).add_(torch.full((), 2.5, dtype=torch.float64, device=d)),
+                 lambda d: torch.ones(2, dtype=torch.int32, device=d).add_(torch.tensor(3)),
+                 lambda d: torch.ones(2, dtype=torch.half, device=d).mul_(2.5)):
+        assert torch.equal(make(dev).cpu(), make("cpu"))

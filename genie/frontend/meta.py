@@ -211,6 +211,38 @@ def _check_in_bounds(t: torch.Tensor) -> None:
             f"storage of size {available}")
 
 
+def _writes_its_result_into_self(func) -> bool:
+    tags = func.tags
+    return (func._schema.name.endswith("_") and torch.Tag.pointwise in tags
+            and torch.Tag.nondeterministic_seeded not in tags)
+
+
+_CAST_REFUSED = "can't be cast to the desired output type"
+
+
+def _check_result_cast(func, args, kwargs) -> None:
+    """The meta kernels of in-place pointwise ops skip TensorIterator's check that the result's
+    type can be cast to self's (`int_tensor.mul_(0.5)`, `x.add_(complex_tensor)`): the CPU and CUDA
+    raise at the call, and the daemon raised at the next read, far from the line at fault. The op
+    runs here on one-element CPU stand-ins of the same dtypes and dimensions, whose type
+    promotion is the same (it depends on dtypes and on which tensors are 0-dim), and only that
+    refusal is raised, with PyTorch's own message. Once per plan: a cached plan skips it."""
+    def stand_in(v):
+        if isinstance(v, torch.Tensor):
+            return torch.ones((1,) * v.dim(), dtype=v.dtype)
+        if isinstance(v, (list, tuple)):
+            return type(v)(stand_in(x) for x in v)
+        return v
+
+    try:
+        func(*stand_in(args), **{k: stand_in(v) for k, v in kwargs.items()})
+    except RuntimeError as e:
+        if _CAST_REFUSED in str(e):
+            raise RuntimeError(str(e)) from None
+    except Exception:  # noqa: BLE001 - anything else is for the daemon's kernel to say
+        pass
+
+
 def plan_op(func, args, kwargs, flat_tensors: list[torch.Tensor], storage_sizes: list[int]) -> Plan:
     """Run `func` on meta stand-ins of the arguments and describe its outputs."""
     metas = [meta_like(t, n) for t, n in zip(flat_tensors, storage_sizes)]
@@ -249,6 +281,9 @@ def plan_op(func, args, kwargs, flat_tensors: list[torch.Tensor], storage_sizes:
     finally:
         if level >= 0:
             _forward_ad._current_level = level
+
+    if _writes_its_result_into_self(func):
+        _check_result_cast(func, args, kwargs)
 
     layout_rule = _BACKEND_LAYOUTS.get(func)
     if layout_rule is not None:
