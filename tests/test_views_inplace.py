@@ -155,9 +155,10 @@ def test_a_remote_tensors_storage_reads_and_can_be_viewed(dev):
         torch.empty(0).to(dev).set_(torch.arange(6.0).untyped_storage())  # a CPU storage
 
 
-def test_in_place_ops_refuse_a_result_type_they_cannot_hold_at_the_call(dev):
-    """int_tensor.mul_(0.5): PyTorch's meta kernels skip this check, so the daemon refused the op
-    at the next read, far from the line at fault; the CPU and CUDA raise at the call."""
+def test_dtype_rules_checked_by_kernels_raise_at_the_call(dev):
+    """int_tensor.mul_(0.5), float32 @ float64, ...: PyTorch's meta kernels skip these checks, so
+    the daemon refused the op at the next read, far from the line at fault; the CPU and CUDA
+    raise at the call."""
     for make, other in ((lambda d: torch.arange(4, device=d), 0.5),
                         (lambda d: torch.ones(2, device=d), lambda d: torch.ones(2, dtype=torch.complex64, device=d))):
         with pytest.raises(RuntimeError, match="can't be cast to the desired output type") as on_cpu:
@@ -167,6 +168,17 @@ def test_in_place_ops_refuse_a_result_type_they_cannot_hold_at_the_call(dev):
             x.mul_(other(dev) if callable(other) else other)
         assert str(remote.value) == str(on_cpu.value)
         assert torch.equal(x.cpu(), make("cpu"))  # unchanged, and the device still usable
+    # Other dtype rules PyTorch checks in kernels, not meta kernels: raised at the call as well.
+    for refused in (lambda d: torch.ones(2, 2, device=d) @ torch.ones(2, 2, dtype=torch.float64, device=d),
+                    lambda d: torch.ones(2, device=d).masked_fill_(torch.ones(2, device=d), 0),
+                    lambda d: torch.zeros(3, device=d).index_add_(0, torch.tensor([0], device=d),
+                                                                  torch.ones(1, dtype=torch.float64, device=d)),
+                    lambda d: torch.arange(1, 4, device=d).pow(-1)):
+        with pytest.raises(RuntimeError) as on_cpu:
+            refused("cpu")
+        with pytest.raises(RuntimeError) as remote:
+            refused(dev)
+        assert str(remote.value) == str(on_cpu.value)
     # What type promotion allows still runs, with the CPU's values.
     for make in (lambda d: torch.ones(2, device=d).add_(torch.full((), 2.5, dtype=torch.float64, device=d)),
                  lambda d: torch.ones(2, dtype=torch.int32, device=d).add_(torch.tensor(3)),

@@ -211,34 +211,51 @@ def _check_in_bounds(t: torch.Tensor) -> None:
             f"storage of size {available}")
 
 
-def _writes_its_result_into_self(func) -> bool:
+# Ops whose dtype rules PyTorch checks in its kernels, not in its meta kernels, besides the
+# pointwise ones: matrix products (both operands one dtype) and indexed writes and fills.
+_KERNEL_CHECKED = frozenset({
+    "aten::mm", "aten::bmm", "aten::matmul", "aten::linear", "aten::addmm", "aten::addmm_", "aten::baddbmm",
+    "aten::baddbmm_", "aten::addbmm", "aten::addbmm_", "aten::addmv", "aten::addmv_", "aten::mv", "aten::dot",
+    "aten::vdot", "aten::addr", "aten::addr_", "aten::index_add", "aten::index_add_", "aten::index_copy",
+    "aten::index_copy_", "aten::index_fill", "aten::index_fill_", "aten::masked_fill", "aten::masked_fill_",
+    "aten::masked_scatter", "aten::masked_scatter_", "aten::scatter_add", "aten::scatter_add_", "aten::fill_",
+})
+# What those checks say: rules of dtypes (and of integer powers) that hold on every device.
+# Refusals for lack of a kernel for a dtype ("not implemented for") differ between devices: left to the daemon.
+_DTYPE_RULES = ("can't be cast to the desired output type", "same dtype", "same scalar type", "expected scalar type",
+                "only supports boolean masks", "Integers to negative integer powers are not allowed",
+                "cannot be converted to type")
+
+
+def _kernel_checked(func) -> bool:
     tags = func.tags
-    return (func._schema.name.endswith("_") and torch.Tag.pointwise in tags
-            and torch.Tag.nondeterministic_seeded not in tags)
+    if torch.Tag.nondeterministic_seeded in tags:
+        return False
+    return torch.Tag.pointwise in tags or func._schema.name in _KERNEL_CHECKED
 
 
-_CAST_REFUSED = "can't be cast to the desired output type"
-
-
-def _check_result_cast(func, args, kwargs) -> None:
-    """The meta kernels of in-place pointwise ops skip TensorIterator's check that the result's
-    type can be cast to self's (`int_tensor.mul_(0.5)`, `x.add_(complex_tensor)`): the CPU and CUDA
-    raise at the call, and the daemon raised at the next read, far from the line at fault. The op
-    runs here on one-element CPU stand-ins of the same dtypes and dimensions, whose type
-    promotion is the same (it depends on dtypes and on which tensors are 0-dim), and only that
-    refusal is raised, with PyTorch's own message. Once per plan: a cached plan skips it."""
+def _check_kernel_dtype_rules(func, args, kwargs) -> None:
+    """PyTorch checks some dtype rules in its kernels, not its meta kernels: `int_tensor.mul_(0.5)`,
+    `x.add_(complex_tensor)`, `float32 @ float64`, `masked_fill_` with a float mask. The CPU and
+    CUDA raise at the call; the daemon refused the op at the next read, far from the line at
+    fault. The op runs here on one-element CPU stand-ins (zeros) of the same dtypes and
+    dimensions, whose type promotion is the same (it depends on dtypes and on which tensors are
+    0-dim), and only a refusal by such a rule is raised, with PyTorch's own message. Once per
+    plan: a cached plan skips it."""
     def stand_in(v):
         if isinstance(v, torch.Tensor):
-            return torch.ones((1,) * v.dim(), dtype=v.dtype)
+            return torch.zeros((1,) * v.dim(), dtype=v.dtype)
         if isinstance(v, (list, tuple)):
             return type(v)(stand_in(x) for x in v)
+        if isinstance(v, torch.device) and v.type == _REMOTE_TYPE:
+            return torch.device("cpu")
         return v
 
     try:
         func(*stand_in(args), **{k: stand_in(v) for k, v in kwargs.items()})
-    except RuntimeError as e:
-        if _CAST_REFUSED in str(e):
-            raise RuntimeError(str(e)) from None
+    except (RuntimeError, IndexError, TypeError, ValueError) as e:
+        if any(rule in str(e) for rule in _DTYPE_RULES):
+            raise type(e)(str(e)) from None
     except Exception:  # noqa: BLE001 - anything else is for the daemon's kernel to say
         pass
 
@@ -271,6 +288,8 @@ def plan_op(func, args, kwargs, flat_tensors: list[torch.Tensor], storage_sizes:
         _forward_ad._current_level = -1
     try:
         out = func(*meta_args, **meta_kwargs)
+        if _kernel_checked(func) and "out" not in kwargs:  # out=: the meta kernels check its cast
+            _check_kernel_dtype_rules(func, args, kwargs)
     except NotImplementedError as e:
         raise NeedsRemoteExecution(str(e)) from None
     except RuntimeError as e:
@@ -281,9 +300,6 @@ def plan_op(func, args, kwargs, flat_tensors: list[torch.Tensor], storage_sizes:
     finally:
         if level >= 0:
             _forward_ad._current_level = level
-
-    if _writes_its_result_into_self(func):
-        _check_result_cast(func, args, kwargs)
 
     layout_rule = _BACKEND_LAYOUTS.get(func)
     if layout_rule is not None:
