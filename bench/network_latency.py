@@ -2,7 +2,7 @@
 
 Loopback has almost no latency, and a GPU node in a rack is 0.1-1 ms away (more across
 buildings). This runs the same workloads with the client's connection going through a
-forwarding proxy that holds each chunk for RTT/2 in each direction (propagation delay only,
+forwarding proxy (DelayProxy, tests/daemons.py) that holds each chunk for RTT/2 in each direction (propagation delay only,
 no bandwidth limit), at several round-trip times, and reports for each:
 - a tiny op's round trip, `(x + 1).item()`;
 - a training step of the demo GPT (AdamW), reading its loss each step, op by op;
@@ -19,86 +19,20 @@ is the same path through the proxy with no delay.
 from __future__ import annotations
 
 import argparse
-import collections
 import copy
 import os
-import socket
 import sys
-import threading
 import time
 
 import torch
 
 from bench.common import machine, median, print_table, write_json
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from daemons import DaemonProcess, DelayProxy  # noqa: E402 - the tests' helpers, as bench.many_clients uses
+
 DEV = "remote_accelerator:0"
 READ_EVERY = 8  # tokens read per round trip in the last decode way
-
-
-class DelayProxy:
-    """Forwards loopback TCP connections to `target_port`, each chunk sent `one_way_s` after it arrived."""
-
-    def __init__(self, target_port: int, one_way_s: float) -> None:
-        self.target_port, self.one_way_s = target_port, one_way_s
-        self._listener = socket.socket()
-        self._listener.bind(("127.0.0.1", 0))
-        self._listener.listen(16)
-        self.port = self._listener.getsockname()[1]
-        self._sockets: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", self.target_port))
-            for s in (client, upstream):
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._sockets += [client, upstream]
-            for src, dst in ((client, upstream), (upstream, client)):
-                held: collections.deque = collections.deque()
-                ready = threading.Condition()
-                threading.Thread(target=self._read, args=(src, held, ready), daemon=True).start()
-                threading.Thread(target=self._write, args=(dst, held, ready), daemon=True).start()
-
-    def _read(self, src, held, ready) -> None:
-        while True:
-            try:
-                data = src.recv(1 << 20)
-            except OSError:
-                data = b""
-            with ready:
-                held.append((time.monotonic() + self.one_way_s, data))
-                ready.notify()
-            if not data:
-                return
-
-    def _write(self, dst, held, ready) -> None:
-        while True:
-            with ready:
-                while not held:
-                    ready.wait()
-                due, data = held.popleft()
-            delay = due - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
-            try:
-                if not data:
-                    dst.shutdown(socket.SHUT_WR)
-                    return
-                dst.sendall(data)
-            except OSError:
-                return
-
-    def close(self) -> None:
-        self._listener.close()
-        for s in self._sockets:
-            try:
-                s.close()
-            except OSError:
-                pass
 
 
 def _waits() -> int:
@@ -167,9 +101,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=16)
     args = p.parse_args(argv)
     os.environ["GENIE_DIRECT_LANE"] = "0"  # before genie reads its configuration
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     import genie
-    from daemons import DaemonProcess
 
     rtts = [float(r) for r in args.rtt_ms.split(",")]
     runs = []

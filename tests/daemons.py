@@ -1,12 +1,15 @@
 """Helpers that start real genie-daemon processes for tests, with bounded waits and sure teardown."""
 from __future__ import annotations
 
+import collections
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 READY = "GENIE_DAEMON_READY"
 
@@ -70,15 +73,12 @@ def ipc_endpoint() -> tuple[str, str]:
     return f"ipc://{os.path.join(d, 'd.sock')}", d
 
 
-class RecordingProxy:
-    """A loopback TCP forwarder that keeps a copy of every byte it carries (to check encryption)."""
+class _Forwarder:
+    """Accepts loopback TCP connections and forwards each to `target_port`; a subclass moves the
+    bytes of each direction (`_forward`)."""
 
     def __init__(self, target_port: int) -> None:
-        import socket
-
         self.target_port = target_port
-        self.recorded = bytearray()
-        self._lock = threading.Lock()
         self._listener = socket.socket()
         self._listener.bind(("127.0.0.1", 0))
         self._listener.listen(16)
@@ -87,17 +87,40 @@ class RecordingProxy:
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
-        import socket
-
         while True:
             try:
                 client, _ = self._listener.accept()
             except OSError:
                 return
             upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            for s in (client, upstream):
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._open += [client, upstream]
             for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+                self._forward(a, b)
+
+    def _forward(self, src, dst) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._listener.close()
+        for s in self._open:
+            try:
+                s.close()
+            except OSError:
+                pass
+
+
+class RecordingProxy(_Forwarder):
+    """A loopback TCP forwarder that keeps a copy of every byte it carries (to check encryption)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.recorded = bytearray()
+        self._lock = threading.Lock()
+        super().__init__(target_port)
+
+    def _forward(self, src, dst) -> None:
+        threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
 
     def _pump(self, src, dst) -> None:
         try:
@@ -117,10 +140,46 @@ class RecordingProxy:
                 except OSError:
                     pass
 
-    def close(self) -> None:
-        self._listener.close()
-        for s in self._open:
+
+class DelayProxy(_Forwarder):
+    """A loopback TCP forwarder that sends each chunk `one_way_s` after it arrived, in each
+    direction: a network's propagation delay, without a bandwidth limit (bench.network_latency)."""
+
+    def __init__(self, target_port: int, one_way_s: float) -> None:
+        self.one_way_s = one_way_s
+        super().__init__(target_port)
+
+    def _forward(self, src, dst) -> None:
+        held: collections.deque = collections.deque()
+        ready = threading.Condition()
+        threading.Thread(target=self._read, args=(src, held, ready), daemon=True).start()
+        threading.Thread(target=self._write, args=(dst, held, ready), daemon=True).start()
+
+    def _read(self, src, held, ready) -> None:
+        while True:
             try:
-                s.close()
+                data = src.recv(1 << 20)
             except OSError:
-                pass
+                data = b""
+            with ready:
+                held.append((time.monotonic() + self.one_way_s, data))
+                ready.notify()
+            if not data:
+                return
+
+    def _write(self, dst, held, ready) -> None:
+        while True:
+            with ready:
+                while not held:
+                    ready.wait()
+                due, data = held.popleft()
+            delay = due - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            try:
+                if not data:
+                    dst.shutdown(socket.SHUT_WR)
+                    return
+                dst.sendall(data)
+            except OSError:
+                return

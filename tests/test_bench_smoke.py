@@ -40,13 +40,13 @@ def test_benchmark_runs(name, tmp_path):
 
 
 def test_the_latency_proxy_delays_and_keeps_every_byte_in_order():
-    """bench.network_latency's proxy: a round trip through it takes at least its RTT, and a large
+    """bench.network_latency's proxy (tests/daemons.py): a round trip through it takes at least its RTT, and a large
     payload arrives whole and in order (else that benchmark would measure something else)."""
     import socket
     import threading
     import time
 
-    from bench.network_latency import DelayProxy
+    from daemons import DelayProxy
 
     server = socket.socket()
     server.bind(("127.0.0.1", 0))

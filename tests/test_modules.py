@@ -116,14 +116,7 @@ def test_backward_and_optimizer_step_match_cpu(dev):
 
 
 def test_tied_weights_stay_tied(dev):
-    class Tied(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = nn.Embedding(10, 4)
-            self.head = nn.Linear(4, 10, bias=False)
-            self.head.weight = self.emb.weight
-
-    m = Tied().to(dev)
+    m = _TiedLM().to(dev)
     assert m.head.weight is m.emb.weight
     assert len(list(m.parameters())) == 1
 
