@@ -282,9 +282,9 @@ def _written_out_rms_norm(graph: Graph, rsqrt: int) -> PatternMatch | None:
         return ids[0] if ids and graph[ids[0]].op in ops else None
 
     add = producer(rsqrt, ("aten::add",))
-    mean = add is not None and producer(add, ("aten::mean",))
-    square = mean and producer(mean, ("aten::pow", "aten::square", "aten::mul"))
-    if not square or not graph[square].input_ids:
+    mean = producer(add, ("aten::mean",)) if add is not None else None
+    square = producer(mean, ("aten::pow", "aten::square", "aten::mul")) if mean is not None else None
+    if square is None or not graph[square].input_ids:
         return None
     x = set(source_through_transparent(graph, graph[square].input_ids[0]))
     scaled = next((c for c in graph.consumers(rsqrt) if graph[c].op == "aten::mul" and any(
