@@ -314,3 +314,23 @@ def test_transport_stats_count_the_waits_for_answers(dev):
     assert genie.transport_stats()[endpoint]["blocking_waits"] == before  # queued and sent, never waited for
     assert x.sum().item() == 1600.0
     assert genie.transport_stats()[endpoint]["blocking_waits"] == before + 1
+
+
+def test_sync_debug_mode_from_the_environment(tmp_path):
+    """GENIE_SYNC_DEBUG=warn: for a program run unchanged; a bad value is named, not fatal."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "prog.py"
+    script.write_text("import torch, genie\n"
+                      "x = torch.ones(3, device='remote_accelerator:0')\n"
+                      "print(torch.remote_accelerator.get_sync_debug_mode(), (x * 2).sum().item())\n")
+    env = {k: v for k, v in os.environ.items() if k != "GENIE_SERVER_URL"}
+    for value, mode, warned in (("warn", "1", "prog.py:3: UserWarning: called a synchronizing"),
+                                ("loud", "0", "GENIE_SYNC_DEBUG ignored")):
+        out = subprocess.run([sys.executable, str(script)], env={**env, "GENIE_SYNC_DEBUG": value},
+                             capture_output=True, text=True, timeout=240)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.split() == [mode, "6.0"]
+        assert warned in out.stderr

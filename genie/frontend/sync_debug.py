@@ -20,7 +20,7 @@ import warnings
 import torch
 
 _MODES = {"default": 0, "warn": 1, "error": 2}
-_mode = 0
+_mode = 0  # set below from GENIE_SYNC_DEBUG, for programs run unchanged
 # Frames inside these packages are not the user's line: the warning points past them.
 _INTERNAL = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
              os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
@@ -60,3 +60,15 @@ def _user_stacklevel() -> int:
     while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
         frame, level = frame.f_back, level + 1
     return level if frame is not None else 2
+
+
+def _from_environment() -> None:
+    value = os.environ.get("GENIE_SYNC_DEBUG", "").strip().lower()
+    if value:
+        try:
+            set_sync_debug_mode(int(value) if value.isdigit() else value)
+        except RuntimeError as e:
+            warnings.warn(f"GENIE_SYNC_DEBUG ignored: {e}", RuntimeWarning, stacklevel=2)
+
+
+_from_environment()
