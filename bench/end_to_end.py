@@ -20,7 +20,7 @@ import time
 import torch
 
 import genie
-from bench.common import machine, median, print_table, write_json
+from bench.common import blocking_waits, machine, median, print_table, write_json
 from genie.examples.gpt import GPTConfig, TinyGPT, generate, generate_static
 from genie.examples.zoo import SmallCNN
 
@@ -31,11 +31,6 @@ TRAIN_ROUNDS = 5  # at least this many turns of each training run (two steps eac
 
 def wire_bytes() -> int:
     return sum(s["bytes_sent"] + s["bytes_received"] for s in genie.transport_stats().values())
-
-
-def blocking_waits() -> int:
-    """Answers this process has blocked on: on a real network, a round trip each."""
-    return sum(s["blocking_waits"] for s in genie.transport_stats().values())
 
 
 def time_it(fn, repeats: int) -> float:

@@ -26,19 +26,13 @@ import time
 
 import torch
 
-from bench.common import machine, median, print_table, write_json
+from bench.common import blocking_waits, machine, median, print_table, write_json
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from daemons import DaemonProcess, DelayProxy  # noqa: E402 - the tests' helpers, as bench.many_clients uses
 
 DEV = "remote_accelerator:0"
 READ_EVERY = 8  # tokens read per round trip in the last decode way
-
-
-def _waits() -> int:
-    import genie
-
-    return sum(s["blocking_waits"] for s in genie.transport_stats().values())
 
 
 def _ops() -> int:
@@ -50,9 +44,9 @@ def _ops() -> int:
 def _timed(fn, repeats: int) -> tuple[float, float, int]:
     """Median seconds of `fn`, and the round trips and ops of one call."""
     fn()
-    w0, o0 = _waits(), _ops()
+    w0, o0 = blocking_waits(), _ops()
     fn()
-    waits, ops = _waits() - w0, _ops() - o0
+    waits, ops = blocking_waits() - w0, _ops() - o0
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()

@@ -23,6 +23,9 @@ _NO_KWARGS: dict = {}
 _TENSOR_DATA = torch._C.TensorBase.__dict__["data"]  # Tensor.data's C getter and setter
 _UNTYPED_STORAGE = torch._C.TensorBase.untyped_storage
 _BACKWARD_HOOKS = torch._C.TensorBase.__dict__["_backward_hooks"]  # its C getter and setter
+# A remote tensor's own entries in its __dict__ (its daemon handle, torch's mark of a Parameter);
+# the rest are attributes the program set.
+OWN_STATE = frozenset({"_genie", "_is_param"})
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 # The address of a remote tensor's (data-less) storage -> the handle of the daemon tensor whose
@@ -208,7 +211,7 @@ class LazyTensor(torch.Tensor):
     def _user_attributes(self) -> dict:
         """Attributes the program set on this tensor: not Genie's handle, nor torch's mark of an
         nn.Parameter (which deepcopy and pickling restore their own way)."""
-        return {k: v for k, v in self.__dict__.items() if k != "_genie" and k != "_is_param"}
+        return {k: v for k, v in self.__dict__.items() if k not in OWN_STATE}
 
     def __deepcopy__(self, memo):
         # As PyTorch copies a tensor (Tensor.__deepcopy__, nn.Parameter.__deepcopy__), with the

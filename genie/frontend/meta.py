@@ -211,6 +211,21 @@ def _check_in_bounds(t: torch.Tensor) -> None:
             f"storage of size {available}")
 
 
+def _replaced(v, tensor, device):
+    """An op's argument with each tensor in it replaced by `tensor(t)` and the remote device by
+    `device` (lists and tuples walked). Generators go: shapes and dtype rules never depend on
+    one, and some meta kernels refuse one."""
+    if isinstance(v, torch.Tensor):
+        return tensor(v)
+    if isinstance(v, (list, tuple)):
+        return type(v)(_replaced(x, tensor, device) for x in v)
+    if isinstance(v, torch.device) and v.type == _REMOTE_TYPE:
+        return device
+    if isinstance(v, torch.Generator):
+        return None
+    return v
+
+
 # Ops whose dtype rules PyTorch checks in its kernels, not in its meta kernels, besides the
 # pointwise ones: matrix products (both operands one dtype) and indexed writes and fills.
 _KERNEL_CHECKED = frozenset({
@@ -242,17 +257,12 @@ def _check_kernel_dtype_rules(func, args, kwargs) -> None:
     dimensions, whose type promotion is the same (it depends on dtypes and on which tensors are
     0-dim), and only a refusal by such a rule is raised, with PyTorch's own message. Once per
     plan: a cached plan skips it."""
-    def stand_in(v):
-        if isinstance(v, torch.Tensor):
-            return torch.zeros((1,) * v.dim(), dtype=v.dtype)
-        if isinstance(v, (list, tuple)):
-            return type(v)(stand_in(x) for x in v)
-        if isinstance(v, torch.device) and v.type == _REMOTE_TYPE:
-            return torch.device("cpu")
-        return v
+    def stand_in(t):
+        return torch.zeros((1,) * t.dim(), dtype=t.dtype)
 
+    cpu = torch.device("cpu")
     try:
-        func(*stand_in(args), **{k: stand_in(v) for k, v in kwargs.items()})
+        func(*_replaced(args, stand_in, cpu), **{k: _replaced(v, stand_in, cpu) for k, v in kwargs.items()})
     except (RuntimeError, IndexError, TypeError, ValueError) as e:
         if any(rule in str(e) for rule in _DTYPE_RULES):
             raise type(e)(str(e)) from None
@@ -266,20 +276,12 @@ def plan_op(func, args, kwargs, flat_tensors: list[torch.Tensor], storage_sizes:
     by_id = {id(t): i for i, t in enumerate(flat_tensors)}
     meta_index = {id(m): i for i, m in enumerate(metas)}
 
-    def convert(v):
-        if isinstance(v, torch.Tensor):
-            return metas[by_id[id(v)]]
-        if isinstance(v, (list, tuple)):
-            return type(v)(convert(x) for x in v)
-        if isinstance(v, torch.device) and v.type == _REMOTE_TYPE:
-            return META
-        if isinstance(v, torch.Generator):  # shapes never depend on it, and some meta kernels refuse one
-            return None
-        return v
+    def meta_of(t):
+        return metas[by_id[id(t)]]
 
     before = [(m.shape, m.stride(), m.storage_offset()) for m in metas]
-    meta_args = convert(args)
-    meta_kwargs = {k: convert(v) for k, v in kwargs.items()}
+    meta_args = _replaced(args, meta_of, META)
+    meta_kwargs = {k: _replaced(v, meta_of, META) for k, v in kwargs.items()}
     # Meta tensors have no tangents. With a forward-AD level open (torch.func.jvp), a meta kernel
     # formatting a tensor into its error message (quantile's) asked for one below autograd and hit
     # PyTorch's internal assert in _fw_primal: plan outside any level.

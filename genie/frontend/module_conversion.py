@@ -33,7 +33,7 @@ import weakref
 
 import torch
 
-from .lazy_tensor import LazyTensor
+from .lazy_tensor import OWN_STATE, LazyTensor
 
 _state = threading.local()  # .swap: this thread is converting a module that holds remote parameters
 _installed = False
@@ -146,16 +146,12 @@ def _keep_hooks(t: torch.Tensor) -> None:
             setattr(t, name, hooks)
 
 
-# A remote tensor's own state in its __dict__ (its daemon handle, torch's mark of a Parameter).
-_TENSOR_STATE = ("_genie", "_is_param")
-
-
 def _keep_attributes(t: torch.Tensor, former: dict) -> None:
     """Attributes the program set on a parameter (p.my_flag = ..., as libraries mark parameters
     for their optimizers) stay with it, as `param.data = new` keeps them; a swap exchanges the
     whole __dict__, whose tensor state must come with the new contents."""
     for key, value in former.items():
-        if key not in _TENSOR_STATE and key not in t.__dict__:
+        if key not in OWN_STATE and key not in t.__dict__:
             t.__dict__[key] = value
 
 
