@@ -107,6 +107,14 @@ class Stream(torch.Stream):
             mark = q.completion_marks[self.stream_id] = [q.last_op_on[self.stream_id], event, False]
         return mark
 
+    def _known_complete_to(self, ops_covered: int, event: "Event") -> None:
+        """An event recorded on this stream completed: the work queued before it did too, so a
+        query that asks no more than that needs no new event (nor its round trip)."""
+        marks = self._queue.completion_marks
+        mark = marks.get(self.stream_id)
+        if mark is None or mark[0] < ops_covered or mark[0] == ops_covered and not mark[2]:
+            marks[self.stream_id] = [ops_covered, event, True]
+
     def query(self) -> bool:
         """True when all work queued on this stream so far has completed (answered at once)."""
         mark = self._completion_event()
@@ -141,11 +149,13 @@ class Event:
         self.blocking = blocking
         self.event_id = next(_event_ids)
         self._stream: Stream | None = None
+        self._covers = 0  # ops_captured of its stream's queue at the record: the work it follows
 
     def record(self, stream: torch.Stream | None = None) -> None:
         stream = current_stream() if stream is None else _as_stream(stream)
         self._stream = stream
         stream._enqueue([EVENT_RECORD_OP, [self.event_id, self.enable_timing], {}, None])
+        self._covers = stream._queue.ops_captured
 
     def wait(self, stream: torch.Stream | None = None) -> None:
         stream = current_stream() if stream is None else _as_stream(stream)
@@ -160,7 +170,10 @@ class Event:
             return True  # never recorded: nothing to wait for, as with CUDA events
         q = self._stream._queue
         q.flush()
-        return bool(q.link.request("event", {"query": [self.event_id]}, collect=False).body["done"][0])
+        done = bool(q.link.request("event", {"query": [self.event_id]}, collect=False).body["done"][0])
+        if done:
+            self._stream._known_complete_to(self._covers, self)
+        return done
 
     def synchronize(self) -> None:
         if self._stream is None:
