@@ -156,6 +156,13 @@ class LazyTensor(torch.Tensor):
                    "torch.export: export the model while it is on CPU (or on meta tensors), then "
                    "move it to remote_accelerator."])
 
+    def as_subclass(self, cls):
+        # torch's refused any class but torch.Tensor: this tensor already has a Python object,
+        # a LazyTensor. Genie gives the program's class a remote twin (frontend/subclasses.py).
+        from .subclasses import as_subclass
+
+        return as_subclass(self, cls)
+
     @property
     def data(self):
         return _TENSOR_DATA.__get__(self)
@@ -236,6 +243,7 @@ class LazyTensor(torch.Tensor):
         if new.is_conj() or new.is_neg():  # as torch: a plain tensor of the view's values
             with torch.no_grad():
                 new = new.resolve_conj().resolve_neg()
+        new = self._in_program_class(new)
         if self.requires_grad:
             new.requires_grad_()
         if self.grad is not None:
@@ -298,9 +306,16 @@ class LazyTensor(torch.Tensor):
                 return torch._utils._rebuild_parameter_with_state, (
                     values.detach(), self.requires_grad, collections.OrderedDict(), state)
             return torch._utils._rebuild_parameter, (values.detach(), self.requires_grad, collections.OrderedDict())
+        values = self._in_program_class(values)  # a CPU Boxes saves as one: it loads as one
         if state:
             values.__dict__.update(state)
         return values.__reduce_ex__(protocol)
+
+    def _in_program_class(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` as an instance of this tensor's own class of the program's, if it has one (this is
+        then its remote twin, frontend/subclasses.py)."""
+        cls = getattr(type(self), "_genie_user_class", None)
+        return t if cls is None else t.as_subclass(cls)
 
     @property
     def genie_handle(self) -> int:

@@ -15,7 +15,7 @@ from .lazy_tensor import LazyTensor
 
 
 def _check(t) -> LazyTensor:
-    if type(t) is not LazyTensor:
+    if not isinstance(t, LazyTensor):  # a subclass: the program's own class's remote twin
         raise TypeError(f"expected a remote_accelerator tensor, got {type(t).__name__} on {getattr(t, 'device', '?')}")
     return t
 

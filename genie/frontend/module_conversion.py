@@ -33,6 +33,7 @@ import weakref
 
 import torch
 
+from . import subclasses
 from .lazy_tensor import OWN_STATE, LazyTensor
 
 _state = threading.local()  # .swap: this thread is converting a module that holds remote parameters
@@ -159,6 +160,9 @@ def _wrap_swap(original):
     @functools.wraps(original)
     def swap_tensors(t1, t2):
         remote = isinstance(t1, LazyTensor) or isinstance(t2, LazyTensor)
+        twins = [t for t in (t1, t2) if subclasses.is_twin(t)]
+        for t in twins:
+            subclasses.handle_into_dict(t)
         try:
             original(t1, t2)
         except RuntimeError as e:
@@ -168,6 +172,10 @@ def _wrap_swap(original):
                     and set(copyreg._slotnames(t1.__class__)) == set(copyreg._slotnames(t2.__class__))):
                 raise
             _swap_held(t1, t2)
+        finally:
+            for t in (t1, t2) if twins else ():
+                if subclasses.is_twin(t):
+                    subclasses.handle_out_of_dict(t)
         if remote:
             _keep_hooks(t1)
             _keep_attributes(t1, t2.__dict__)  # t2 now holds t1's former attributes

@@ -42,6 +42,9 @@ def printable(t) -> torch.Tensor:
 def remote_repr(t) -> str:
     """repr(t) of a remote tensor: torch's text for its values, with its device (and grad_fn)."""
     shown = printable(t)
+    cls = getattr(type(t), "_genie_user_class", None)  # the program's class (frontend/subclasses.py)
+    if cls is not None and cls.__repr__ is torch.Tensor.__repr__:
+        shown = shown.as_subclass(cls)  # torch names it in the text: Boxes([...])
     text = repr(shown)
     if shown.dtype != t.dtype:  # an FP8 tensor shown through float16: name its own dtype
         text = text.replace(f"dtype={shown.dtype}", f"dtype={t.dtype}")
