@@ -178,3 +178,25 @@ def test_a_subclass_with_its_own_dispatch_is_refused(dev):
     with pytest.raises(TypeError, match="subclass of torch.Tensor"):
         torch.ones(2, device=dev).as_subclass(int)
     assert type(torch.ones(2, device=dev).as_subclass(torch.Tensor)) is genie.frontend.lazy_tensor.LazyTensor
+
+
+class MarkedParameter(torch.nn.Parameter):
+    """A parameter class of the program's own (as some optimizers and quantizers find theirs)."""
+
+
+def test_a_parameter_subclass_keeps_its_class_and_identity_across_moves(dev):
+    net = torch.nn.Linear(3, 2)
+    net.weight = MarkedParameter(net.weight.detach().clone())
+    weight = net.weight
+    net.to(dev)
+    assert net.weight is weight and isinstance(net.weight, MarkedParameter) and net.weight.device.type == "remote_accelerator"
+    assert isinstance(net.weight, torch.nn.Parameter) and type(net.weight).__name__ == "MarkedParameter"
+    net(torch.ones(1, 3, device=dev)).sum().backward()
+    before = net.weight.cpu()
+    torch.optim.SGD(net.parameters(), lr=1.0).step()
+    assert torch.equal(net.weight.cpu(), before - 1.0)  # its gradient: ones
+    copied = copy.deepcopy(net)
+    assert isinstance(copied.weight, MarkedParameter) and copied.weight.tolist() == net.weight.tolist()
+    net.half().cpu()
+    assert net.weight is weight and type(net.weight) is MarkedParameter
+    assert net.weight.dtype == torch.float16 and net.weight.device.type == "cpu"

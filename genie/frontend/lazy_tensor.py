@@ -230,6 +230,10 @@ class LazyTensor(torch.Tensor):
         if getattr(self, "_is_param", False):  # nn.Parameter(remote) is this class marked as one
             with torch.no_grad():
                 new = torch.nn.Parameter(self.clone(), requires_grad=self.requires_grad)
+            if type(new) is LazyTensor and type(self) is not LazyTensor:  # a subclass of nn.Parameter's
+                from .subclasses import become
+
+                become(new, type(self))
             memo[id(self)] = new
             return new
         if not self.is_leaf:  # torch's refusal, word for word

@@ -156,6 +156,20 @@ def _keep_attributes(t: torch.Tensor, former: dict) -> None:
             t.__dict__[key] = value
 
 
+def _keep_class(t1: torch.Tensor, t2: torch.Tensor) -> None:
+    """A parameter of the program's own subclass of nn.Parameter keeps its class across a move, as
+    `param.data = new` keeps it on CUDA: nn.Module._apply wraps the moved tensor in a plain
+    Parameter, whose class the swap gave t1 (t2 now has t1's former class)."""
+    former = getattr(type(t2), "_genie_user_class", None) or type(t2)
+    if type(t1) not in (LazyTensor, torch.nn.Parameter) or former in (LazyTensor, torch.nn.Parameter, torch.Tensor):
+        return
+    if isinstance(t1, LazyTensor):
+        t1.__class__ = subclasses.remote_twin(former)
+        subclasses.handle_out_of_dict(t1)
+    else:
+        t1.__class__ = former
+
+
 def _wrap_swap(original):
     @functools.wraps(original)
     def swap_tensors(t1, t2):
@@ -177,6 +191,7 @@ def _wrap_swap(original):
                 if subclasses.is_twin(t):
                     subclasses.handle_out_of_dict(t)
         if remote:
+            _keep_class(t1, t2)
             _keep_hooks(t1)
             _keep_attributes(t1, t2.__dict__)  # t2 now holds t1's former attributes
 

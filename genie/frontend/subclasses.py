@@ -46,10 +46,15 @@ def as_subclass(t: LazyTensor, cls: type) -> torch.Tensor:
     target = cls if issubclass(cls, LazyTensor) else remote_twin(cls)
     with torch._C.DisableTorchFunctionSubclass():
         out = torch.ops.aten.alias.default(t)
-    handle = out.__dict__.pop("_genie")
-    out.__class__ = target
-    out._genie = handle
+    become(out, target)
     return out
+
+
+def become(t: LazyTensor, twin: type) -> None:
+    """Make a plain remote tensor, new and not yet seen by the program, of class `twin`."""
+    handle = t.__dict__.pop("_genie")
+    t.__class__ = twin
+    t._genie = handle
 
 
 def remote_twin(cls: type) -> type:
@@ -59,8 +64,7 @@ def remote_twin(cls: type) -> type:
         return twin
     if cls.__dict__.get("_genie_user_class") is not None:
         return cls
-    dispatch = next(k.__dict__["__torch_dispatch__"] for k in cls.__mro__ if "__torch_dispatch__" in k.__dict__)
-    if dispatch is not _TENSOR_DISPATCH:
+    if _defined_by(cls, "__torch_dispatch__").__dict__["__torch_dispatch__"] is not _TENSOR_DISPATCH:
         raise UnsupportedOperationError(
             f"a {cls.__qualname__} tensor",
             "a tensor subclass with its own __torch_dispatch__ decides what each op does, as Genie's "
@@ -71,13 +75,19 @@ def remote_twin(cls: type) -> type:
         "__torch_dispatch__": classmethod(_twin_dispatch),
         "_genie": property(_handle_of, _set_handle),
     }
-    user_function = next(k.__dict__["__torch_function__"] for k in cls.__mro__ if "__torch_function__" in k.__dict__)
+    user_function = _defined_by(cls, "__torch_function__").__dict__["__torch_function__"]
     if user_function is torch._C._disabled_torch_function_impl:
         namespace["__torch_function__"] = user_function
     else:
         namespace["__torch_function__"] = classmethod(_twin_function)
+    if _defined_by(cls, "__deepcopy__") in (torch.Tensor, torch.nn.Parameter):
+        namespace["__deepcopy__"] = LazyTensor.__deepcopy__  # the daemon copies (nn.Parameter's would not be one)
     twin = _twins[cls] = type(cls.__name__, (cls, LazyTensor), namespace)
     return twin
+
+
+def _defined_by(cls: type, name: str) -> type:
+    return next(k for k in cls.__mro__ if name in k.__dict__)
 
 
 def _twin_function(twin: type, func, types, args=(), kwargs=None):
