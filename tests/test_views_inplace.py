@@ -184,3 +184,20 @@ def test_dtype_rules_checked_by_kernels_raise_at_the_call(dev):
                  lambda d: torch.ones(2, dtype=torch.int32, device=d).add_(torch.tensor(3)),
                  lambda d: torch.ones(2, dtype=torch.half, device=d).mul_(2.5)):
         assert torch.equal(make(dev).cpu(), make("cpu"))
+
+
+def test_data_ptr_relations_are_the_cpus(dev):
+    # Programs compare data_ptr() to tell a view from a copy; a remote tensor's is a stand-in with
+    # the same relations as CPU addresses (before: its offset alone, so any two compared equal).
+    def relations(device):
+        t = torch.arange(12.0, device=device).reshape(3, 4)
+        other = torch.arange(12.0, device=device)
+        same = [t.view(-1), t.reshape(12), t.contiguous(), t.add_(1), t[0], t.detach()]
+        moved = [(t[1], 4), (t[:, 2], 2), (t.view(-1)[-1], 11), (t.t()[1], 1)]
+        return ([x.data_ptr() == t.data_ptr() for x in same],
+                [x.data_ptr() - t.data_ptr() == k * t.element_size() for x, k in moved],
+                [x.data_ptr() != t.data_ptr() for x in (other, t.clone(), t.t().contiguous(), t.float().double())],
+                torch.empty(0, device=device).data_ptr() == 0)
+
+    cpu, remote = relations("cpu"), relations(dev)
+    assert cpu == remote and all(all(x) if isinstance(x, list) else x for x in remote)

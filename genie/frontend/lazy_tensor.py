@@ -203,6 +203,21 @@ class LazyTensor(torch.Tensor):
         set_view_bits(self, bits)
         self._genie = view._genie  # as `t.data = new`: this wrapper now names the view
 
+    def data_ptr(self) -> int:
+        """A stand-in for the address, as programs compare them (same memory? a copy or a view?):
+        the daemon storage's name above bit 48 and this tensor's byte offset in it below, so views of
+        one storage differ by their offsets, as addresses do. Nothing can read through it. One round
+        trip. (Torch's answer for the wrapper was its offset alone: any two remote tensors at offset
+        0 had equal data_ptr().) An empty storage's is 0, as on the CPU."""
+        if self._genie.storage_nbytes == 0:
+            return 0
+        from . import sync_debug
+        from .capture import storage_of
+
+        sync_debug.note("t.data_ptr()")
+        _whole, (_link, name), offset, _strides, _bits = storage_of(self)
+        return (name << 48) + offset * self.element_size()
+
     def untyped_storage(self):
         # A wrapper's storage has no memory, and PyTorch refuses its data_ptr(). Libraries read it
         # as the storage's identity: safetensors and Hugging Face's save_pretrained (finding tied
