@@ -85,3 +85,42 @@ def test_a_replayed_channels_last_conv_keeps_the_planned_layout(dev):
     g.replay()
     torch.testing.assert_close(out.cpu(), F.conv2d(x, W4.to(memory_format=CL), padding=1).reshape(-1),
                                atol=1e-4, rtol=1e-4)
+
+
+def _batch_of_one_with_stride_c():
+    """(1, 32, 8, 8), channels-last, batch stride 32: as the reshape after a UNet's attention block
+    leaves it (diffusers' UNet2DModel sampling one image). Its size-1 dimension's stride is one
+    that PyTorch's meta kernels and its CPU kernels set differently for results computed from it."""
+    return torch.randn(8, 8, 32).permute(2, 0, 1).unsqueeze(0)
+
+
+def test_size_one_dimensions_have_the_planned_strides_on_the_daemon(dev):
+    from genie.frontend.capture import storage_of
+
+    x = _batch_of_one_with_stride_c()
+    assert x.stride() == (32, 1, 256, 32)
+    for y in (x.to(dev) / 1.0, x.to(dev) + 1, torch.relu(x.to(dev)), x.to(dev).sigmoid()):
+        assert tuple(storage_of(y)[3]) == y.stride()  # the daemon's tensor, as the client planned it
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_group_norm_of_a_result_with_a_size_one_dimension(dev, grad):
+    # group_norm decomposes on the client, choosing channels-last or not from the strides it
+    # planned; the daemon's kernel checks its input against its own: they failed to agree
+    # ("Expected X.is_contiguous(memory_format)") when the two strides differed.
+    torch.manual_seed(0)
+    x = _batch_of_one_with_stride_c()
+    weight, bias = torch.randn(32), torch.randn(32)
+
+    def run(device):
+        w = weight.to(device, copy=True).requires_grad_(grad)
+        with torch.set_grad_enabled(grad):
+            out = F.group_norm(x.to(device) / 1.0, 8, w, bias.to(device))
+            if grad:
+                (out * out).sum().backward()
+        return out.detach().cpu(), (w.grad.cpu() if grad else None)
+
+    (expected, expected_grad), (got, got_grad) = run("cpu"), run(dev)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    if grad:
+        torch.testing.assert_close(got_grad, expected_grad, atol=1e-4, rtol=1e-4)

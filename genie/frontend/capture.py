@@ -236,6 +236,17 @@ def _build_outputs(plan_out, stream, inputs):
     return type(plan_out)(p[0] for p in pairs), [p[1] for p in pairs]
 
 
+def _stride_hints(plan_out):
+    """protocol.OpCall.strides for outputs planned as `plan_out` (the structure of its `outs`), or
+    None when no output has one (meta.NewTensor.stride_hint)."""
+    if type(plan_out) is meta.NewTensor:
+        return plan_out.stride_hint
+    if type(plan_out) in (meta.SameAsInput, meta.Value):
+        return None
+    hints = [_stride_hints(p) for p in plan_out]
+    return hints if any(h is not None for h in hints) else None
+
+
 class _StorageDonor(torch.Tensor):
     """A data-less wrapper whose only use is to lend a larger storage to a resized LazyTensor."""
 
@@ -348,6 +359,8 @@ def _capture_hot(func, args: tuple):
         else:
             outputs = _planned(stream, outs, out_plan)
         entry = [_names.get(id(func)) or op_name(func), wire, {}, outs]
+        if out_plan.stride_hint is not None and not plan.view:
+            entry.append(out_plan.stride_hint)
         # DeviceStream.append inlined for the case where the batch neither changes stream nor fills up.
         ids = thread_streams.ids
         ops = stream.ops
@@ -446,6 +459,10 @@ def _capture_general(func, args: tuple, kwargs: dict, walked: tuple | None = Non
             entry = [_names.get(id(func)) or op_name(func), wire_args, {}, outs]
         else:
             entry = [op_name(func), *encode_call(args, kwargs, stream), outs]
+        if not plan.view:
+            hints = _stride_hints(out_plan)
+            if hints is not None:
+                entry.append(hints)
         stream.append(entry)
     if plan.mutations:
         _apply_mutations(plan.mutations, tensors)

@@ -68,8 +68,13 @@ class NewTensor:
     # Worked out once per plan, for every output made from it (see LazyTensor.planned):
     meta_key: tuple = field(init=False, compare=False)  # the output's HandleRef.meta_key
     dense: bool = field(init=False, compare=False)  # contiguous, at offset 0, its storage exactly its bytes
+    # Its strides, for the daemon to give its tensor (protocol.OpCall.strides), where a meta kernel
+    # and a device's may differ and it matters: 4-D and 5-D shapes with a dimension of size 1.
+    stride_hint: list | None = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "stride_hint", list(self.stride) if len(self.shape) in (4, 5) and 1 in self.shape
+                           and 0 not in self.shape else None)
         object.__setattr__(self, "meta_key", meta_key(self.dtype, self.shape, self.stride, self.offset,
                                                       self.storage_nbytes, self.bits))
         object.__setattr__(self, "dense", self.offset == 0 and self.stride == contiguous_strides(self.shape)

@@ -93,6 +93,7 @@ MAX_HEADER_BYTES = 64 << 20
 MAX_OPS_PER_EXEC = 1 << 20
 MAX_FRAMES = 1 << 16
 MAX_NESTING = 16
+MAX_DIMS = 64  # of a tensor's shape or strides (as tensors.check_shape)
 
 _OP_NAME = re.compile(r"^[a-z_][a-z0-9_]*::[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?$")
 _HANDLE = struct.Struct("<q")
@@ -343,6 +344,13 @@ class OpCall:
     args: list
     kwargs: dict
     outs: Any
+    # The strides the client planned for outputs of 4-D and 5-D shapes with a dimension of size 1
+    # (the structure of `outs`: a list of ints per tensor, None where there is none): a size-1
+    # dimension's stride moves no element, so PyTorch's meta kernels (which the client plans
+    # with) and its CPU and CUDA kernels may each choose their own, but suggest_memory_format()
+    # reads it. The daemon gives its outputs the client's, so that a composite op the client
+    # decomposed (group_norm: channels-last or not) and the kernel it calls on the daemon agree.
+    strides: Any = None
 
 
 @dataclass(slots=True)  # not frozen (see OpCall): built for every request
@@ -381,6 +389,21 @@ def _handle_list(value: Any, what: str) -> list[int]:
     return value
 
 
+def _check_strides(strides: Any, outs: Any, depth: int = 0) -> None:
+    """OpCall.strides: shaped as `outs`, a list of non-negative ints (at most MAX_DIMS) for a handle."""
+    if strides is None:
+        return
+    if type(outs) is int:
+        if (type(strides) is list and len(strides) <= MAX_DIMS
+                and all(type(s) is int and 0 <= s < 1 << 62 for s in strides)):
+            return
+    elif type(outs) is list and type(strides) is list and len(strides) == len(outs) and depth < MAX_NESTING:
+        for s, o in zip(strides, outs):
+            _check_strides(s, o, depth + 1)
+        return
+    raise ProtocolError(f"bad output strides {strides!r} for outs {outs!r}")
+
+
 def _check_outs(outs: Any, depth: int = 0) -> None:
     if outs is None or type(outs) is int:
         return
@@ -400,9 +423,9 @@ def parse_exec(body: dict) -> Exec:
         raise ProtocolError("ops must be a list")
     ops = []
     for entry in ops_raw:
-        if type(entry) is not list or len(entry) != 4:
-            raise ProtocolError("an op must be [name, args, kwargs, outs]")
-        name, args, kwargs, outs = entry
+        if type(entry) is not list or not 4 <= len(entry) <= 5:
+            raise ProtocolError("an op must be [name, args, kwargs, outs] or [name, args, kwargs, outs, strides]")
+        name, args, kwargs, outs = entry[:4]
         if name not in _GOOD_NAMES:
             _check_op_name(name)
         if type(args) is not list or type(kwargs) is not dict:
@@ -411,7 +434,11 @@ def parse_exec(body: dict) -> Exec:
             raise ProtocolError(f"{name}: kwarg names must be strings")
         if outs is not None and type(outs) is not int:
             _check_outs(outs)
-        ops.append(OpCall(name, args, kwargs, outs))
+        if len(entry) == 5:
+            _check_strides(entry[4], outs)
+            ops.append(OpCall(name, args, kwargs, outs, entry[4]))
+        else:
+            ops.append(OpCall(name, args, kwargs, outs))
     report = body.get("report", False)
     if type(report) is not bool:
         raise ProtocolError("report must be a bool")

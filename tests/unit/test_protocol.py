@@ -69,10 +69,24 @@ def test_garbage_headers_are_protocol_errors():
     ({"segments": [[1, 2]]}, "segments must be"),
     ({"segments": [[1, 2, -3]]}, "segments must be"),
     ({"segments": [[1, 2, "3"]]}, "segments must be"),
+    ({"ops": [["aten::add", [], {}, None, None, None]]}, "an op must be"),
+    ({"ops": [["aten::add", [], {}, 5, [1, -2]]]}, "bad output strides"),
+    ({"ops": [["aten::add", [], {}, 5, [1, 1 << 62]]]}, "bad output strides"),
+    ({"ops": [["aten::add", [], {}, 5, [1, 2.0]]]}, "bad output strides"),
+    ({"ops": [["aten::add", [], {}, 5, [1] * 65]]}, "bad output strides"),
+    ({"ops": [["aten::add", [], {}, [5, 6], [[1]]]]}, "bad output strides"),
+    ({"ops": [["aten::add", [], {}, [5, None], [None, [1]]]]}, "bad output strides"),
 ])
 def test_exec_validation(body, message):
     with pytest.raises(ProtocolError, match=message):
         protocol.parse_exec(body)
+
+
+def test_exec_carries_planned_output_strides():
+    ops = protocol.parse_exec({"ops": [["aten::add", [], {}, 5, [2048, 1, 256, 32]],
+                                       ["aten::var_mean", [], {}, [6, 7], [None, [8, 1, 1, 1]]],
+                                       ["aten::mul", [], {}, 8]]}).ops
+    assert [op.strides for op in ops] == [[2048, 1, 256, 32], [None, [8, 1, 1, 1]], None]
 
 
 def test_exec_names_uploads_in_segments():
