@@ -284,7 +284,7 @@ class Executor:
             else:
                 result = kernel(*args, **kwargs)
             if call.strides is not None:
-                result = _with_strides(result, call.strides)
+                result = layouts.with_planned_strides(result, call.strides)
             outs = call.outs
             if type(outs) is int and type(result) is torch.Tensor:  # _store's common case
                 client.put(outs, result)
@@ -953,20 +953,6 @@ def _int_arg(call: OpCall, i: int) -> int:
     if len(call.args) <= i or type(call.args[i]) is not int:
         raise ProtocolError(f"{call.name} takes an integer id")
     return call.args[i]
-
-
-def _with_strides(result, strides):
-    """`result` with the strides the client planned (OpCall.strides) where they differ from the
-    kernel's in dimensions of size 1 only: a view of the same memory (such a stride moves no
-    element). Any other difference is left as the kernel made it."""
-    if isinstance(result, torch.Tensor):
-        if (strides is None or len(strides) != result.dim() or result.stride() == tuple(strides)
-                or any(a != b and n != 1 for a, b, n in zip(result.stride(), strides, result.shape))):
-            return result
-        return result.as_strided(result.shape, strides, result.storage_offset())
-    if isinstance(result, (list, tuple)) and isinstance(strides, list) and len(strides) == len(result):
-        return [_with_strides(r, s) for r, s in zip(result, strides)]
-    return result
 
 
 def _handles_in(outs):

@@ -151,3 +151,26 @@ _KERNELS.update({_wire_name(n): _following_meta(_overload(n), False) for n in _M
 def replacement(name: str):
     """The kernel that runs op `name` with the agreed result layout; None for ops that need none."""
     return _KERNELS.get(name)
+
+
+def with_planned_strides(result, strides):
+    """`result` with the strides the client planned (protocol.OpCall.strides: 4-D and 5-D results
+    with a dimension of size 1) where they differ from the kernel's in such dimensions only: a
+    view of the same memory (such a stride moves no element). Any other difference is left as
+    the kernel made it."""
+    if isinstance(result, torch.Tensor):
+        if (strides is None or len(strides) != result.dim() or result.stride() == tuple(strides)
+                or any(a != b and n != 1 for a, b, n in zip(result.stride(), strides, result.shape))):
+            return result
+        return result.as_strided(result.shape, strides, result.storage_offset())
+    if isinstance(result, (list, tuple)) and isinstance(strides, list) and len(strides) == len(result):
+        return [with_planned_strides(r, s) for r, s in zip(result, strides)]
+    return result
+
+
+def planned_strides(kernel, strides):
+    """`kernel` giving its results the planned strides (a compiled program's step)."""
+    def restrided(*args, **kwargs):
+        return with_planned_strides(kernel(*args, **kwargs), strides)
+
+    return restrided

@@ -117,6 +117,8 @@ def compile_program(batches: list[tuple[list[OpCall], list[int]]], devices: list
                 kwargs = {k: arg(v, 0) for k, v in call.kwargs.items()}
                 kernel = (attention.traceable(call.name) or layouts.replacement(call.name)
                           or cuda_parity.replacement(call.name) or op._op)
+                if call.strides is not None:
+                    kernel = layouts.planned_strides(kernel, call.strides)
                 steps.append((kernel, args, kwargs, out(call.outs), call))
             cleared = [registers[h] for h in frees if h in written]
             external = [h for h in frees if h not in written]

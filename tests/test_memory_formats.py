@@ -124,3 +124,16 @@ def test_group_norm_of_a_result_with_a_size_one_dimension(dev, grad):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     if grad:
         torch.testing.assert_close(got_grad, expected_grad, atol=1e-4, rtol=1e-4)
+
+
+def test_group_norm_of_a_result_with_a_size_one_dimension_replays(dev):
+    # A replayed program runs the daemon's kernels without the client: the planned strides are
+    # part of what it recorded.
+    x = _batch_of_one_with_stride_c()
+    rx, out = x.to(dev), torch.empty(1, 32, 8, 8, device=dev)
+    g = genie.Graph()
+    with genie.graph(g):
+        out.copy_(F.group_norm(rx * 2.0, 8))
+    rx.copy_(x + 1)
+    g.replay()
+    torch.testing.assert_close(out.cpu(), F.group_norm((x + 1) * 2.0, 8), atol=1e-5, rtol=1e-5)

@@ -29,12 +29,10 @@ def test_the_rule_is_channels_last_when_input_or_weight_suggests_it():
 
 
 def test_results_take_the_planned_strides_of_size_one_dimensions_only():
-    from daemon.executor import _with_strides
-
     x = torch.randn(8, 8, 32).permute(2, 0, 1).unsqueeze(0)  # (1, 32, 8, 8), strides (32, 1, 256, 32)
-    y = _with_strides(x, [2048, 1, 256, 32])
+    y = layouts.with_planned_strides(x, [2048, 1, 256, 32])
     assert y.stride() == (2048, 1, 256, 32) and y.data_ptr() == x.data_ptr() and torch.equal(y, x)
-    assert _with_strides(x, [32, 256, 1, 32]) is x  # a real difference: left as the kernel made it
-    assert _with_strides(x, [2048, 1, 256]) is x and _with_strides(x, None) is x
-    pair = _with_strides((x, torch.ones(2)), [[2048, 1, 256, 32], None])
+    assert layouts.with_planned_strides(x, [32, 256, 1, 32]) is x  # a real difference: left as the kernel made it
+    assert layouts.with_planned_strides(x, [2048, 1, 256]) is x and layouts.with_planned_strides(x, None) is x
+    pair = layouts.with_planned_strides((x, torch.ones(2)), [[2048, 1, 256, 32], None])
     assert pair[0].stride() == (2048, 1, 256, 32) and pair[1].stride() == (1,)
