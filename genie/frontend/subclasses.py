@@ -17,6 +17,9 @@ another class. Each such class gets a remote twin here, a subclass of it and of 
 
 A subclass with a `__torch_dispatch__` of its own (a wrapper subclass) cannot be a twin: both
 would decide what an op does. It is refused, saying so.
+
+For the length of an op a twin's class is LazyTensor: another thread using the same tensor at that
+moment would see a plain remote tensor (its class's `__torch_function__` skipped for that op).
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from .lazy_tensor import LazyTensor
 
 _AS_SUBCLASS = torch._C.TensorBase.as_subclass
 _TENSOR_DISPATCH = torch.Tensor.__dict__["__torch_dispatch__"]
-_twins: "weakref.WeakKeyDictionary[type, type]" = weakref.WeakKeyDictionary()
+_twins: dict[type, type] = {}  # the program's class -> its twin (which holds the class: both live on)
 # id(twin tensor) -> its HandleRef, dropped with the tensor (by its finalizer, also kept by id). A
 # dict keyed by the tensors themselves cannot be used: their == is elementwise.
 _handles: dict = {}
