@@ -21,7 +21,7 @@ Client -> daemon header: ``[kind, request_id, body]``
 Daemon -> client header: ``[request_id, ok, body]``; when ok is false, body is
 ``{type, message, op}`` describing the failure.
 
-An op is ``[name, args, kwargs, outs]``: `name` is an ATen overload name such
+An op is ``[name, args, kwargs, outs]`` (or with ``strides`` after `outs`, below): `name` is an ATen overload name such
 as ``"aten::add.Tensor"``; `args`/`kwargs` are msgpack values in which these
 extension types stand for what msgpack cannot say:
 
@@ -40,7 +40,10 @@ extension types stand for what msgpack cannot say:
             daemon's host, shared by CUDA IPC (`cuda_ipc`)
 
 `outs` mirrors the op's return value: an int is the handle id under which the
-daemon keeps that tensor, null means "do not keep". Ops run in order; when one
+daemon keeps that tensor, null means "do not keep". An op may add a fifth element,
+``strides``, shaped as `outs` (a list of ints for a handle, null for none): the
+strides the client planned for those outputs, which the daemon gives them where
+they differ from its kernel's in dimensions of size 1 only (see `OpCall`). Ops run in order; when one
 fails, its outputs and the tensors it writes become poisoned with the error, and
 everything computed from them is poisoned in turn. Fetching a poisoned handle
 returns that error, naming the op that failed. `fetch` returns each handle as a
@@ -67,8 +70,8 @@ from .tensors import check_frames, check_shape, parse_dtype
 
 # Clients and daemons of different versions refuse each other at hello with a clear error,
 # instead of misreading ops, lanes or replies later. 2: hello carries the client's version.
-# 3: WRITING records on shared-memory bulk lanes.
-VERSION = 3
+# 3: WRITING records on shared-memory bulk lanes. 4: an op may carry its outputs' planned strides.
+VERSION = 4
 
 # The op that keeps an uploaded tensor as received (`.to(device)` of a host tensor).
 ADOPT_OP = "genie::adopt"
