@@ -179,6 +179,15 @@ def test_dtype_rules_checked_by_kernels_raise_at_the_call(dev):
         with pytest.raises(RuntimeError) as remote:
             refused(dev)
         assert str(remote.value) == str(on_cpu.value)
+    # A kernel missing for a dtype: the CPU daemon's kernels are the CPU's, so its refusal is
+    # known at the call too (before, it came at the next read).
+    for refused in (lambda d: torch.ones(2, dtype=torch.complex64, device=d) < 1,
+                    lambda d: torch.ones(2, device=d) & 1):
+        with pytest.raises(NotImplementedError) as on_cpu:
+            refused("cpu")
+        with pytest.raises(NotImplementedError) as remote:
+            refused(dev)
+        assert str(remote.value) == str(on_cpu.value)
     # What type promotion allows still runs, with the CPU's values.
     for make in (lambda d: torch.ones(2, device=d).add_(torch.full((), 2.5, dtype=torch.float64, device=d)),
                  lambda d: torch.ones(2, dtype=torch.int32, device=d).add_(torch.tensor(3)),

@@ -241,7 +241,9 @@ _KERNEL_CHECKED = frozenset({
     "aten::masked_scatter", "aten::masked_scatter_", "aten::scatter_add", "aten::scatter_add_", "aten::fill_",
 })
 # What those checks say: rules of dtypes (and of integer powers) that hold on every device.
-# Refusals for lack of a kernel for a dtype ("not implemented for") differ between devices: left to the daemon.
+# Refusals for lack of a kernel for a dtype ("not implemented for") differ between devices: raised
+# here for a CPU daemon, whose kernels are the ones the stand-ins ran; left to any other daemon.
+_NO_KERNEL = "not implemented for"
 _DTYPE_RULES = ("can't be cast to the desired output type", "same dtype", "same scalar type", "expected scalar type",
                 "only supports boolean masks", "Integers to negative integer powers are not allowed",
                 "cannot be converted to type")
@@ -254,13 +256,14 @@ def _kernel_checked(func) -> bool:
     return torch.Tag.pointwise in tags or func._schema.name in _KERNEL_CHECKED
 
 
-def _check_kernel_dtype_rules(func, args, kwargs) -> None:
+def _kernel_dtype_refusal(func, args, kwargs, cpu_kernels: bool) -> Exception | None:
     """PyTorch checks some dtype rules in its kernels, not its meta kernels: `int_tensor.mul_(0.5)`,
     `x.add_(complex_tensor)`, `float32 @ float64`, `masked_fill_` with a float mask. The CPU and
     CUDA raise at the call; the daemon refused the op at the next read, far from the line at
     fault. The op runs here on one-element CPU stand-ins (zeros) of the same dtypes and
     dimensions, whose type promotion is the same (it depends on dtypes and on which tensors are
-    0-dim), and only a refusal by such a rule is raised, with PyTorch's own message. Once per
+    0-dim), and only a refusal by such a rule is returned, with PyTorch's own message (and, for a
+    daemon that runs `cpu_kernels`, one for lack of a kernel: `lt` of complex numbers). Once per
     plan: a cached plan skips it."""
     def stand_in(t):
         return torch.zeros((1,) * t.dim(), dtype=t.dtype)
@@ -269,10 +272,17 @@ def _check_kernel_dtype_rules(func, args, kwargs) -> None:
     try:
         func(*_replaced(args, stand_in, cpu), **{k: _replaced(v, stand_in, cpu) for k, v in kwargs.items()})
     except (RuntimeError, IndexError, TypeError, ValueError) as e:
-        if any(rule in str(e) for rule in _DTYPE_RULES):
-            raise type(e)(str(e)) from None
+        message = str(e)
+        if any(rule in message for rule in _DTYPE_RULES) or cpu_kernels and _NO_KERNEL in message:
+            return type(e)(message)
     except Exception:  # noqa: BLE001 - anything else is for the daemon's kernel to say
         pass
+    return None
+
+
+def _runs_cpu_kernels(flat_tensors) -> bool:
+    ref = next((t._genie for t in flat_tensors if hasattr(t, "_genie")), None)
+    return ref is not None and getattr(ref.stream, "runs_cpu_kernels", False)
 
 
 def plan_op(func, args, kwargs, flat_tensors: list[torch.Tensor], storage_sizes: list[int]) -> Plan:
@@ -293,10 +303,11 @@ def plan_op(func, args, kwargs, flat_tensors: list[torch.Tensor], storage_sizes:
     level = _forward_ad._current_level
     if level >= 0:  # torch's global: touched only while a level is open
         _forward_ad._current_level = -1
+    refusal = None
     try:
         out = func(*meta_args, **meta_kwargs)
         if _kernel_checked(func) and "out" not in kwargs:  # out=: the meta kernels check its cast
-            _check_kernel_dtype_rules(func, args, kwargs)
+            refusal = _kernel_dtype_refusal(func, args, kwargs, _runs_cpu_kernels(flat_tensors))
     except NotImplementedError as e:
         raise NeedsRemoteExecution(str(e)) from None
     except RuntimeError as e:
@@ -307,6 +318,8 @@ def plan_op(func, args, kwargs, flat_tensors: list[torch.Tensor], storage_sizes:
     finally:
         if level >= 0:
             _forward_ad._current_level = level
+    if refusal is not None:  # raised here: a NotImplementedError above means "no meta kernel"
+        raise refusal
 
     layout_rule = _BACKEND_LAYOUTS.get(func)
     if layout_rule is not None:

@@ -118,7 +118,8 @@ class DeviceStream:
         self.pending_bulk: list = []
         # The daemon keeps an adopted upload as received, reading it only for later ops (a CPU
         # device; a GPU copies it in at once): such payloads may be copied in behind their record.
-        self.adopts_in_place = link.devices[local_index].get("type") == "cpu"
+        self.runs_cpu_kernels = link.devices[local_index].get("type") == "cpu"
+        self.adopts_in_place = self.runs_cpu_kernels
         self._unsettled = 0  # batches posted through the loop whose answer has not been handled yet
         self._settled = threading.Condition()
 
