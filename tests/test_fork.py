@@ -120,6 +120,9 @@ SENDING = textwrap.dedent("""
 
     DEV = "remote_accelerator:0"
 
+    class Tagged(torch.Tensor):  # a tensor class of the program's own
+        pass
+
     def child(q, answers):
         try:
             got = []
@@ -127,6 +130,8 @@ SENDING = textwrap.dedent("""
                 t = q.get(timeout=90)
                 got.append((t.device.type, t.cpu().tolist(), isinstance(t, torch.nn.Parameter), t.requires_grad,
                             t.is_leaf))
+            t = q.get(timeout=90)
+            got.append((type(t).__name__, t.device.type, t.tolist(), t.note))
             answers.put(("ok", got))
         except BaseException as e:
             answers.put(("failed", repr(e)))
@@ -140,6 +145,9 @@ SENDING = textwrap.dedent("""
         q.put(x[:, 1:])  # a view: its own values arrive
         q.put(torch.nn.Parameter(torch.ones(2, device=DEV)))
         q.put(torch.zeros(2, device=DEV, requires_grad=True))
+        tagged = torch.arange(2.0).as_subclass(Tagged).to(DEV)
+        tagged.note = "kept"
+        q.put(tagged)
         print("CHILD", answers.get(timeout=90))
         p.join(60)
         try:
@@ -155,7 +163,8 @@ def test_remote_tensors_sent_to_a_process_arrive_on_the_device(tmp_path):
     process as CPU tensors (pickled as for torch.save): its work silently ran on its CPU. They
     arrive on remote_accelerator now, as copies (CUDA shares memory by IPC; a daemon's memory
     belongs to one client), Parameters as Parameters; a non-leaf requiring grad is refused as
-    torch.multiprocessing refuses it."""
+    torch.multiprocessing refuses it. A tensor of the program's own class arrives as one, with its
+    attributes (it arrived on the CPU: its twin class had no reducer)."""
     script = tmp_path / "sending.py"
     script.write_text(SENDING)
     for method in ("spawn", "fork"):
@@ -164,7 +173,8 @@ def test_remote_tensors_sent_to_a_process_arrive_on_the_device(tmp_path):
         assert status == "ok", (method, got)
         assert got == [("remote_accelerator", [[1.0, 2.0], [4.0, 5.0]], False, False, True),
                        ("remote_accelerator", [1.0, 1.0], True, True, True),
-                       ("remote_accelerator", [0.0, 0.0], False, True, True)], method
+                       ("remote_accelerator", [0.0, 0.0], False, True, True),
+                       ("Tagged", "remote_accelerator", [0.0, 1.0], "kept")], method
         assert lines["NONLEAF"] == "Cowardly refusing to serialize non-leaf", method
 
 

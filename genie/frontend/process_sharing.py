@@ -23,11 +23,23 @@ import torch
 from .lazy_tensor import LazyTensor
 
 
-def _rebuild(values: torch.Tensor, device: str, requires_grad: bool, is_parameter: bool) -> torch.Tensor:
+def _rebuild(values: torch.Tensor, device: str, requires_grad: bool, is_parameter: bool,
+             cls: type | None = None, state: dict | None = None) -> torch.Tensor:
+    """`cls`: the program's own tensor class (frontend/subclasses.py), with the attributes in `state`."""
     tensor = values.to(device)
+    if cls is not None and not issubclass(cls, torch.nn.Parameter):
+        tensor = tensor.as_subclass(cls)
     if is_parameter:
-        return torch.nn.Parameter(tensor, requires_grad)
-    return tensor.requires_grad_(requires_grad)
+        tensor = torch.nn.Parameter(tensor, requires_grad)
+        if cls is not None and type(tensor) is LazyTensor:  # a subclass of nn.Parameter's
+            from .subclasses import become, remote_twin
+
+            become(tensor, remote_twin(cls))
+    else:
+        tensor.requires_grad_(requires_grad)
+    if state:
+        tensor.__dict__.update(state)
+    return tensor
 
 
 def _reduce(t: LazyTensor):
@@ -39,7 +51,9 @@ def _reduce(t: LazyTensor):
             "support crossing process boundaries.  If you just want to transfer the data, call detach() "
             "on the tensor before serializing (e.g., putting it on the queue).")
     values = cpu_for_saving(t).detach()
-    return _rebuild, (values, str(t.device), t.requires_grad, bool(getattr(t, "_is_param", False)))
+    cls = getattr(type(t), "_genie_user_class", None)
+    return _rebuild, (values, str(t.device), t.requires_grad, bool(getattr(t, "_is_param", False)),
+                      cls, t._user_attributes() if cls is not None else None)
 
 
 def _collate(batch, *, collate_fn_map=None) -> torch.Tensor:
@@ -58,3 +72,9 @@ def register() -> None:
         ForkingPickler.register(LazyTensor, _reduce)
         default_collate_fn_map.setdefault(LazyTensor, _collate)
         _registered = True
+
+
+def register_class(twin: type) -> None:
+    """ForkingPickler looks reducers up by exact class: each remote twin of a program's class
+    (frontend/subclasses.py) needs its own, or it pickled as for torch.save (arriving on the CPU)."""
+    ForkingPickler.register(twin, _reduce)

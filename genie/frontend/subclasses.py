@@ -28,6 +28,7 @@ import weakref
 import torch
 
 from genie.errors import UnsupportedOperationError
+from . import process_sharing
 from .lazy_tensor import LazyTensor
 
 _AS_SUBCLASS = torch._C.TensorBase.as_subclass
@@ -86,6 +87,7 @@ def remote_twin(cls: type) -> type:
     if _defined_by(cls, "__deepcopy__") in (torch.Tensor, torch.nn.Parameter):
         namespace["__deepcopy__"] = LazyTensor.__deepcopy__  # the daemon copies (nn.Parameter's would not be one)
     twin = _twins[cls] = type(cls.__name__, (cls, LazyTensor), namespace)
+    process_sharing.register_class(twin)
     return twin
 
 
