@@ -181,17 +181,23 @@ def test_remote_tensors_sent_to_a_process_arrive_on_the_device(tmp_path):
 LOADING = textwrap.dedent("""
     import sys, torch, genie
 
+    class Tagged(torch.Tensor):  # a tensor class of the program's own
+        pass
+
     class Samples(torch.utils.data.Dataset):  # samples made on the device, in the workers
         def __len__(self):
             return 8
 
         def __getitem__(self, i):
-            return {"x": torch.full((3,), float(i), device="remote_accelerator"), "label": i}
+            return {"x": torch.full((3,), float(i), device="remote_accelerator"), "label": i,
+                    "tagged": torch.full((2,), float(i)).as_subclass(Tagged).to("remote_accelerator")}
 
     if __name__ == "__main__":
         loader = torch.utils.data.DataLoader(Samples(), batch_size=4, num_workers=2,
                                              multiprocessing_context=sys.argv[1])
         print("BATCHES", [(b["x"].device.type, b["x"][:, 0].tolist(), b["label"].tolist()) for b in loader])
+        print("TAGGED", [(type(b["tagged"]).__name__, b["tagged"].device.type, b["tagged"][:, 0].tolist())
+                         for b in loader])
 """)
 
 
@@ -207,6 +213,9 @@ def test_data_loader_workers_may_make_remote_samples(tmp_path):
         assert ast.literal_eval(lines["BATCHES"]) == [
             ("remote_accelerator", [0.0, 1.0, 2.0, 3.0], [0, 1, 2, 3]),
             ("remote_accelerator", [4.0, 5.0, 6.0, 7.0], [4, 5, 6, 7])], method
+        assert ast.literal_eval(lines["TAGGED"]) == [  # a class of the program's own: stacked on the device too
+            ("Tagged", "remote_accelerator", [0.0, 1.0, 2.0, 3.0]),
+            ("Tagged", "remote_accelerator", [4.0, 5.0, 6.0, 7.0])], method
 
 
 def _run_file(script, *args) -> dict[str, str]:

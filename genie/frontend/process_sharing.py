@@ -76,5 +76,10 @@ def register() -> None:
 
 def register_class(twin: type) -> None:
     """ForkingPickler looks reducers up by exact class: each remote twin of a program's class
-    (frontend/subclasses.py) needs its own, or it pickled as for torch.save (arriving on the CPU)."""
+    (frontend/subclasses.py) needs its own, or it pickled as for torch.save (arriving on the CPU).
+    So does default_collate, whose lookup by exact class comes before torch.Tensor's rule (which
+    failed in DataLoader workers, as for plain remote tensors before `_collate`)."""
+    from torch.utils.data._utils.collate import default_collate_fn_map
+
     ForkingPickler.register(twin, _reduce)
+    default_collate_fn_map.setdefault(twin, _collate)
