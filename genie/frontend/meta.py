@@ -282,7 +282,7 @@ def _kernel_dtype_refusal(func, args, kwargs, cpu_kernels: bool) -> Exception | 
 
 def _runs_cpu_kernels(flat_tensors) -> bool:
     ref = next((t._genie for t in flat_tensors if hasattr(t, "_genie")), None)
-    return ref is not None and getattr(ref.stream, "runs_cpu_kernels", False)
+    return ref is not None and ref.stream.runs_cpu_kernels
 
 
 def plan_op(func, args, kwargs, flat_tensors: list[torch.Tensor], storage_sizes: list[int]) -> Plan:

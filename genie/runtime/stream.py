@@ -116,10 +116,10 @@ class DeviceStream:
         self.record_only = False  # while recording: the batches are kept, not sent (torch.accelerator.Graph)
         # (transfer id, bytes, device or None) claimed by the op being queued; the bytes hold the tensor.
         self.pending_bulk: list = []
-        # The daemon keeps an adopted upload as received, reading it only for later ops (a CPU
-        # device; a GPU copies it in at once): such payloads may be copied in behind their record.
+        # A CPU device. Its daemon keeps an adopted upload as received, reading it only for later
+        # ops (a GPU copies it in at once): such payloads may be copied in behind their record. And
+        # its kernels are the CPU's, which meta.plan_op's dtype check runs (their refusals are exact).
         self.runs_cpu_kernels = link.devices[local_index].get("type") == "cpu"
-        self.adopts_in_place = self.runs_cpu_kernels
         self._unsettled = 0  # batches posted through the loop whose answer has not been handled yet
         self._settled = threading.Condition()
 
@@ -218,7 +218,7 @@ class DeviceStream:
                         self._post((body, frames), wait=False)
                 # An adopt is the batch's last op, and this thread's next message goes after the
                 # copy: on a daemon that keeps it as received, nothing reads it before then.
-                self._send_pending_bulk(post, write_behind=entry[0] == protocol.ADOPT_OP and self.adopts_in_place,
+                self._send_pending_bulk(post, write_behind=entry[0] == protocol.ADOPT_OP and self.runs_cpu_kernels,
                                         records=named)
         elif send_now and (len(self.ops) >= self.batch_ops and len(self.ops) >= self._batch_limit()
                            or self.inline_bytes >= self.batch_bytes):
