@@ -333,7 +333,9 @@ class LazyTensor(torch.Tensor):
     def _in_program_class(self, t: torch.Tensor) -> torch.Tensor:
         """`t` as an instance of this tensor's own class of the program's, if it has one (this is
         then its remote twin, frontend/subclasses.py)."""
-        cls = getattr(type(self), "_genie_user_class", None)
+        from .subclasses import program_class
+
+        cls = program_class(self)
         return t if cls is None else t.as_subclass(cls)
 
     @property

@@ -160,7 +160,7 @@ def _keep_class(t1: torch.Tensor, t2: torch.Tensor) -> None:
     """A parameter of the program's own subclass of nn.Parameter keeps its class across a move, as
     `param.data = new` keeps it on CUDA: nn.Module._apply wraps the moved tensor in a plain
     Parameter, whose class the swap gave t1 (t2 now has t1's former class)."""
-    former = getattr(type(t2), "_genie_user_class", None) or type(t2)
+    former = subclasses.program_class(t2) or type(t2)
     if type(t1) not in (LazyTensor, torch.nn.Parameter) or former in (LazyTensor, torch.nn.Parameter, torch.Tensor):
         return
     if isinstance(t1, LazyTensor):

@@ -13,6 +13,7 @@ import itertools
 import torch
 
 from .materialize import to_cpu, to_cpu_many
+from .subclasses import program_class
 
 # torch's printing converts these to float16 first (_tensor_str), which would touch every element.
 _SHOWN_AS_HALF = frozenset(getattr(torch, name) for name in (
@@ -42,7 +43,7 @@ def printable(t) -> torch.Tensor:
 def remote_repr(t) -> str:
     """repr(t) of a remote tensor: torch's text for its values, with its device (and grad_fn)."""
     shown = printable(t)
-    cls = getattr(type(t), "_genie_user_class", None)  # the program's class (frontend/subclasses.py)
+    cls = program_class(t)
     if cls is not None and cls.__repr__ is torch.Tensor.__repr__:
         shown = shown.as_subclass(cls)  # torch names it in the text: Boxes([...])
     text = repr(shown)

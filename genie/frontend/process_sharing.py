@@ -51,7 +51,9 @@ def _reduce(t: LazyTensor):
             "support crossing process boundaries.  If you just want to transfer the data, call detach() "
             "on the tensor before serializing (e.g., putting it on the queue).")
     values = cpu_for_saving(t).detach()
-    cls = getattr(type(t), "_genie_user_class", None)
+    from .subclasses import program_class
+
+    cls = program_class(t)
     return _rebuild, (values, str(t.device), t.requires_grad, bool(getattr(t, "_is_param", False)),
                       cls, t._user_attributes() if cls is not None else None)
 

@@ -130,8 +130,13 @@ def _show_plain(value, shown: list) -> None:
             _show_plain(v, shown)
 
 
+def program_class(t) -> type | None:
+    """The program's own class of a remote tensor whose class is its twin; None for any other tensor."""
+    return getattr(type(t), "_genie_user_class", None)
+
+
 def is_twin(t) -> bool:
-    return getattr(type(t), "_genie_user_class", None) is not None
+    return program_class(t) is not None
 
 
 def handle_into_dict(t) -> None:
