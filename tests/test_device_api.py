@@ -58,6 +58,35 @@ def test_device_count_is_zero_when_unreachable(tmp_path):
     assert "COUNT 0" in out.stdout, out.stderr
 
 
+def test_autograd_works_when_a_backward_ran_before_import_genie(tmp_path):
+    """PyTorch's autograd engine makes its per-device queues once, at the first backward of the
+    process. A CPU backward before `import genie` (a notebook, a test session) left none for
+    remote_accelerator, and every remote backward then failed an internal assert; Genie now starts
+    them when it installs its guard."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "prog.py"
+    script.write_text(
+        "import torch\n"
+        "from torch.utils.checkpoint import checkpoint\n"
+        "lin = torch.nn.Linear(4, 4)\n"
+        "x = torch.randn(2, 4, requires_grad=True)\n"
+        "checkpoint(lin, x, use_reentrant=True).sum().backward()\n"  # CPU, reentrant, before genie
+        "import genie\n"
+        "remote = torch.nn.Linear(4, 4).to('remote_accelerator:0')\n"
+        "remote.load_state_dict(lin.state_dict())\n"
+        "checkpoint(remote, x.detach().to('remote_accelerator:0').requires_grad_(), use_reentrant=True).sum().backward()\n"
+        "y = torch.ones(3, device='remote_accelerator:0', requires_grad=True)\n"
+        "(y * 3).sum().backward()\n"
+        "print(torch.equal(remote.weight.grad.cpu(), lin.weight.grad), y.grad.tolist())\n")
+    env = {k: v for k, v in os.environ.items() if k != "GENIE_SERVER_URL"}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "[3.0,", "3.0,", "3.0]"]
+
+
 def test_manual_seed_makes_remote_random_reproducible(dev):
     torch.manual_seed(123)
     a = torch.randn(8, device=dev).cpu()

@@ -22,6 +22,7 @@
 #include <c10/core/GeneratorImpl.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/Generator.h>
+#include <torch/csrc/autograd/engine.h>
 
 #include <atomic>
 #include <cstring>
@@ -560,6 +561,24 @@ struct RemoteGraphImpl final : public at::GraphImplInterface {
 };
 #endif
 
+// The autograd engine's state, read and mended through a class derived from it (the standard lets a
+// derived class name its base's protected members). The engine sizes its per-device queues once, at
+// the first backward of the process, from the device guards registered then: a backward run before
+// `import genie` leaves none for remote_accelerator, and every remote backward after it fails an
+// internal assert ("device_ready_queues_.size()").
+struct AutogradEngineAccess : torch::autograd::Engine {
+  // Whether the engine has started (its first step is making the reentrant-backward pool).
+  static bool started(torch::autograd::Engine& engine) {
+    return (engine.*(&AutogradEngineAccess::thread_pool_shared_)) != nullptr;
+  }
+  static size_t device_queues(torch::autograd::Engine& engine) {
+    return (engine.*(&AutogradEngineAccess::device_ready_queues_)).size();
+  }
+  static void start_threads(torch::autograd::Engine& engine) {
+    (engine.*(&AutogradEngineAccess::start_device_threads))();
+  }
+};
+
 }  // namespace
 
 extern "C" {
@@ -624,6 +643,20 @@ void genie_set_graph_hook(PyObject* hook) {
 void genie_set_memory_hook(PyObject* hook) { g_memory_hook = hook; }
 // Called by Genie after (re)connecting: the number of remote devices.
 void genie_set_device_count(int n) { g_device_count.store(n > 0 ? n : 1); }
+// After the guard is installed: when the autograd engine started before it with no device queue
+// at all (only CPU backwards ran, before `import genie`), start its device threads now, as its
+// first backward would have, sized by this guard's deviceCount(). Nothing else reads the queue list
+// then (no device had one), so replacing it is safe. An engine that has device queues already
+// (CUDA's) is left alone: it serves remote_accelerator indices below its count.
+// Returns the engine's device queues after the call, -1 when it has not started (its first backward
+// will size them from this guard). Called without the GIL (ctypes releases it): the new threads take
+// it to start.
+int genie_start_autograd_device_threads() {
+  auto& engine = torch::autograd::Engine::get_default_engine();
+  if (!AutogradEngineAccess::started(engine)) return -1;
+  if (AutogradEngineAccess::device_queues(engine) == 0) AutogradEngineAccess::start_threads(engine);
+  return static_cast<int>(AutogradEngineAccess::device_queues(engine));
+}
 // Installs this guard for PrivateUse1, replacing the one-device Python guard.
 void genie_install_guard() {
   // Registry entries are leaked on purpose (see DeviceGuardImplInterface.h).

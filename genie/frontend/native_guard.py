@@ -92,6 +92,12 @@ def load() -> bool:
         lib.genie_set_current_stream.argtypes = [ctypes.c_int, ctypes.c_int64]
         lib.genie_new_stream_id.restype = ctypes.c_int64
         lib.genie_set_graph_hook.argtypes = [ctypes.py_object]
+        lib.genie_start_autograd_device_threads.restype = ctypes.c_int
+        # A backward that ran before `import genie` left the autograd engine without a queue for this
+        # device; start them now (see the C++). ctypes releases the GIL, which the new threads take.
+        queues = lib.genie_start_autograd_device_threads()
+        if queues >= 0:
+            log.debug("autograd engine had started before Genie; it has %d device queues", queues)
     except Exception as e:  # noqa: BLE001 - any failure: keep the Python guard and say so
         warnings.warn(f"genie: using PyTorch's single-device Python guard for remote_accelerator ({e}); "
                       "autograd and device guards on remote_accelerator:1 and above will not work", RuntimeWarning)
