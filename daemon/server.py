@@ -15,6 +15,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
+import os
 import time
 
 import torch
@@ -114,6 +115,7 @@ class DaemonServer:
         # measured here, ~25 us less per request than awaiting an asyncio socket.
         self._sync_ctx = zmq.Context.shadow(self._ctx.underlying)
         self._socket: zmq.Socket | None = None
+        self._socket_file: tuple[str, int] | None = None  # an ipc:// socket's path and inode, removed at stop
         self._direct: dict[bytes, _DirectLane] = {}  # identity -> a client's direct-lane connection
         self._drain_scheduled = False
         self._stopping = asyncio.Event()
@@ -145,6 +147,7 @@ class DaemonServer:
         sock.bind(self.endpoint)
         self._socket = sock
         self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._socket_file = _ipc_socket_file(self.bound_endpoint)
         if self.cuda_ipc_allowed and self.executor.has_cuda:
             self.ipc_offer = cuda_ipc.offer(self.bound_endpoint)
             self.executor.cuda_ipc_offered = self.ipc_offer is not None
@@ -233,6 +236,7 @@ class DaemonServer:
         if self._authenticator is not None:
             self._authenticator.stop()
         self._ctx.term()
+        _remove_socket_file(self._socket_file)
         log.info("daemon stopped")
 
     # ------------------------------------------------------------ receive
@@ -739,6 +743,29 @@ class DaemonServer:
         # A send can consume the descriptor's edge for input that is already queued: look again.
         if self._socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             self._schedule_drain()
+
+
+def _ipc_socket_file(endpoint: str) -> tuple[str, int] | None:
+    """The path and inode of the file an ipc:// endpoint bound (ZeroMQ leaves it behind at close)."""
+    if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):  # @: abstract, no file
+        return None
+    path = endpoint[len("ipc://"):]
+    try:
+        return path, os.stat(path).st_ino
+    except OSError:
+        return None
+
+
+def _remove_socket_file(bound: tuple[str, int] | None) -> None:
+    """Remove the socket file this daemon bound, unless another process has bound that path since."""
+    if bound is None:
+        return
+    path, inode = bound
+    try:
+        if os.stat(path).st_ino == inode:
+            os.unlink(path)
+    except OSError:
+        pass
 
 
 def _max_frame_bytes() -> int:

@@ -29,6 +29,17 @@ def test_sigterm_and_sigint_stop_cleanly():
             assert d.proc.wait(10) == 0
 
 
+def test_a_stopped_daemon_removes_its_ipc_socket_file(tmp_path):
+    # ZeroMQ leaves an ipc:// socket file behind when the socket closes; the daemon removes its own.
+    path = tmp_path / "d.sock"
+    with DaemonProcess(listen=f"ipc://{path}") as d:
+        assert path.exists()
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(10) == 0
+    assert not path.exists()
+    assert not (tmp_path / "d.sock.bulk").exists()
+
+
 def test_bye_and_lease_expiry_free_client_memory():
     ctx = zmq.Context()
     with DaemonProcess(extra=["--client-lease", "1"]) as d:

@@ -37,6 +37,9 @@ def test_embedded_daemon_starts_and_stops(tmp_path):
     else:
         os.kill(pid, 9)
         raise AssertionError("embedded daemon outlived its client")
+    # Its private folder (the socket files) went with it: each run used to leave one in /tmp.
+    folder = os.path.dirname(lines["ENDPOINT"][len("ipc://"):])
+    assert os.path.basename(folder).startswith("genie-") and not os.path.exists(folder)
 
 
 CRASH_SCRIPT = textwrap.dedent("""
@@ -44,6 +47,7 @@ CRASH_SCRIPT = textwrap.dedent("""
     from genie.runtime import get_runtime
     x = torch.randn(8, device="remote_accelerator:0")
     print("FIRST", (x + 1).sum().item() is not None)
+    print("ENDPOINT", get_runtime().local_daemon.endpoint)
     os.kill(get_runtime().local_daemon.process.pid, signal.SIGKILL)
     try:
         (x * 2).sum().item()
@@ -61,3 +65,4 @@ def test_a_crashed_local_daemon_is_reported_with_how_it_ended():
     lines = dict(line.split(" ", 1) for line in out.stdout.strip().splitlines())
     assert lines.get("FIRST") == "True", out.stderr
     assert "was lost" in lines["ERROR"] and "the local genie-daemon was killed by signal 9" in lines["ERROR"], lines
+    assert not os.path.exists(os.path.dirname(lines["ENDPOINT"][len("ipc://"):]))  # removed though it crashed

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -23,10 +24,12 @@ class LocalDaemon:
     """A genie-daemon child process; `endpoint` is where it listens once started."""
 
     def __init__(self, listen: str | None = None, threads: int = 0, extra_args: list[str] | None = None) -> None:
+        self._dir: str | None = None
         if listen is None:
             if sys.platform.startswith("win"):
                 listen = "tcp://127.0.0.1:0"
             else:
+                # Private to this process, removed at stop (see stop).
                 self._dir = tempfile.mkdtemp(prefix="genie-")
                 listen = f"ipc://{self._dir}/daemon.sock"
         self.listen = listen
@@ -105,12 +108,17 @@ class LocalDaemon:
         return self.exit_report()
 
     def stop(self, timeout: float = 5.0) -> None:
-        proc = self.process
-        if proc is None or os.getpid() != self._owner_pid or proc.poll() is not None:
+        if os.getpid() != self._owner_pid:
             return
-        proc.terminate()
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout)
+        proc = self.process
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout)
+        if self._dir is not None and (proc is None or proc.poll() is not None):
+            # The daemon's socket files lived here; without this, each process left a folder in /tmp.
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
