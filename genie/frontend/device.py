@@ -386,8 +386,8 @@ def register() -> types.ModuleType:
     module = sys.modules[__name__]
     if _registered:
         return module
-    from . import (factories, graphs, lazy_tensor, module_conversion, native_guard, process_sharing, serialization,
-                   settings_barrier, streams, torchscript)
+    from . import (data_parallel, factories, graphs, lazy_tensor, module_conversion, native_guard, process_sharing,
+                   serialization, settings_barrier, streams, torchscript)
 
     if torch._C._get_privateuse1_backend_name() != NAME:
         _setup_backend(module)
@@ -397,6 +397,7 @@ def register() -> types.ModuleType:
     generators.register_copying()
     torchscript.install()
     module_conversion.install()
+    data_parallel.install()
     lazy_tensor.refuse_dlpack_export()
     settings_barrier.install()
     if native_guard.load():
@@ -406,6 +407,7 @@ def register() -> types.ModuleType:
         streams.install_guard_hooks()
         graphs.install_accelerator_graph()
     get_runtime().on_start.append(_apply_pending_seed)
+    get_runtime().on_start.append(data_parallel.forget_copy_streams)
     get_runtime().on_start.append(_mark_initialized)
     from .meta import import_lazy_dependencies
 
