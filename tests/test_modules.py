@@ -159,6 +159,22 @@ def test_assigning_data_replaces_the_values(dev):
         remote.weight.data = torch.zeros(2, 3)
 
 
+def test_the_class_of_a_remote_parameter_makes_parameters_as_nn_parameter_does(dev):
+    """`type(p)(data, requires_grad=...)` remakes a parameter by its class (accelerate does so when
+    it dispatches a device_map over several devices). A remote parameter's class is LazyTensor,
+    whose constructor refused those arguments."""
+    p = nn.Linear(3, 2).to(dev).weight
+    cls = type(p)
+    cpu = cls(torch.ones(2, 3), requires_grad=False)
+    assert isinstance(cpu, nn.Parameter) and cpu.device.type == "cpu" and not cpu.requires_grad
+    remote = cls(torch.ones(2, 3, device=dev))
+    assert isinstance(remote, nn.Parameter) and remote.device == p.device and remote.requires_grad
+    assert not cls(torch.ones(2, device=dev), False).requires_grad
+    assert remote.to(dev).cpu().tolist() == [[1.0] * 3] * 2
+    with pytest.raises(TypeError, match="takes a tensor"):
+        cls("weights")
+
+
 def test_attention_under_autograd_is_one_fused_op_each_way_and_trains_like_cpu(dev, sent_ops):
     import torch.nn.functional as F
 

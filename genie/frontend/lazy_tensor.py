@@ -89,15 +89,31 @@ def _dispatch(func, args, kwargs):
     return dispatch(func, args, kwargs)
 
 
+def _as_parameter_class(data, positional_requires_grad, requires_grad: bool | None):
+    """`type(p)(data, requires_grad=...)`: a remote nn.Parameter is a LazyTensor marked as a
+    parameter, so code that remakes a parameter by its class (accelerate's dispatch of a
+    `device_map` over several devices, and others) calls this class as nn.Parameter's constructor,
+    as it would call nn.Parameter on CUDA. It gets nn.Parameter's answer."""
+    if data is not None and not isinstance(data, torch.Tensor):
+        raise TypeError(f"LazyTensor(...) takes a tensor, as nn.Parameter does, not {type(data).__name__}: "
+                        "remote tensors are made by ops on remote_accelerator")
+    if positional_requires_grad is not None:
+        requires_grad = positional_requires_grad
+    return torch.nn.Parameter(data, True if requires_grad is None else requires_grad)
+
+
 class LazyTensor(torch.Tensor):
     _genie: HandleRef
 
     @staticmethod
-    def __new__(cls, stream: DeviceStream, handle_id: int, shape, stride, offset: int,
-                dtype: torch.dtype, storage_nbytes: int, requires_grad: bool = False):
+    def __new__(cls, stream: DeviceStream | torch.Tensor | None = None, handle_id: int | bool | None = None, shape=None,
+                stride=None, offset: int = 0, dtype: torch.dtype | None = None, storage_nbytes: int = 0,
+                requires_grad: bool | None = None):
+        if not isinstance(stream, DeviceStream):
+            return _as_parameter_class(stream, handle_id, requires_grad)
         t = torch.Tensor._make_wrapper_subclass(
             cls, shape, strides=stride, storage_offset=offset, dtype=dtype, device=stream.device,
-            requires_grad=requires_grad, storage_size=storage_nbytes,
+            requires_grad=requires_grad is True, storage_size=storage_nbytes,
         )
         t._genie = ref = HandleRef(stream, handle_id, storage_nbytes)
         # Plans hand tuples of ints, equal (and equal-hashing) to torch.Size and t.stride(): no C++ round trips.
