@@ -74,18 +74,29 @@ def test_op_with_kernels_for_particular_devices_is_refused_when_called(dev):
     torch.testing.assert_close((torch.ones(2).to(dev) + 1).cpu(), torch.full((2,), 2.0))  # the stream goes on
 
 
-def test_a_distributed_collective_on_a_remote_tensor_is_refused_with_the_way_out(dev, tmp_path):
+def test_distributed_collectives_on_remote_tensors_run_through_the_cpu_backend(dev, tmp_path):
+    """One process (the group of several is tests/test_collectives.py): the c10d op reaches Genie,
+    which runs it on CPU copies through gloo and writes the results back to the device."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
     try:
-        t = torch.ones(4, device=dev)
-        with pytest.raises(UnsupportedOperationError, match=r"c10d::allreduce_.*collectives run in this "
-                                                             r"process's backend.*t\.cpu\(\)"):
-            dist.all_reduce(t)
-        c = t.cpu()  # the way the message gives
-        dist.all_reduce(c)
-        t.copy_(c)
-        assert t.sum().item() == 4.0
+        t = torch.arange(4.0, device=dev)
+        work = dist.all_reduce(t, async_op=True)
+        work.wait()
+        assert work.is_completed() and work.get_future().value()[0] is t
+        assert t.device.type == "remote_accelerator" and t.cpu().tolist() == [0.0, 1.0, 2.0, 3.0]
+        outs = [torch.zeros(4, device=dev)]
+        dist.all_gather(outs, t * 2)
+        assert outs[0].cpu().tolist() == [0.0, 2.0, 4.0, 6.0]
+        flat = torch.zeros(4, device=dev)
+        dist.all_gather_single(flat, t + 1)
+        assert flat.cpu().tolist() == [1.0, 2.0, 3.0, 4.0]
+        dist.broadcast(t, 0)
+        dist.barrier()
+        from torch.distributed import _functional_collectives as funcol
+
+        r = funcol.all_reduce(t, "sum", dist.group.WORLD)
+        assert r.device == t.device and r.cpu().tolist() == [0.0, 1.0, 2.0, 3.0]
     finally:
         dist.destroy_process_group()

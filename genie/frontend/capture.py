@@ -22,7 +22,7 @@ from genie.transport import cuda_ipc, protocol
 from genie.transport.hostmem import snapshot
 from genie.transport.tensors import DTYPE_NAMES, is_dense, parse_dtype, tensor_to_frames
 
-from . import generators, meta, shape_rules, sync_debug
+from . import collectives, generators, meta, shape_rules, sync_debug
 from .lazy_tensor import LazyTensor
 
 log = logging.getLogger("genie.capture")
@@ -482,11 +482,10 @@ def _library_op(func, args, kwargs):
     as any others (from now on straight from `dispatch`). One whose kernels are all for
     particular devices (CUDA, CPU) cannot run on the daemon: refused now, by name, rather than
     by the daemon when its batch runs."""
-    if func.namespace == "c10d":
-        raise UnsupportedOperationError(
-            op_name(func), "torch.distributed collectives run in this process's backend (gloo, NCCL), "
-            "which cannot reach memory on a genie-daemon: run the collective on a CPU copy "
-            "(c = t.cpu(); dist.all_reduce(c); t.copy_(c)), or move data between remote devices with t.to(...)")
+    if func.namespace == "c10d":  # torch.distributed's collectives: staged through the CPU backend
+        return collectives.run_c10d(func, args, kwargs)
+    if func.namespace == "_c10d_functional":
+        return collectives.run_functional(func, args, kwargs)
     if not func.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeExplicitAutograd):
         raise UnsupportedOperationError(
             op_name(func), "it is not an aten operator and has no kernel for every device (only "

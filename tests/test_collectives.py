@@ -1,0 +1,107 @@
+"""torch.distributed across processes on remote tensors (genie/frontend/collectives.py): two
+processes, each a client of the session daemon, in one gloo group on loopback."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+RANK_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import torch, torch.distributed as dist
+    import genie
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dev = "remote_accelerator:0"
+    out = {}
+    t = torch.full((3,), float(rank + 1), device=dev)
+    dist.all_reduce(t)
+    out["all_reduce"] = t.cpu().tolist()
+    parts = [torch.empty(2, device=dev) for _ in range(world)]
+    dist.all_gather(parts, torch.full((2,), float(rank), device=dev))
+    out["all_gather"] = [p.cpu().tolist() for p in parts]
+    b = torch.full((2,), float(rank), device=dev)
+    dist.broadcast(b, src=1)
+    out["broadcast"] = b.cpu().tolist()
+    if rank == 0:
+        dist.send(torch.arange(3.0, device=dev), dst=1)
+    else:
+        r = torch.zeros(3, device=dev)
+        dist.recv(r, src=0)
+        out["recv"] = r.cpu().tolist()
+
+    torch.manual_seed(rank)  # different initial weights: DDP broadcasts rank 0's
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).to(dev)
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(3):
+        x = torch.randn(5, 4, generator=g).to(dev)
+        loss = ddp(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    out["params"] = [p.detach().cpu().flatten().tolist() for p in model.parameters()]
+    dist.destroy_process_group()
+    print("RESULT", json.dumps(out))
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_reference() -> list[list[float]]:
+    """What DDP computes: rank 0's initial weights, each step's gradient the mean of the ranks'."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gens = [torch.Generator().manual_seed(100 + rank) for rank in range(2)]
+    for _ in range(3):
+        grads = []
+        for g in gens:
+            model(torch.randn(5, 4, generator=g)).pow(2).mean().backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+            opt.zero_grad()
+        for p, a, b in zip(model.parameters(), *grads):
+            p.grad = (a + b) / 2
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().flatten().tolist() for p in model.parameters()]
+
+
+def test_collectives_and_ddp_across_two_processes(daemon_endpoint, tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    env = dict(os.environ, GENIE_SERVER_URL=daemon_endpoint, MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()), WORLD_SIZE="2")
+    procs = [subprocess.Popen([sys.executable, str(script)], env=dict(env, RANK=str(rank)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    results = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=180)
+            assert p.returncode == 0, stderr[-3000:]
+            line = next(line for line in stdout.splitlines() if line.startswith("RESULT "))
+            results.append(json.loads(line[len("RESULT "):]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r in results:
+        assert r["all_reduce"] == [3.0] * 3
+        assert r["all_gather"] == [[0.0, 0.0], [1.0, 1.0]]
+        assert r["broadcast"] == [1.0, 1.0]
+    assert results[1]["recv"] == [0.0, 1.0, 2.0]
+    expected = _ddp_reference()
+    for r in results:  # both ranks hold the same parameters, those of averaged-gradient SGD
+        for got, want in zip(r["params"], expected):
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
