@@ -35,18 +35,22 @@ RANK_SCRIPT = textwrap.dedent("""
         dist.recv(r, src=0)
         out["recv"] = r.cpu().tolist()
 
-    torch.manual_seed(rank)  # different initial weights: DDP broadcasts rank 0's
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).to(dev)
-    ddp = DDP(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(100 + rank)
-    for _ in range(3):
-        x = torch.randn(5, 4, generator=g).to(dev)
-        loss = ddp(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    out["params"] = [p.detach().cpu().flatten().tolist() for p in model.parameters()]
+    # find_unused_parameters and static_graph stage a map of used parameters through pinned memory,
+    # which DDP's reducer asserts is pinned.
+    for name, options in (("params", {}), ("params_unused", {"find_unused_parameters": True}),
+                          ("params_static", {"static_graph": True})):
+        torch.manual_seed(rank)  # different initial weights: DDP broadcasts rank 0's
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).to(dev)
+        ddp = DDP(model, **options)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(100 + rank)
+        for _ in range(3):
+            x = torch.randn(5, 4, generator=g).to(dev)
+            loss = ddp(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        out[name] = [p.detach().cpu().flatten().tolist() for p in model.parameters()]
     dist.destroy_process_group()
     print("RESULT", json.dumps(out))
 """)
@@ -103,5 +107,6 @@ def test_collectives_and_ddp_across_two_processes(daemon_endpoint, tmp_path):
     assert results[1]["recv"] == [0.0, 1.0, 2.0]
     expected = _ddp_reference()
     for r in results:  # both ranks hold the same parameters, those of averaged-gradient SGD
-        for got, want in zip(r["params"], expected):
-            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
+        for name in ("params", "params_unused", "params_static"):
+            for got, want in zip(r[name], expected):
+                torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)

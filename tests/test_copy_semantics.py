@@ -62,6 +62,24 @@ def test_non_blocking_uploads_are_right_after_synchronize(dev):
     assert genie.LazyTensor is type(remote)
 
 
+def test_non_blocking_uploads_from_pinned_memory_are_right_after_synchronize(dev):
+    """Pinned memory (is_pinned() on a machine without a GPU too) is lent to a non_blocking copy
+    without a snapshot, as CUDA's copy reads it later: right once synchronized, as there."""
+    buffer = torch.empty(6, pin_memory=True)
+    assert buffer.is_pinned()
+    uploads = []
+    for step in range(4):
+        buffer.fill_(step)
+        uploads.append(buffer.to(dev, non_blocking=True))
+        torch.remote_accelerator.synchronize()
+    buffer.fill_(-1)
+    assert [u.cpu().tolist() for u in uploads] == [[float(step)] * 6 for step in range(4)]
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(12.0).reshape(6, 2)),
+                                         batch_size=2, pin_memory=True)
+    sums = [b.to(dev, non_blocking=True).sum() for (b,) in loader]  # each batch its own pinned tensor
+    assert [s.item() for s in sums] == [6.0, 22.0, 38.0]
+
+
 def test_an_async_read_is_not_changed_by_writes_queued_after_it(dev):
     n = (512 * 1024) // 4  # 0.5 MiB: an answer bigger than the socket takes at once
 

@@ -110,8 +110,11 @@ def test_pin_memory_and_a_pinning_data_loader_work_after_import(dev):
     t = torch.arange(6.0)
     pinned = t.pin_memory()
     assert torch.equal(pinned, t) and pinned.data_ptr() != t.data_ptr()
-    # Page-locked (CUDA's allocator) only where this process has a GPU, as with PyTorch alone.
-    assert pinned.is_pinned() == torch.cuda.is_available()
+    # Pinned (page-locked, CUDA's allocator, where this process has a GPU; else host memory Genie
+    # keeps track of), views too, as PyTorch's code for a PrivateUse1 device expects (DDP's reducer
+    # asserts it); ordinary tensors are not.
+    assert pinned.is_pinned() and pinned[2:].is_pinned() and not t.is_pinned()
+    assert torch.empty(3, pin_memory=True).is_pinned() and torch.empty(0, pin_memory=True).is_pinned()
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(8.0)), batch_size=4,
                                          pin_memory=True)
     batches = [b for (b,) in loader]

@@ -21,11 +21,14 @@
 #endif
 #include <c10/core/GeneratorImpl.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/alloc_cpu.h>
 #include <torch/csrc/Generator.h>
 #include <torch/csrc/autograd/engine.h>
 
 #include <atomic>
+#include <cstdint>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -346,11 +349,55 @@ struct RemoteGeneratorImpl final : public c10::GeneratorImpl {
   std::atomic<uint64_t> seed_{kDefaultSeed};
 };
 
+// Pinned host memory where this process has no GPU: ordinary memory, page-locking would help
+// no copy to a remote device, kept in a registry so that is_pinned() is true for it and for views
+// into it, as for any backend's pinned memory (PyTorch's own test backend does the same). It is
+// what a non_blocking copy may lend without a snapshot (genie.frontend.capture._copy_), and what
+// DDP's reducer asserts of its staging buffer for a PrivateUse1 device.
+struct PinnedHostMemory final : public c10::Allocator {
+  c10::DataPtr allocate(size_t n) override {
+    void* p = c10::alloc_cpu(n > 0 ? n : 1);  // a unique address even when empty: is_pinned() holds
+    {
+      std::lock_guard<std::mutex> lock(mutex());
+      blocks()[reinterpret_cast<uintptr_t>(p)] = n > 0 ? n : 1;
+    }
+    return {p, p, &release, c10::Device(c10::DeviceType::CPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
+  static bool contains(const void* ptr) {
+    const auto address = reinterpret_cast<uintptr_t>(ptr);
+    std::lock_guard<std::mutex> lock(mutex());
+    auto it = blocks().upper_bound(address);
+    if (it == blocks().begin()) return false;
+    --it;
+    return address < it->first + it->second;
+  }
+
+ private:
+  static void release(void* p) {
+    {
+      std::lock_guard<std::mutex> lock(mutex());
+      blocks().erase(reinterpret_cast<uintptr_t>(p));
+    }
+    c10::free_cpu(p);
+  }
+  // Function-local statics: alive for every deleter, whatever the order of destruction at exit.
+  static std::mutex& mutex() {
+    static auto* m = new std::mutex();
+    return *m;
+  }
+  static std::map<uintptr_t, size_t>& blocks() {
+    static auto* b = new std::map<uintptr_t, size_t>();
+    return *b;
+  }
+};
+PinnedHostMemory g_pinned_host;
+
 // Backend hooks. PyTorch makes a registered PrivateUse1 backend the current accelerator, so
-// `t.pin_memory()` and DataLoader(pin_memory=True) ask these hooks for pinned memory. A remote
-// device needs none; page-locked memory still helps local CUDA copies, so: CUDA's pinned
-// allocator where this process has a GPU (the same buffers `torch.cuda` would give), else
-// ordinary host memory (is_pinned() stays false, as with PyTorch on a machine without one).
+// `t.pin_memory()` and DataLoader(pin_memory=True) ask these hooks for pinned memory: CUDA's
+// page-locked allocator where this process has a GPU (the same buffers `torch.cuda` would give,
+// which local CUDA copies gain from), else PinnedHostMemory.
 struct RemoteHooks final : public at::PrivateUse1HooksInterface {
   bool isBuilt() const override { return true; }
   bool isAvailable() const override { return true; }
@@ -358,11 +405,11 @@ struct RemoteHooks final : public at::PrivateUse1HooksInterface {
   void init() const override {}
   bool isPinnedPtr(const void* data) const override {
     const auto& cuda = at::detail::getCUDAHooks();
-    return cuda.hasCUDA() && cuda.isPinnedPtr(data);
+    return cuda.hasCUDA() ? cuda.isPinnedPtr(data) : PinnedHostMemory::contains(data);
   }
   c10::Allocator* getPinnedMemoryAllocator() const override {
     const auto& cuda = at::detail::getCUDAHooks();
-    return cuda.hasCUDA() ? cuda.getPinnedMemoryAllocator() : c10::GetCPUAllocator();
+    return cuda.hasCUDA() ? cuda.getPinnedMemoryAllocator() : &g_pinned_host;
   }
   // The default generator is this client's on the daemon, driven by torch.manual_seed and
   // torch.remote_accelerator.{manual_seed,get_rng_state,set_rng_state}; no object here stands for it.
@@ -462,7 +509,7 @@ struct NoStorageAllocator final : public AllocatorBase {
 // torch.accelerator.empty_host_cache() asks the accelerator's host (pinned) allocator; with none
 // registered for PrivateUse1, PyTorch dereferenced a null one and the process crashed. Pinned
 // memory for remote_accelerator is CUDA's where this process has a GPU (RemoteHooks): this one
-// hands its calls to CUDA's host allocator then; otherwise it is ordinary host memory and keeps
+// hands its calls to CUDA's host allocator then; otherwise it is PinnedHostMemory's and keeps
 // no cache (nothing to empty, nothing counted).
 struct RemoteHostAllocator final : public at::HostAllocator {
   static at::HostAllocator* cuda() {
@@ -470,7 +517,7 @@ struct RemoteHostAllocator final : public at::HostAllocator {
   }
   c10::DataPtr allocate(size_t n) override {
     at::HostAllocator* a = cuda();
-    return a != nullptr ? a->allocate(n) : c10::GetCPUAllocator()->allocate(n);
+    return a != nullptr ? a->allocate(n) : g_pinned_host.allocate(n);
   }
   void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
   bool record_event(void* ptr, void* ctx, c10::Stream stream) override {
