@@ -40,6 +40,18 @@ def cuda_only(x: torch.Tensor) -> torch.Tensor:
     return x * 2
 
 
+@torch.library.custom_op("genie_test::for_this_device", mutates_args=(), device_types="remote_accelerator")
+def for_this_device(x: torch.Tensor) -> torch.Tensor:
+    return x * 3 + 1
+
+
+_LIB = torch.library.Library("genie_test_lib", "DEF")
+_LIB.define("halve(Tensor x) -> Tensor")
+# As FSDP2 registers its copy-in ops: a Python kernel per device key, PrivateUse1 among them.
+torch.library.impl(_LIB, "halve", "PrivateUse1")(lambda x: x / 2)
+torch.library.impl(_LIB, "halve", "Meta")(lambda x: torch.empty_like(x))
+
+
 def test_custom_op_runs_as_the_aten_ops_it_calls(dev):
     x, y = torch.randn(4, 5), torch.randn(4, 5)
     got = scaled_add(x.to(dev), y.to(dev), 2.5)
@@ -58,6 +70,16 @@ def test_custom_op_backward_on_the_device(dev):
     scaled_add(x, y, 3.0).sum().backward()
     torch.testing.assert_close(xr.grad.cpu(), x.grad)
     torch.testing.assert_close(yr.grad.cpu(), y.grad)
+
+
+def test_ops_with_a_kernel_for_this_device_run_it(dev, sent_ops):
+    """A kernel registered for remote_accelerator (custom_op's device_types, or a library's for
+    "PrivateUse1", as FSDP2 registers its copy-in ops) runs on the client; the daemon sees the
+    aten ops it calls. Such ops were refused before."""
+    x = torch.arange(4.0)
+    assert for_this_device(x.to(dev)).cpu().tolist() == (x * 3 + 1).tolist()
+    assert torch.ops.genie_test_lib.halve(x.to(dev)).cpu().tolist() == (x / 2).tolist()
+    assert "aten::div.Tensor" in sent_ops or "aten::div.Scalar" in sent_ops
 
 
 def test_mutating_custom_op_writes_the_remote_tensor(dev):

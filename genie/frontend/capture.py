@@ -471,28 +471,40 @@ def _capture_general(func, args: tuple, kwargs: dict, walked: tuple | None = Non
     return outputs
 
 
-# Redispatching here runs an op's kernel for every device (CompositeExplicitAutograd).
+# Redispatching here runs an op's kernel for this device (PrivateUse1: remote_accelerator), or
+# its kernel for every device (CompositeExplicitAutograd).
+DEVICE_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.PrivateUse1)
 ANY_DEVICE_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
 
 
 def _library_op(func, args, kwargs):
     """An op outside aten: a library's or the program's own (`torch.library.custom_op`). A daemon
-    runs aten ops only (it imports no code a client names), so an op with a kernel for every
-    device runs that kernel here, on the remote tensors, and the aten ops it calls are captured
-    as any others (from now on straight from `dispatch`). One whose kernels are all for
-    particular devices (CUDA, CPU) cannot run on the daemon: refused now, by name, rather than
-    by the daemon when its batch runs."""
+    runs aten ops only (it imports no code a client names), so an op with a kernel for this
+    device (a library's registered for "PrivateUse1", as FSDP2's are, or a custom op's for
+    device_types="remote_accelerator") or for every device runs that kernel here, on the remote
+    tensors, and the aten ops it calls are captured as any others (from now on straight from
+    `dispatch`). One whose kernels are all for other devices (CUDA, CPU) cannot run on the
+    daemon: refused now, by name, rather than by the daemon when its batch runs."""
     if func.namespace == "c10d":  # torch.distributed's collectives: staged through the CPU backend
         return collectives.run_c10d(func, args, kwargs)
     if func.namespace == "_c10d_functional":
         return collectives.run_functional(func, args, kwargs)
-    if not func.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeExplicitAutograd):
+    if func.has_kernel_for_dispatch_key(torch._C.DispatchKey.PrivateUse1):
+        kernel = _device_kernel
+    elif func.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeExplicitAutograd):
+        kernel = _any_device_kernel
+    else:
         raise UnsupportedOperationError(
-            op_name(func), "it is not an aten operator and has no kernel for every device (only "
-            "aten operators run on a daemon; register one with torch.library.custom_op without "
-            "device_types, or decompose it into aten operators)")
-    _SPECIAL[id(func)] = _any_device_kernel
-    return _any_device_kernel(func, args, kwargs)
+            op_name(func), "it is not an aten operator and has no kernel for this device or for every "
+            "device (only aten operators run on a daemon; register one with torch.library.custom_op "
+            "for device_types='remote_accelerator' or without device_types, or decompose it into aten "
+            "operators)")
+    _SPECIAL[id(func)] = kernel
+    return kernel(func, args, kwargs)
+
+
+def _device_kernel(func, args, kwargs):
+    return func.redispatch(DEVICE_KEYS, *args, **kwargs)
 
 
 def _any_device_kernel(func, args, kwargs):
