@@ -41,6 +41,8 @@ RECV_OP = "genie::recv"
 EVENT_RECORD_OP = "genie::event_record"
 EVENT_WAIT_OP = "genie::event_wait"
 RECORD_STREAM_OP = "genie::record_stream"  # [handle]: t.record_stream(the request's stream)
+RESIZE_STORAGE_OP = "genie::resize_storage"  # [handle, nbytes]: t.untyped_storage().resize_(nbytes)
+_MAX_STORAGE_BYTES = 1 << 62  # a resize beyond any memory is refused as malformed, before allocating
 ADOPT_OP = protocol.ADOPT_OP
 SHARE_CUDA_OP = "genie::share_cuda"  # a resident GPU tensor for a client on this host, by CUDA IPC
 ALIAS_STORAGE_OP = "genie::alias_storage"  # a tensor over one of the client's tensors' storage (torch.load)
@@ -174,6 +176,7 @@ class Executor:
                 _int_arg(call, 0), bool(call.args[1:2] and call.args[1]), d),
             EVENT_WAIT_OP: lambda c, call, f, d: c.streams.wait(_int_arg(call, 0), d),
             RECORD_STREAM_OP: lambda c, call, f, d: self._record_stream(c, call),
+            RESIZE_STORAGE_OP: lambda c, call, f, d: self._resize_storage(c, call),
             ADOPT_OP: self._adopt,
             SHARE_CUDA_OP: lambda c, call, f, d: self._share_cuda(c, call),
             ALIAS_STORAGE_OP: lambda c, call, f, d: self._alias_storage(c, call),
@@ -635,6 +638,18 @@ class Executor:
         tensor = _held(client, call.args[0])
         if tensor.is_cuda:
             tensor.record_stream(torch.cuda.current_stream(tensor.device))
+
+    def _resize_storage(self, client: ClientState, call: OpCall) -> None:
+        """The client's `t.untyped_storage().resize_(n)`: its storage (shared with its views) gets n
+        bytes, freed to 0 and allocated again as FSDP2 does with unsharded parameters; what it
+        held is kept up to the smaller size, as PyTorch's resize keeps it."""
+        args = call.args
+        if (len(args) != 2 or not isinstance(args[0], HandleRef) or type(args[1]) is not int
+                or not 0 <= args[1] <= _MAX_STORAGE_BYTES or call.outs is not None):
+            raise ProtocolError(f"{RESIZE_STORAGE_OP} takes [handle, 0 <= nbytes <= {_MAX_STORAGE_BYTES}] and no output")
+        storage = _held(client, args[0]).untyped_storage()
+        storage.resize_(args[1])
+        self.account.resized(storage._cdata, args[1])
 
     def _copy_storage(self, client: ClientState, call: OpCall, frames: list, device: torch.device):
         """copy.deepcopy of one of this client's tensors, as PyTorch copies a CPU one: the same

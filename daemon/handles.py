@@ -38,8 +38,10 @@ class MemoryAccount:
 
     @staticmethod
     def key_of(t: torch.Tensor) -> tuple[int, int]:
+        # The storage object's identity, not its memory's address: that changes when the storage
+        # is resized (FSDP2 frees and re-allocates unsharded parameters so).
         s = t.untyped_storage()
-        return s.data_ptr() or id(s), s.nbytes()
+        return s._cdata, s.nbytes()
 
     def add(self, key: int, nbytes: int) -> None:
         entry = self._storages.get(key)
@@ -50,6 +52,16 @@ class MemoryAccount:
                 self.peak = self.allocated
         else:
             entry[1] += 1
+
+    def resized(self, key: int, nbytes: int) -> None:
+        """A held storage now has `nbytes` (t.untyped_storage().resize_())."""
+        entry = self._storages.get(key)
+        if entry is None:
+            return
+        self.allocated += nbytes - entry[0]
+        entry[0] = nbytes
+        if self.allocated > self.peak:
+            self.peak = self.allocated
 
     def remove(self, key: int) -> None:
         entry = self._storages.get(key)

@@ -51,6 +51,26 @@ RANK_SCRIPT = textwrap.dedent("""
             opt.step()
             opt.zero_grad()
         out[name] = [p.detach().cpu().flatten().tolist() for p in model.parameters()]
+
+    # FSDP2: parameters sharded over the ranks, all-gathered for each forward and backward into
+    # memory freed again after (untyped_storage().resize_), gradients reduce-scattered.
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)  # FSDP2 does not broadcast: every rank starts from the same weights
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).to(dev)
+    mesh = DeviceMesh("remote_accelerator", torch.arange(world))  # init_device_mesh wants letters only
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model[2], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(3):
+        x = torch.randn(5, 4, generator=g).to(dev)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    out["params_fsdp2"] = [p.full_tensor().detach().cpu().flatten().tolist() for p in model.parameters()]
     dist.destroy_process_group()
     print("RESULT", json.dumps(out))
 """)
@@ -107,6 +127,6 @@ def test_collectives_and_ddp_across_two_processes(daemon_endpoint, tmp_path):
     assert results[1]["recv"] == [0.0, 1.0, 2.0]
     expected = _ddp_reference()
     for r in results:  # both ranks hold the same parameters, those of averaged-gradient SGD
-        for name in ("params", "params_unused", "params_static"):
+        for name in ("params", "params_unused", "params_static", "params_fsdp2"):
             for got, want in zip(r[name], expected):
                 torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)

@@ -234,6 +234,33 @@ def test_record_stream_takes_one_of_the_clients_tensors(sock, args, outs, expect
     assert rid == 81 and ok
 
 
+@pytest.mark.parametrize("args, expected", [
+    ([protocol.encode_handle(0), 8], None),  # 6 floats -> 2: what it held is kept up to there
+    ([protocol.encode_handle(9), 8], "9"),  # not this client's handle
+    ([protocol.encode_handle(0), -1], "takes \\[handle, 0 <= nbytes"),
+    ([protocol.encode_handle(0), 1 << 63], "takes \\[handle, 0 <= nbytes"),
+    ([protocol.encode_handle(0), 2.5], "takes \\[handle, 0 <= nbytes"),
+    ([protocol.encode_handle(0)], "takes \\[handle, 0 <= nbytes"),
+])
+def test_resize_storage_takes_a_clients_tensor_and_a_sane_size(sock, args, expected):
+    """genie::resize_storage (t.untyped_storage().resize_(n), FSDP2's free and re-allocation)
+    resizes one of the client's own storages; anything else is refused and the daemon carries on."""
+    import re
+
+    ops = [op("aten::arange", [6], 0, {"dtype": protocol.encode_dtype(torch.float32)}),
+           op("genie::resize_storage", args, None),
+           op("aten::as_strided", [protocol.encode_handle(0), [2], [1]], 1)]
+    (rid, ok, body), frames = call(sock, [protocol.pack(["exec", 18, {"ops": ops, "fetch": [1]}])])
+    if expected is None:
+        assert ok and "failed" not in body, body
+        assert torch.frombuffer(bytearray(frames[0]), dtype=torch.float32).tolist() == [0, 1]
+    else:
+        text = body["failed"]["message"] if ok and "failed" in body else error_text(ok, body)
+        assert re.search(expected, text), body
+    (rid, ok, body), _ = call(sock, [protocol.pack(["ping", 82, {}])])
+    assert rid == 82 and ok
+
+
 @pytest.mark.parametrize("settings", ["tf32", [], [True] * 17, ["fast"] + [True] * 16])
 def test_malformed_numerics_settings_get_an_error_and_the_daemon_carries_on(sock, settings):
     ops = [op("aten::zeros", [[4]], 1, {"dtype": protocol.encode_dtype(torch.float32)})]

@@ -54,7 +54,8 @@ KNOWN_OP_NAMES = st.sampled_from([
         "os::system", "genie::recv", "genie::send", "genie::adopt", "genie::kv_append", "genie::kv_get",
         "genie::kv_close", "genie::manual_seed", "genie::event_record", "genie::event_wait",
         "genie::mark_persistent", "genie::define_program", "genie::replay", "genie::drop_program",
-        "genie::storage_of", "genie::alias_storage", "genie::copy_storage", "genie::record_stream"])
+        "genie::storage_of", "genie::alias_storage", "genie::copy_storage", "genie::record_stream",
+        "genie::resize_storage"])
 OP_NAMES = st.one_of(KNOWN_OP_NAMES, st.text(max_size=24))
 
 

@@ -210,3 +210,24 @@ def test_data_ptr_relations_are_the_cpus(dev):
 
     cpu, remote = relations("cpu"), relations(dev)
     assert cpu == remote and all(all(x) if isinstance(x, list) else x for x in remote)
+
+
+def test_resizing_a_storage_frees_and_allocates_it_on_the_daemon(dev):
+    """`t.untyped_storage().resize_(0)` and back, as FSDP2 frees and re-allocates unsharded
+    parameters: the daemon's memory goes and comes back, and a view made before sees what is
+    written into the new memory."""
+    t = torch.ones(1024, device=dev) + 1  # a result: its memory is the daemon's own
+    view = t[512:]
+    torch.remote_accelerator.synchronize()
+    base = torch.remote_accelerator.memory_allocated()
+    storage = t.untyped_storage()
+    assert storage.size() == storage.nbytes() == 4096
+    storage.resize_(0)
+    assert t.untyped_storage().size() == 0
+    assert torch.remote_accelerator.memory_allocated() == base - 4096
+    t.untyped_storage().resize_(4096)
+    assert torch.remote_accelerator.memory_allocated() == base
+    t.copy_(torch.full((1024,), 3.0))
+    assert view.cpu().tolist() == [3.0] * 512
+    with pytest.raises(RuntimeError, match="at least 0"):
+        storage.resize_(-1)

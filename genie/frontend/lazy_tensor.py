@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import collections
 import copy
+import functools
+import operator
 import weakref
 
 import torch
@@ -27,6 +29,7 @@ _BACKWARD_HOOKS = torch._C.TensorBase.__dict__["_backward_hooks"]  # its C gette
 # the rest are attributes the program set.
 OWN_STATE = frozenset({"_genie", "_is_param"})
 _make_wrapper = torch.Tensor._make_wrapper_subclass
+RESIZE_STORAGE_OP = "genie::resize_storage"  # [handle, nbytes]: the daemon resizes the tensor's storage
 
 # The address of a remote tensor's (data-less) storage -> the handle of the daemon tensor whose
 # storage it stands for, for each storage this process handed out (untyped_storage(), and so
@@ -44,6 +47,21 @@ def storage_owner(storage: torch.UntypedStorage) -> HandleRef | None:
 def register_storage(t: "LazyTensor") -> None:
     """Make t's storage known to storage_owner (for C++ readers that get it without Python)."""
     _storage_owners[_UNTYPED_STORAGE(t)._cdata] = t._genie
+
+
+def resize_storage(ref: HandleRef, nbytes) -> None:
+    """`t.untyped_storage().resize_(nbytes)` for a remote tensor: queued for the daemon, which
+    resizes the storage (shared with t's views there); ops planned on t from now on see the new
+    size. Views made before keep the size they had."""
+    nbytes = operator.index(nbytes)
+    if nbytes < 0:
+        raise RuntimeError(f"resize_: the size must be at least 0, not {nbytes}")
+    stream = ref.stream
+    with stream.lock:
+        stream.append([RESIZE_STORAGE_OP, [ref.wire, nbytes], {}, None])
+        dtype, shape, stride, offset = ref.meta_key[:4]
+        ref.storage_nbytes = nbytes
+        ref.meta_key = meta_key(dtype, shape, stride, offset, nbytes, key_bits(ref.meta_key))
 
 
 def _warn_compile_once() -> None:
@@ -243,6 +261,12 @@ class LazyTensor(torch.Tensor):
         if "data_ptr" not in storage.__dict__:
             identity = storage._cdata
             storage.data_ptr = lambda: identity
+            # resize_ (FSDP2 frees unsharded parameters with resize_(0) and allocates them again)
+            # acts on the daemon's storage; the size read back is the one set. These hold the
+            # handle, not the tensor: the storage object lives as long as the tensor does.
+            ref = self._genie
+            storage.resize_ = functools.partial(resize_storage, ref)
+            storage.nbytes = storage.size = lambda: ref.storage_nbytes
         storage._genie_ref = _storage_owners[storage._cdata] = self._genie
         return storage
 
