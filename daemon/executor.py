@@ -261,8 +261,9 @@ class Executor:
                                                     or cuda_parity.replacement(call.name)
                                                     or _callable_of(op),
                                                     op_table.unsafe_flags(op), op_table.takes_generator(op),
-                                                    op_table.seeded_without_generator(op))
-            op, kernel, unsafe, takes_generator, seeded_without_generator = aten
+                                                    op_table.seeded_without_generator(op),
+                                                    op_table.resized_arguments(op))
+            op, kernel, unsafe, takes_generator, seeded_without_generator, resized = aten
             if unsafe:
                 op_table.check_call(op, call.args, call.kwargs)
             # Handles and plain values inline (most arguments of most ops), the rest in _resolve.
@@ -293,6 +294,10 @@ class Executor:
                 client.put(outs, result)
             else:
                 self._store(client, outs, result, call.name)
+            for position, name in resized:  # the memory account follows storages the op resized
+                target = call.args[position] if position < len(call.args) else call.kwargs.get(name)
+                for ref in _refs_in(target):
+                    client.recount(ref.id)
             if self.memory_limit and self.account.allocated > self.memory_limit:
                 self._enforce_limit(client, call)
             return result

@@ -114,6 +114,22 @@ class ClientState:
             self._keys[handle] = key
             self._account.add(key, nbytes)
 
+    def recount(self, handle: int) -> None:
+        """The tensor under `handle` may have a resized or another storage now (an out= op, resize_,
+        set_): the memory account follows."""
+        value = self.tensors.get(handle)
+        if not isinstance(value, torch.Tensor):
+            return
+        key, nbytes = MemoryAccount.key_of(value)
+        old = self._keys.get(handle)
+        if old == key:
+            self._account.resized(key, nbytes)
+        else:
+            if old is not None:
+                self._account.remove(old)
+            self._keys[handle] = key
+            self._account.add(key, nbytes)
+
     def free(self, handle: int) -> None:
         self.tensors.pop(handle, None)
         if self.copy_memos:

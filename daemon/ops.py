@@ -74,6 +74,19 @@ def written_arguments(op: torch._ops.OpOverload) -> tuple[tuple[int, str], ...]:
     )
 
 
+_RESIZING = frozenset({"aten::resize_", "aten::resize_as_", "aten::set_", "aten::_resize_output_"})
+
+
+def resized_arguments(op: torch._ops.OpOverload) -> tuple[tuple[int, str], ...]:
+    """(position, name) of the arguments whose storage the op may replace or grow: an out=
+    variant's outputs (resized to fit, as `torch.arange(0, 1024.0, device=...)` makes one
+    from an empty tensor) and what resize_ / set_ write. Other in-place ops keep the storage."""
+    if op._schema.name in _RESIZING:
+        return written_arguments(op)
+    return tuple((i, a.name) for i, a in enumerate(op._schema.arguments)
+                 if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write)
+
+
 @functools.lru_cache(maxsize=4096)
 def takes_generator(op: torch._ops.OpOverload) -> bool:
     return any(a.name == "generator" for a in op._schema.arguments)

@@ -231,3 +231,18 @@ def test_resizing_a_storage_frees_and_allocates_it_on_the_daemon(dev):
     assert view.cpu().tolist() == [3.0] * 512
     with pytest.raises(RuntimeError, match="at least 0"):
         storage.resize_(-1)
+
+
+def test_memory_allocated_counts_storages_that_out_ops_grow(dev):
+    """An out= op resizes its output to fit (torch.arange with float bounds is empty() then
+    arange.out): the daemon's memory account followed only new tensors, so these counted 0."""
+    torch.remote_accelerator.synchronize()
+    base = torch.remote_accelerator.memory_allocated()
+    t = torch.arange(1024.0, device=dev)
+    grown = torch.empty(0, device=dev)
+    torch.cat([t, t], out=grown)
+    torch.remote_accelerator.synchronize()
+    assert torch.remote_accelerator.memory_allocated() == base + 4096 + 8192
+    del t, grown
+    torch.remote_accelerator.synchronize()
+    assert torch.remote_accelerator.memory_allocated() == base
