@@ -50,6 +50,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="seconds without a message after which a silent client's tensors are freed")
     p.add_argument("--exit-with-parent", type=int, default=0, metavar="PID",
                    help="exit when process PID is gone (used by the embedded daemon)")
+    p.add_argument("--private-dir", default="", metavar="DIR",
+                   help="a folder made for this daemon alone, holding its socket: removed at exit if empty "
+                        "(used by the embedded daemon, whose client may end without removing it)")
     p.add_argument("--memory-limit", type=float, default=float(os.environ.get("GENIE_MEMORY_LIMIT_GB", "0") or 0),
                    metavar="GB", help="most GiB of tensors all clients together may keep (0: no limit); "
                    "env GENIE_MEMORY_LIMIT_GB")
@@ -158,6 +161,11 @@ async def _run(args: argparse.Namespace) -> None:
     await server.serve()
     if watcher:
         watcher.cancel()
+    if args.private_dir:
+        try:
+            os.rmdir(args.private_dir)  # only once empty: the socket files are gone by now
+        except OSError:
+            pass
 
 
 def keygen(argv: list[str]) -> None:

@@ -66,3 +66,36 @@ def test_a_crashed_local_daemon_is_reported_with_how_it_ended():
     assert lines.get("FIRST") == "True", out.stderr
     assert "was lost" in lines["ERROR"] and "the local genie-daemon was killed by signal 9" in lines["ERROR"], lines
     assert not os.path.exists(os.path.dirname(lines["ENDPOINT"][len("ipc://"):]))  # removed though it crashed
+
+
+ABRUPT_SCRIPT = textwrap.dedent("""
+    import os, torch, genie
+    from genie.runtime import get_runtime
+    x = torch.ones(4, device="remote_accelerator:0")
+    print("SUM", (x + 1).sum().item(), flush=True)
+    print("ENDPOINT", get_runtime().local_daemon.endpoint, flush=True)
+    print("PID", get_runtime().local_daemon.process.pid, flush=True)
+    os._exit(0)  # as a forked multiprocessing child or a killed process ends: no atexit, no stop()
+""")
+
+
+def test_a_client_ending_without_stop_leaves_no_folder_behind():
+    env = {k: v for k, v in os.environ.items() if k != "GENIE_SERVER_URL"}
+    out = subprocess.run([sys.executable, "-c", ABRUPT_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    lines = dict(line.split(" ", 1) for line in out.stdout.strip().splitlines())
+    assert lines.get("SUM") == "8.0", out.stderr
+    folder = os.path.dirname(lines["ENDPOINT"][len("ipc://"):])
+    pid = int(lines["PID"])
+    import time
+
+    deadline = time.monotonic() + 20  # the daemon notices its parent is gone within 0.5 s, then stops
+    while time.monotonic() < deadline and os.path.exists(folder):
+        time.sleep(0.1)
+    try:
+        os.kill(pid, 0)
+        alive = True
+    except ProcessLookupError:
+        alive = False
+    if alive and os.path.exists(folder):
+        os.kill(pid, 9)
+    assert not os.path.exists(folder)

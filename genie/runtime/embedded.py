@@ -29,7 +29,7 @@ class LocalDaemon:
             if sys.platform.startswith("win"):
                 listen = "tcp://127.0.0.1:0"
             else:
-                # Private to this process, removed at stop (see stop).
+                # Private to this process: removed at stop, or by the daemon once this process is gone.
                 self._dir = tempfile.mkdtemp(prefix="genie-")
                 listen = f"ipc://{self._dir}/daemon.sock"
         self.listen = listen
@@ -46,6 +46,8 @@ class LocalDaemon:
         on this thread meanwhile (the daemon takes about a second to import torch and bind)."""
         cmd = [sys.executable, "-m", "genie_daemon", "--listen", self.listen,
                "--exit-with-parent", str(os.getpid()), *self.extra_args]
+        if self._dir is not None:  # the daemon removes it when this process ends without stop()
+            cmd += ["--private-dir", self._dir]
         if self.threads:
             cmd += ["--threads", str(self.threads)]
         self.process = subprocess.Popen(
