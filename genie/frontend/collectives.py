@@ -74,8 +74,7 @@ def run_c10d(func, args, kwargs):
             _remote_tensors(arg, inputs)
     for value in kwargs.values():
         _remote_tensors(value, inputs)
-    fetched = dict(zip(map(id, inputs), to_cpu_many(inputs))) if inputs else {}
-    to_cpu = dict(fetched)
+    to_cpu = dict(zip(map(id, inputs), to_cpu_many(inputs))) if inputs else {}
     for t in outputs:
         if id(t) not in to_cpu:
             to_cpu[id(t)] = torch.empty_like(t, device="cpu")
