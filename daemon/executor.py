@@ -652,9 +652,8 @@ class Executor:
         if (len(args) != 2 or not isinstance(args[0], HandleRef) or type(args[1]) is not int
                 or not 0 <= args[1] <= _MAX_STORAGE_BYTES or call.outs is not None):
             raise ProtocolError(f"{RESIZE_STORAGE_OP} takes [handle, 0 <= nbytes <= {_MAX_STORAGE_BYTES}] and no output")
-        storage = _held(client, args[0]).untyped_storage()
-        storage.resize_(args[1])
-        self.account.resized(storage._cdata, args[1])
+        _held(client, args[0]).untyped_storage().resize_(args[1])
+        client.recount(args[0].id)
 
     def _copy_storage(self, client: ClientState, call: OpCall, frames: list, device: torch.device):
         """copy.deepcopy of one of this client's tensors, as PyTorch copies a CPU one: the same

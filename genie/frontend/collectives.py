@@ -32,12 +32,13 @@ _OUTPUT_ONLY = frozenset({"allgather_", "_allgather_base_", "allgather_coalesced
                           "_reduce_scatter_base_", "scatter_", "recv_", "recv_any_source_"})
 
 
-def _remote_tensors(value, found: list) -> None:
-    if isinstance(value, LazyTensor):
+def _tensors(value, found: list, kind: type = LazyTensor) -> None:
+    """The tensors of `kind` in `value` (a tensor, or lists and tuples of them), into `found`."""
+    if isinstance(value, kind):
         found.append(value)
     elif isinstance(value, (list, tuple)):
         for v in value:
-            _remote_tensors(v, found)
+            _tensors(v, found, kind)
 
 
 def _replace(value, table: dict):
@@ -67,13 +68,13 @@ def run_c10d(func, args, kwargs):
     writes = name not in _WRITE_NOTHING
     outputs: list = []
     if writes and args:
-        _remote_tensors(args[0], outputs)
+        _tensors(args[0], outputs)
     inputs: list = []
     for i, arg in enumerate(args):
         if not (i == 0 and writes and name in _OUTPUT_ONLY):
-            _remote_tensors(arg, inputs)
+            _tensors(arg, inputs)
     for value in kwargs.values():
-        _remote_tensors(value, inputs)
+        _tensors(value, inputs)
     to_cpu = dict(zip(map(id, inputs), to_cpu_many(inputs))) if inputs else {}
     for t in outputs:
         if id(t) not in to_cpu:
@@ -116,20 +117,12 @@ def run_functional(func, args, kwargs):
         return args[0]  # the collective that made it was waited for already
     inputs: list = []
     for value in (*args, *kwargs.values()):
-        _remote_tensors(value, inputs)
+        _tensors(value, inputs)
     device = inputs[0].device
     to_cpu = dict(zip(map(id, inputs), to_cpu_many(inputs)))
     out = func(*[_replace(a, to_cpu) for a in args], **{k: _replace(v, to_cpu) for k, v in kwargs.items()})
     results: list = []
-    _cpu_tensors(out, results)
+    _tensors(out, results, torch.Tensor)
     for t in results:
         torch.ops._c10d_functional.wait_tensor(t)
     return _replace(out, {id(t): t.to(device) for t in results})
-
-
-def _cpu_tensors(value, found: list) -> None:
-    if isinstance(value, torch.Tensor):
-        found.append(value)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _cpu_tensors(v, found)
