@@ -112,6 +112,18 @@ def _handle_refs(values, depth: int = 0):
             yield from _handle_refs(v, depth + 1)
 
 
+def _refuse_unstrided(result: torch.Tensor) -> None:
+    """A result the client learns of from this daemon (no meta kernel planned it) must be a dense
+    tensor: a nested or sparse one has no strides to report, and would fail there obscurely."""
+    if result.is_nested:
+        raise TypeError("the op made a strided nested tensor (torch.nested's default layout, a C++ tensor "
+                        "type), which has no remote counterpart: use layout=torch.jagged, whose values and "
+                        "offsets are ordinary tensors")
+    if result.layout != torch.strided:
+        raise TypeError(f"the op made a {result.layout} tensor; only strided (dense) tensors live on "
+                        "remote_accelerator: convert with .to_dense() first")
+
+
 class _Poisoned(Exception):
     def __init__(self, poison: Poison) -> None:
         self.poison = poison
@@ -287,6 +299,8 @@ class Executor:
                     result = kernel(*args, **kwargs)
             else:
                 result = kernel(*args, **kwargs)
+            if raise_errors and isinstance(result, torch.Tensor):  # the client plans no other result
+                _refuse_unstrided(result)
             if call.strides is not None:
                 result = layouts.with_planned_strides(result, call.strides)
             outs = call.outs

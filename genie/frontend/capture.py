@@ -23,7 +23,7 @@ from genie.transport.hostmem import snapshot
 from genie.transport.tensors import DTYPE_NAMES, is_dense, parse_dtype, tensor_to_frames
 
 from . import collectives, generators, meta, shape_rules, sync_debug
-from .lazy_tensor import LazyTensor
+from .lazy_tensor import LazyTensor, OtherSubclassDecides
 
 log = logging.getLogger("genie.capture")
 _LOG_INTERCEPTS = config_module.load().log_intercepts
@@ -107,6 +107,9 @@ def _check_stream(w: _Walk, ref) -> None:
         )
 
 
+_NO_TORCH_DISPATCH = torch._C._disabled_torch_dispatch_impl  # a plain tensor's (and nn.Parameter's)
+
+
 def _walk(value, w: _Walk, seen: dict):
     """Returns the cache-key part of `value`, recording tensors and the device in `w`."""
     if isinstance(value, torch.Tensor):
@@ -119,6 +122,8 @@ def _walk(value, w: _Walk, seen: dict):
                 w.sizes.append(ref.storage_nbytes)
                 _check_stream(w, ref)
             else:
+                if type(value).__torch_dispatch__ is not _NO_TORCH_DISPATCH:
+                    raise OtherSubclassDecides  # e.g. a nested jagged tensor: it runs the op on our values
                 if value.device.type == "meta" or value.is_sparse:
                     raise UnsupportedOperationError("argument", f"{value.device.type}/{value.layout} tensors cannot be sent")
                 if value.requires_grad and value.dim():

@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from genie.errors import UnsupportedOperationError
 from genie.runtime import get_runtime
 from genie.transport import protocol
 
@@ -20,6 +21,10 @@ from . import capture, whole_ops
 from .lazy_tensor import LazyTensor
 
 _lib: torch.library.Library | None = None
+_nested_lib: torch.library.Library | None = None
+
+STRIDED_NESTED = ("strided nested tensors (torch.nested's default layout, a C++ tensor type) have no "
+                  "remote counterpart: use layout=torch.jagged, whose values and offsets are ordinary tensors")
 
 
 def _stream_for(device) -> object:
@@ -194,3 +199,11 @@ def register() -> None:
         lib.impl(name, _made_on_host(getattr(getattr(torch.ops.aten, packet), overload or "default")), "PrivateUse1")
     whole_ops.register(lib)
     _lib = lib
+    global _nested_lib
+    _nested_lib = torch.library.Library("_", "IMPL")
+    _nested_lib.fallback(_refuse_strided_nested, "NestedTensorPrivateUse1")
+
+
+def _refuse_strided_nested(op, *args, **kwargs):
+    """Every op that reaches a strided nested tensor on the device (`nt.to(device)` included)."""
+    raise UnsupportedOperationError(capture.op_name(op), STRIDED_NESTED)

@@ -100,6 +100,11 @@ def refuse_dlpack_export() -> None:
     dlpack.to_dlpack = to_dlpack
 
 
+class OtherSubclassDecides(Exception):
+    """An op's arguments include a tensor of another class with its own __torch_dispatch__ (a
+    nested jagged tensor's dummy, ...): per PyTorch's protocol that class is asked next."""
+
+
 def _dispatch(func, args, kwargs):
     # Replaced by genie.frontend.capture.dispatch when that module loads (it imports this one).
     from .capture import dispatch
@@ -167,7 +172,10 @@ class LazyTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return _dispatch(func, args, kwargs or _NO_KWARGS)
+        try:
+            return _dispatch(func, args, kwargs or _NO_KWARGS)
+        except OtherSubclassDecides:
+            return NotImplemented
 
     # Having these makes nn.Module._apply swap parameters in place (torch.utils.swap_tensors)
     # instead of creating new ones, so `module.to(device)` keeps tied weights tied.
