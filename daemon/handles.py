@@ -89,6 +89,11 @@ class ClientState:
 
         self.streams = ClientStreams()
         self.last_seen = time.monotonic()
+        # Set by hello: how often the client pings (None: not said, 0: never). With it, a client
+        # whose direct lane closed (its process ended) and that has been silent since is known gone
+        # before its lease runs out (DaemonServer._sweep_idle_clients).
+        self.heartbeat_s: float | None = None
+        self.lane_closed_at: float | None = None  # time.monotonic() of its direct lane's end
         self.programs: dict = {}  # program id -> executor.Program (recorded genie.graph blocks)
         self.program_handles: dict[int, list] = {}  # handle a program writes -> those programs
         # memo handle -> {(storage address, bytes): (that storage, its copy)}: one copy.deepcopy's

@@ -328,8 +328,11 @@ class DaemonServer:
             return  # closed meanwhile
         try:
             messages = lane.reader.read()
-        except (ConnectionError, OSError) as e:
+        except (ConnectionError, OSError) as e:  # the client closed it: most often, its process ended
             self._close_direct(lane, e)
+            client = self.clients.get(client_key(lane.identity))
+            if client is not None:
+                client.lane_closed_at = time.monotonic()
             return
         except ProtocolError as e:  # framing is lost: no way to find the next message
             log.warning("closing the direct lane of %s: %s", lane.identity.hex(), e)
@@ -422,6 +425,13 @@ class DaemonServer:
                     f"this genie-daemon speaks protocol version {protocol.VERSION} and the client "
                     f"{'sent none' if theirs is None else f'speaks {theirs!r}'}: install the same Genie version on both"))
                 return
+            heartbeat = request.body.get("heartbeat")
+            if heartbeat is not None:
+                if type(heartbeat) not in (int, float) or not 0 <= heartbeat <= MAX_HEARTBEAT_S:
+                    self._reply_error(identity, rid, ProtocolError(
+                        f"hello's heartbeat must be a number of seconds from 0 to {MAX_HEARTBEAT_S}"))
+                    return
+                client.heartbeat_s = float(heartbeat)
             hello = {"version": protocol.VERSION, "devices": self.device_info}
             if self.bulk is not None:
                 hello["bulk"] = self.bulk.advertised
@@ -713,13 +723,29 @@ class DaemonServer:
 
     async def _sweep_idle_clients(self) -> None:
         while True:
-            await asyncio.sleep(max(min(self.client_lease_s, self.mailbox.ttl_s) / 4, 0.05))
+            await asyncio.sleep(max(min(self.client_lease_s / 4, self.mailbox.ttl_s / 4, SWEEP_S), 0.05))
             self.mailbox.expire()
             now = time.monotonic()
             for identity, client in list(self.clients.items()):
-                if now - client.last_seen > self.client_lease_s and identity not in self._parked:
+                if identity in self._parked:
+                    continue
+                if now - client.last_seen > self.client_lease_s:
                     log.info("client %s lease expired; freeing its memory", identity.hex())
                     self._worker.submit(self._drop_client, identity)
+                elif self._gone(client, now):
+                    log.info("client %s closed its connection and has been silent for %.1fs; freeing its memory",
+                             identity.hex(), now - client.last_seen)
+                    self._worker.submit(self._drop_client, identity)
+
+    @staticmethod
+    def _gone(client: ClientState, now: float) -> bool:
+        """A client that ended without a goodbye (killed, crashed): its direct lane closed, and no
+        message came since, not even the pings it promised at hello. Its memory (a GPU's, on a GPU
+        node) goes back within seconds, as a CUDA process's does when it dies, rather than after
+        the lease. A live client whose lane failed goes on over ZeroMQ, pinging: it stays."""
+        if client.lane_closed_at is None or not client.heartbeat_s or client.last_seen > client.lane_closed_at:
+            return False
+        return now - client.last_seen > max(GONE_AFTER_PINGS * client.heartbeat_s, GONE_MIN_S)
 
     # ------------------------------------------------------------ send
 
@@ -777,6 +803,13 @@ def client_key(routing_id: bytes) -> bytes:
     """The client a routing id belongs to: a client's direct socket uses its 16-byte id plus one byte."""
     return routing_id[:16] if len(routing_id) == 17 else routing_id
 
+
+MAX_HEARTBEAT_S = 3600
+# A client whose direct lane closed is gone once this many of its ping periods (at least
+# GONE_MIN_S seconds) pass without a message from it; clients are checked every SWEEP_S.
+GONE_AFTER_PINGS = 4
+GONE_MIN_S = 2.0
+SWEEP_S = 0.5
 
 # No idle polling for this long after a bulk-lane transfer (see DaemonServer._spin).
 BULK_QUIET_S = 0.1

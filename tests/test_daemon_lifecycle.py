@@ -101,3 +101,76 @@ def test_a_request_waiting_for_a_transfer_does_not_hold_up_other_clients():
         for s in (waiter, other):
             s.close()
     ctx.term()
+
+
+_HOLDER = """
+import sys, time, socket, torch, genie
+genie.init(sys.argv[1])
+x = torch.full((10_000_000,), 2.0, device="remote_accelerator:0")  # 40 MB on the daemon
+x.sum().item()
+if sys.argv[2] == "close-lane":  # the direct lane fails, the process lives on (over ZeroMQ)
+    genie.get_runtime().links[0].channel.direct_stream.shutdown(socket.SHUT_RDWR)
+print("ready", flush=True)
+if sys.argv[2] == "close-lane":
+    time.sleep(7)  # longer than a killed client's grace (4 pings of 1 s)
+    print(x.sum().item(), flush=True)
+else:
+    time.sleep(120)
+"""
+
+
+def _holder(endpoint: str, mode: str):
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-c", _HOLDER, endpoint, mode], stdout=subprocess.PIPE, text=True)
+
+
+def test_a_killed_client_s_memory_is_freed_within_seconds():
+    # The default lease is 60 s; a client that dies (SIGKILL, the OOM killer) closed its direct
+    # lane and stopped its pings: the daemon frees its memory seconds later, as CUDA does at once.
+    ctx = zmq.Context()
+    with DaemonProcess() as d:
+        watcher = client(ctx, d.endpoint)
+        baseline = request(watcher, "stats", 1)[2]["allocated"]
+        holder = _holder(d.endpoint, "hold")
+        try:
+            assert holder.stdout.readline().strip() == "ready"
+            assert request(watcher, "stats", 2)[2]["allocated"] >= baseline + 40_000_000
+            holder.send_signal(signal.SIGKILL)
+            holder.wait(10)
+            killed_at = time.monotonic()
+            while time.monotonic() - killed_at < 20 and request(watcher, "stats", 3)[2]["allocated"] != baseline:
+                time.sleep(0.2)
+            assert request(watcher, "stats", 4)[2]["allocated"] == baseline
+            assert time.monotonic() - killed_at < 20
+        finally:
+            holder.kill()
+            holder.wait(10)
+            watcher.close()
+    ctx.term()
+
+
+def test_a_live_client_whose_direct_lane_closed_keeps_its_memory():
+    with DaemonProcess() as d:
+        holder = _holder(d.endpoint, "close-lane")
+        try:
+            assert holder.stdout.readline().strip() == "ready"
+            assert holder.stdout.readline().strip() == "20000000.0"  # its tensor outlived the grace
+            assert holder.wait(30) == 0
+        finally:
+            holder.kill()
+            holder.wait(10)
+
+
+def test_hello_validates_the_heartbeat():
+    ctx = zmq.Context()
+    with DaemonProcess() as d:
+        s = client(ctx, d.endpoint)
+        for bad in ("1", -1, 1e9, [1]):
+            _, ok, body = request(s, "hello", 1, {"version": protocol.VERSION, "heartbeat": bad})
+            assert not ok and "heartbeat" in body["message"]
+        _, ok, _ = request(s, "hello", 2, {"version": protocol.VERSION, "heartbeat": 0.5})
+        assert ok
+        s.close()
+    ctx.term()

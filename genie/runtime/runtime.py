@@ -130,7 +130,8 @@ class DaemonLink:
         self.channel.on_disconnect = self.lose
         await self.channel.open()
         start = time.perf_counter()
-        hello = asyncio.ensure_future(self.channel.post("hello", {"version": protocol.VERSION}))
+        hello = asyncio.ensure_future(self.channel.post("hello", {"version": protocol.VERSION,
+                                                                   "heartbeat": max(0.0, heartbeat)}))
         # Beside it, a plain connection attempt: a refusal says at once what ZeroMQ's silent retries
         # would only let the timeout say (nothing listens there).
         watch = asyncio.ensure_future(reachability.wait_until_refused(

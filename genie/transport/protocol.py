@@ -6,6 +6,8 @@ A message is a ZeroMQ multipart message: frame 0 is a msgpack header, frames
 Client -> daemon header: ``[kind, request_id, body]``
 
   hello  {}                                   -> {version, devices: [{name, type, total_memory, flops}]}
+         (heartbeat?: seconds between the client's pings, 0 for none: a client that promised pings, whose
+          direct lane closed and that then stays silent for several of them, is gone and its memory freed)
   hello  {} -> also {bulk: ["tcp", port] | ["unix", path]} when the daemon offers a bulk lane (see `bulk`)
   hello  {} -> also {cuda_ipc: {host, uid, gpus}} when it accepts CUDA IPC handles (see `cuda_ipc`)
   exec   {dev, stream, ops, frees, fetch, report, bulk_min?, wait?, num?} -> {fetched: [...], report: value | None, time: [t0, t1]}
