@@ -385,6 +385,7 @@ class DaemonLink:
         """
         if not self._claim_direct():
             return None
+        rid = None
         try:
             rid = self.channel.send_direct("exec", body, frames)
             self._read_posted(everything=True)
@@ -393,6 +394,12 @@ class DaemonLink:
             return _Answered(reply)
         except Exception as e:  # noqa: BLE001 - handed to the waiter like a loop-path failure
             return _Answered(error=self._direct_failure(e))
+        except KeyboardInterrupt:
+            # Ctrl-C while blocked: the request runs on (as CUDA work does), its answer is dropped
+            # when it comes, and the program carries on with the next op.
+            if rid is not None:
+                self.channel.forget_reply(rid)
+            raise
         finally:
             self._release_direct()
 
@@ -493,6 +500,8 @@ class DaemonLink:
                 self._forget_oldest_posted()
                 posted.settle(error=to_genie_error(e, self.endpoint))
                 continue
+            except KeyboardInterrupt:
+                raise  # Ctrl-C while waiting: the answer still comes, and the next reader reads it
             except BaseException as e:
                 # The connection is gone: no answer will come. Each batch's waiter, or its
                 # stream's next sync, learns it too (this caller may be the collector thread).

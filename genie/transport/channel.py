@@ -40,6 +40,21 @@ class RemoteError(Exception):
         super().__init__(f"{self.op or 'request'}: {self.error_type}: {self.message}")
 
 
+
+def _receive_whole(sock: zmq.Socket) -> tuple[list, bool]:
+    """One multipart message, and whether a KeyboardInterrupt came while it was being read. An
+    interrupt before its first frame is raised (nothing was taken); after it, the rest is read
+    anyway, so that the socket stays in step (recv_multipart would leave the rest behind)."""
+    parts = [sock.recv(copy=False)]
+    interrupted = False
+    while True:
+        try:
+            while parts[-1].more:
+                parts.append(sock.recv(copy=False))
+            return parts, interrupted
+        except KeyboardInterrupt:
+            interrupted = True
+
 class ChannelClosed(ConnectionError):
     pass
 
@@ -281,6 +296,7 @@ class Channel:
 
     def _receive_direct(self, rid, timeout, alive, poll_s) -> Reply:
         reading_from = time.perf_counter()
+        interrupted = False
         try:
             if self.closed:
                 raise ChannelClosed(f"connection to {self.endpoint} is closed")
@@ -295,8 +311,20 @@ class Channel:
             waited = time.perf_counter() - max(sent_at, reading_from)
             self._typical_wait += WAIT_AVERAGING * (waited - self._typical_wait)
             return reply
+        except KeyboardInterrupt:
+            # Ctrl-C while waiting (see _receive_stream_direct): the answer still comes, in order,
+            # and a later reader keeps it for this request's next reader (or `forget_reply` drops it).
+            interrupted = True
+            raise
         finally:
-            self._direct_awaiting.pop(rid, None)  # answered, failed, or timed out: a late answer is dropped
+            if not interrupted:
+                self._direct_awaiting.pop(rid, None)  # answered, failed, or timed out: a late answer is dropped
+
+    def forget_reply(self, rid: int) -> None:
+        """Nobody will read the answer to direct request `rid` (its waiter was interrupted): drop it
+        when it comes, or now if it came already."""
+        self._direct_awaiting.pop(rid, None)
+        self._direct_early.pop(rid, None)
 
     def _receive_stream_direct(self, stream, rid, timeout, alive, poll_s) -> Reply:
         poller = self._pollers.get(stream)
@@ -312,6 +340,12 @@ class Channel:
             readable = False
             try:
                 parts = stream_framing.receive_message(stream, protocol.MAX_FRAMES + 1, 1 << 62, 1 << 62)
+            except KeyboardInterrupt:
+                # Ctrl-C in the middle of a message (the waits above are where it almost always
+                # lands, harmlessly): the lane's framing is lost, so requests go by ZeroMQ from now.
+                if self.direct_stream is stream:
+                    self._drop_direct_stream("interrupted while reading an answer")
+                raise
             except (OSError, ProtocolError) as e:
                 if self.direct_stream is stream:
                     self._drop_direct_stream(e)
@@ -349,7 +383,7 @@ class Channel:
             return bool(self.busy_poll.run(lambda: poller.poll(0)))
         return False
 
-    def _reply_for(self, rid: int, parts: list) -> Reply | None:
+    def _reply_for(self, rid: int | None, parts: list) -> Reply | None:
         """The reply in `parts` if it answers `rid`. None: the answer to another direct request
         still awaited (kept for its reader), a late answer, or malformed (both dropped)."""
         self.last_heard = time.monotonic()
@@ -376,7 +410,11 @@ class Channel:
         waited = 0.0
         while True:
             waited = self._wait_readable(sock.poll, timeout, alive, poll_s, waited)
-            reply = self._reply_for(rid, sock.recv_multipart(copy=False))
+            parts, interrupted = _receive_whole(sock)
+            if interrupted:  # Ctrl-C between its frames: the answer waits for its next reader
+                self._reply_for(None, parts)
+                raise KeyboardInterrupt
+            reply = self._reply_for(rid, parts)
             if reply is not None:
                 return reply
 

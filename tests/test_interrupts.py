@@ -1,0 +1,76 @@
+"""Ctrl-C while a program waits on the daemon (a notebook's interrupted cell): the program gets
+KeyboardInterrupt, the work already sent runs on (as CUDA work does), and the next ops work. The
+program runs in a child process (pytest stops on SIGINT), against the session's daemon."""
+import subprocess
+import sys
+
+PROGRAM = r"""
+import os, random, signal, sys, threading, time
+import torch, genie
+genie.init(sys.argv[1])
+d = "remote_accelerator:0"
+a = torch.randn(1000, 1000, device=d)
+
+def interrupt_in(seconds):
+    timer = threading.Timer(seconds, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    return timer
+
+def long_chain():
+    y = a
+    for _ in range(25):
+        y = (y @ a) / 32
+    return y
+
+def check(tag):
+    t = torch.arange(10.0, device=d)
+    assert (t * 2 + 1).tolist() == [2.0 * i + 1 for i in range(10)], tag
+
+for name, wait in (("item", lambda: long_chain().sum().item()),
+                   ("synchronize", lambda: (long_chain(), torch.remote_accelerator.synchronize())),
+                   ("download", lambda: long_chain().repeat(4, 4).cpu())):
+    try:
+        timer = interrupt_in(0.2)
+        wait()
+        print(name, "not interrupted")
+        timer.join()  # its interrupt lands within this try, whenever the timer thread runs
+        time.sleep(0.01)  # (Python raises it in this thread at its next check, after the join)
+    except KeyboardInterrupt:
+        print(name, "interrupted")
+    check(name)
+
+# Interrupts at random moments of a loop of small ops and reads: no value goes astray.
+random.seed(0)
+x = torch.zeros(1024, device=d)
+expected, interrupts = 0.0, 0
+deadline = time.time() + float(sys.argv[2])
+while time.time() < deadline:
+    try:
+        timer = interrupt_in(random.uniform(0, 0.01))  # (its interrupt may come before start() returns)
+        for _ in range(100):
+            x += 1
+            expected += 1  # an interrupt between these two leaves them one apart
+            if random.random() < 0.1:
+                x.sum().item()
+        timer.join()
+        time.sleep(0.01)
+    except KeyboardInterrupt:
+        interrupts += 1
+        time.sleep(0.02)
+    got = x[0].item()
+    assert abs(got - expected) <= 1, (got, expected)
+    expected = got
+check("end")
+print("interrupts", interrupts)
+"""
+
+
+def test_ctrl_c_while_waiting_leaves_the_program_usable(daemon_endpoint):
+    done = subprocess.run([sys.executable, "-c", PROGRAM, daemon_endpoint, "4"], capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.split("\n")
+    for name in ("item", "synchronize", "download"):
+        assert f"{name} interrupted" in lines, done.stdout
+    interrupts = int(next(line for line in lines if line.startswith("interrupts")).split()[1])
+    assert interrupts > 20, done.stdout
