@@ -40,7 +40,6 @@ class RemoteError(Exception):
         super().__init__(f"{self.op or 'request'}: {self.error_type}: {self.message}")
 
 
-
 def _receive_whole(sock: zmq.Socket) -> tuple[list, bool]:
     """One multipart message, and whether a KeyboardInterrupt came while it was being read. An
     interrupt before its first frame is raised (nothing was taken); after it, the rest is read
@@ -54,6 +53,7 @@ def _receive_whole(sock: zmq.Socket) -> tuple[list, bool]:
             return parts, interrupted
         except KeyboardInterrupt:
             interrupted = True
+
 
 class ChannelClosed(ConnectionError):
     pass
