@@ -427,9 +427,9 @@ class DaemonServer:
                 return
             heartbeat = request.body.get("heartbeat")
             if heartbeat is not None:
-                if type(heartbeat) not in (int, float) or not 0 <= heartbeat <= MAX_HEARTBEAT_S:
+                if type(heartbeat) not in (int, float) or not 0 <= heartbeat <= protocol.MAX_HEARTBEAT_S:
                     self._reply_error(identity, rid, ProtocolError(
-                        f"hello's heartbeat must be a number of seconds from 0 to {MAX_HEARTBEAT_S}"))
+                        f"hello's heartbeat must be a number of seconds from 0 to {protocol.MAX_HEARTBEAT_S}"))
                     return
                 client.heartbeat_s = float(heartbeat)
             hello = {"version": protocol.VERSION, "devices": self.device_info}
@@ -804,7 +804,6 @@ def client_key(routing_id: bytes) -> bytes:
     return routing_id[:16] if len(routing_id) == 17 else routing_id
 
 
-MAX_HEARTBEAT_S = 3600
 # A client whose direct lane closed is gone once this many of its ping periods (at least
 # GONE_MIN_S seconds) pass without a message from it; clients are checked every SWEEP_S.
 GONE_AFTER_PINGS = 4

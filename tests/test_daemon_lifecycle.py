@@ -173,4 +173,14 @@ def test_hello_validates_the_heartbeat():
         _, ok, _ = request(s, "hello", 2, {"version": protocol.VERSION, "heartbeat": 0.5})
         assert ok
         s.close()
+        # A client that pings less often than the protocol's bound promises no pings, and connects.
+        import os
+        import subprocess
+        import sys
+
+        done = subprocess.run(
+            [sys.executable, "-c", "import sys, torch, genie; genie.init(sys.argv[1]); "
+             "print((torch.ones(2, device='remote_accelerator:0') + 1).tolist())", d.endpoint],
+            capture_output=True, text=True, timeout=120, env={**os.environ, "GENIE_HEARTBEAT": "7200"})
+        assert done.stdout.strip() == "[2.0, 2.0]", done.stderr[-2000:]
     ctx.term()

@@ -130,8 +130,9 @@ class DaemonLink:
         self.channel.on_disconnect = self.lose
         await self.channel.open()
         start = time.perf_counter()
-        hello = asyncio.ensure_future(self.channel.post("hello", {"version": protocol.VERSION,
-                                                                   "heartbeat": max(0.0, heartbeat)}))
+        # The ping period it promises (0: none, as with pings off or rarer than the protocol's bound).
+        promised = float(heartbeat) if 0 < heartbeat <= protocol.MAX_HEARTBEAT_S else 0.0
+        hello = asyncio.ensure_future(self.channel.post("hello", {"version": protocol.VERSION, "heartbeat": promised}))
         # Beside it, a plain connection attempt: a refusal says at once what ZeroMQ's silent retries
         # would only let the timeout say (nothing listens there).
         watch = asyncio.ensure_future(reachability.wait_until_refused(

@@ -75,6 +75,9 @@ from .tensors import check_frames, check_shape, parse_dtype
 # 3: WRITING records on shared-memory bulk lanes. 4: an op may carry its outputs' planned strides.
 VERSION = 4
 
+# The longest ping period a client may state in hello (it then promises no pings: 0).
+MAX_HEARTBEAT_S = 3600
+
 # The op that keeps an uploaded tensor as received (`.to(device)` of a host tensor).
 ADOPT_OP = "genie::adopt"
 # The op that lets a recorded program (genie.graph) go; the client queues it when the Graph dies.
