@@ -133,7 +133,8 @@ def security_from(args: argparse.Namespace):
     return None
 
 
-async def _run(args: argparse.Namespace) -> None:
+async def _run(args: argparse.Namespace) -> tuple[str, str] | None:
+    """Serve until stopped; the endpoint and devices to serve again when a GPU's context was lost."""
     devices = pick_devices(args.device)
     memory_limit = int(args.memory_limit * 2**30)
     server = DaemonServer(args.listen, devices, client_lease_s=args.client_lease,
@@ -161,6 +162,8 @@ async def _run(args: argparse.Namespace) -> None:
     await server.serve()
     if watcher:
         watcher.cancel()
+    if server.device_lost is not None:
+        return endpoint, ",".join(map(str, devices))  # restarted in place (see main): its folder stays
     if args.private_dir:
         try:
             os.rmdir(args.private_dir)  # only once empty: the socket files are gone by now
@@ -205,9 +208,24 @@ def main(argv: list[str] | None = None) -> None:
     try:
         import uvloop
 
-        uvloop.run(_run(args))
+        run = uvloop.run
     except ImportError:
-        asyncio.run(_run(args))
+        run = asyncio.run
+    lost = run(_run(args))
+    if lost is not None:
+        restart(*lost)
+
+
+def restart(endpoint: str, devices: str) -> None:
+    """Start this daemon again in this process (same pid and flags, the endpoint it bound, the
+    port included, and the devices it served: a GPU that is gone then stops it rather than
+    leaving a CPU daemon in its place), with fresh CUDA contexts: the old ones were lost (see
+    device_faults). Clients see their connection drop and reconnect."""
+    log.warning("restarting (pid %d) on %s", os.getpid(), endpoint)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:], "--listen", endpoint, "--device", devices])
 
 
 if __name__ == "__main__":

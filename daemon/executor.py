@@ -25,7 +25,7 @@ from genie.transport.tensors import (as_marked_view, bytes_as_tensor, check_shap
 
 from . import attention
 from . import ops as op_table
-from . import cuda_parity, layouts, programs, rnn_cells
+from . import cuda_parity, device_faults, layouts, programs, rnn_cells
 from .handles import MAX_COPY_MEMOS, ClientState, Poison
 from .memory_guard import is_allocation_failure
 
@@ -275,6 +275,8 @@ class Executor:
                                                     op_table.unsafe_flags(op), op_table.takes_generator(op),
                                                     op_table.seeded_without_generator(op),
                                                     op_table.resized_arguments(op))
+                if call.name == device_faults.SIMULATED_OP:
+                    aten = self._aten_ops[call.name] = (op, device_faults.simulated_failure, *aten[2:])
             op, kernel, unsafe, takes_generator, seeded_without_generator, resized = aten
             if unsafe:
                 op_table.check_call(op, call.args, call.kwargs)
@@ -327,6 +329,8 @@ class Executor:
             return self._fail(client, call, e, raise_errors)
 
     def _fail(self, client: ClientState, call: OpCall, e: Exception, raise_errors: bool):
+        if device_faults.context_lost(e, self.devices):
+            raise device_faults.DeviceLost(call.name, e) from e  # the request's answer says so; the daemon restarts
         if is_allocation_failure(e):
             e = OutOfMemoryError(f"genie-daemon could not allocate memory for {call.name}: {str(e).strip()}")
         poison = Poison(call.name, type(e).__name__, str(e).strip())

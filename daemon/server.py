@@ -28,7 +28,7 @@ from genie.transport.errors import ProtocolError
 from genie.transport.protocol import BulkTensor
 
 
-from . import fused
+from . import device_faults, fused
 from .bulk_server import BulkListener
 from .executor import RECV_OP, Executor, RemoteOpError
 from .handles import ClientState, MemoryAccount
@@ -119,6 +119,7 @@ class DaemonServer:
         self._direct: dict[bytes, _DirectLane] = {}  # identity -> a client's direct-lane connection
         self._drain_scheduled = False
         self._stopping = asyncio.Event()
+        self.device_lost: device_faults.DeviceLost | None = None  # set: stop, and cli restarts the process
         self.bound_endpoint: str | None = None
         self._pending = 0  # requests handed to the worker and not yet answered
         self._parked: dict[bytes, collections.deque] = {}  # client key -> requests waiting, in order
@@ -261,6 +262,9 @@ class DaemonServer:
     def _handle_safely(self, parts: list) -> None:
         try:
             self._handle(parts)
+        except device_faults.DeviceLost as e:
+            if len(parts) >= 2:
+                self._reply_error(parts[0].bytes, 0, e)
         except Exception as e:  # a bug here must not stop the daemon, and the client still gets an answer
             log.exception("unexpected error handling a message")
             if len(parts) >= 2:
@@ -392,6 +396,9 @@ class DaemonServer:
         except ProtocolError as e:
             self._reply_error(identity, protocol.request_id_of(header), e)
             return
+        if self.device_lost is not None:  # stopping to restart: nothing more runs in the lost context
+            self._reply_error(identity, request.request_id, self.device_lost)
+            return
         key = client_key(identity)
         client = self.clients.get(key)
         if client is None:
@@ -485,7 +492,7 @@ class DaemonServer:
             downloads: list = []
             try:
                 result = self.executor.run(client, parsed, payload, later=downloads)
-            except Exception as e:  # noqa: BLE001 - reported to the client like any failure
+            except (Exception, device_faults.DeviceLost) as e:  # noqa: BLE001 - reported like any failure
                 self._answer_failure(identity, rid, e)
             else:
                 self._reply(identity, rid, *result)
@@ -610,7 +617,7 @@ class DaemonServer:
     def _answer(self, identity: bytes, rid: int, future: concurrent.futures.Future) -> None:
         try:
             result = future.result()
-        except Exception as e:
+        except (Exception, device_faults.DeviceLost) as e:
             self._answer_failure(identity, rid, e)
             return
         body, frames = result if isinstance(result, tuple) else (result, [])
@@ -753,7 +760,15 @@ class DaemonServer:
         self._send(identity, [rid, True, body], frames or [])
 
     def _reply_error(self, identity: bytes, rid: int, exc: BaseException) -> None:
-        self._send(identity, [rid, False, protocol.error_body(exc)], [])
+        if not isinstance(exc, device_faults.DeviceLost) and self.executor.has_cuda \
+                and device_faults.context_lost(exc, self.executor.devices):
+            exc = device_faults.DeviceLost(None, exc)  # e.g. a download met an earlier kernel's assert
+        op = exc.op if isinstance(exc, device_faults.DeviceLost) else None
+        self._send(identity, [rid, False, protocol.error_body(exc, op)], [])
+        if isinstance(exc, device_faults.DeviceLost) and self.device_lost is None:
+            log.error("%s", exc)
+            self.device_lost = exc
+            self.stop()
 
     def _send(self, identity: bytes, header: list, frames: list) -> None:
         lane = self._direct.get(identity)

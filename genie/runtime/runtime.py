@@ -311,6 +311,20 @@ class DaemonLink:
         with self._inflight:
             self._inflight.notify_all()
 
+    def _error_from(self, exc: BaseException) -> BaseException:
+        """`exc` as the error users catch. A daemon whose GPU's context was lost (a device-side
+        assert) says so and restarts: the link is lost from here on, as if its connection had
+        dropped, so later uses fail as lost (or reconnect) instead of reaching a daemon on its way down."""
+        if isinstance(exc, RemoteError) and exc.error_type == protocol.DEVICE_LOST_ERROR and self.lost is None:
+            reason = "its GPU's CUDA context was lost, and it restarts"
+            if self.runtime.loop.in_loop_thread():
+                self.lose(reason)
+            else:
+                done = threading.Event()
+                self.runtime.loop.call(lambda: (self.lose(reason), done.set()))
+                done.wait(5.0)
+        return to_genie_error(exc, self.endpoint)
+
     def abandon(self, reason: str) -> None:
         """In a forked child: this link is the parent's. Mark it lost with `reason`, without I/O,
         and give it fresh locks (a parent thread may have held them at the fork), so that using a
@@ -364,7 +378,7 @@ class DaemonLink:
                         if not waited:
                             stream.note_failure(reply)
                     elif not waited:
-                        stream.record_async_error(to_genie_error(exc, self.endpoint))
+                        stream.record_async_error(self._error_from(exc))
             finally:
                 with self._inflight:
                     self.inflight_bytes -= nbytes
@@ -499,7 +513,7 @@ class DaemonLink:
                 reply = self.channel.receive_direct(posted.rid, self.runtime.config.request_timeout, alive=self._alive)
             except RemoteError as e:
                 self._forget_oldest_posted()
-                posted.settle(error=to_genie_error(e, self.endpoint))
+                posted.settle(error=self._error_from(e))
                 continue
             except KeyboardInterrupt:
                 raise  # Ctrl-C while waiting: the answer still comes, and the next reader reads it
@@ -587,7 +601,7 @@ class DaemonLink:
         except concurrent.futures.TimeoutError:
             raise GenieConnectionError(f"genie-daemon at {self.endpoint} did not answer within {timeout:.0f}s") from None
         except (RemoteError, ChannelClosed) as e:
-            raise to_genie_error(e, self.endpoint) from None
+            raise self._error_from(e) from None
         finally:
             # The future holds its exception, whose traceback holds this frame: drop the local so
             # that cycle (and every tensor the callers' frames hold) does not wait for the GC.

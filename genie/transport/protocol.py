@@ -82,6 +82,9 @@ MAX_HEARTBEAT_S = 3600
 ADOPT_OP = "genie::adopt"
 # The op that lets a recorded program (genie.graph) go; the client queues it when the Graph dies.
 DROP_PROGRAM_OP = "genie::drop_program"
+# The error type of an answer saying the daemon's GPU context was lost and the daemon restarts
+# (daemon/device_faults.py): the client takes its link as lost.
+DEVICE_LOST_ERROR = "DeviceLost"
 
 EXT_HANDLE, EXT_TENSOR, EXT_DTYPE, EXT_DEVICE, EXT_MEMFMT, EXT_LAYOUT, EXT_COMPLEX, EXT_BULK, EXT_CUDA_IPC, EXT_GENERATOR = (
     range(1, 11))

@@ -1,0 +1,65 @@
+"""A GPU whose CUDA context is lost: telling it apart from an op's ordinary failure.
+
+Most CUDA errors fail one call (a bad argument, out of memory) and the device goes on. Some
+are sticky: a device-side assert (an index out of range in a kernel, the most common bug in
+user code), an illegal memory access, a launch failure. After one, every CUDA call in the
+process fails the same way, and only a new process gets a working context, as with local
+PyTorch. The daemon then answers with what happened and starts again in place (see
+cli.restart), rather than failing every request of every client from then on.
+
+`GENIE_TEST_LOSE_DEVICE_ON=<op name>` in the daemon's own environment makes that op fail as
+a lost context would, so the restart is tested on machines without a GPU.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+SIMULATED_OP = os.environ.get("GENIE_TEST_LOSE_DEVICE_ON") or None
+_simulated_loss = False
+
+
+class DeviceLost(BaseException):  # its name is protocol.DEVICE_LOST_ERROR, the answer's error type
+    """The daemon's device cannot run anything more. A BaseException, so that the handlers
+    which turn an op's failure into a poisoned result (and re-run ops one by one) let it
+    through to the request, whose answer carries it before the daemon restarts."""
+
+    def __init__(self, op: str | None, error: BaseException) -> None:
+        self.op = op  # the op that met the error, None when a request did (e.g. a download)
+        self.error = error
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        super().__init__(
+            f"{op or 'a request'} failed on the daemon's GPU with {type(error).__name__}: {first_line}. "
+            "This kind of CUDA error (a device-side assert, e.g. an index out of range; an illegal memory "
+            "access) leaves the GPU's context unusable for the whole process, so the genie-daemon restarts: "
+            "every tensor on it is gone, and the next use of the device reconnects")
+
+
+def simulated_failure(*args, **kwargs):
+    """The kernel of GENIE_TEST_LOSE_DEVICE_ON's op: fails as a device-side assert would."""
+    global _simulated_loss
+    _simulated_loss = True
+    raise RuntimeError("CUDA error: device-side assert triggered (simulated by GENIE_TEST_LOSE_DEVICE_ON)")
+
+
+def context_lost(error: BaseException, devices) -> bool:
+    """Whether `error` left a CUDA device of `devices` unusable: a CUDA error after which the
+    device cannot even synchronize (sticky errors are returned by every later call; a one-off
+    error is not returned twice)."""
+    if _simulated_loss:
+        return True
+    if not isinstance(error, RuntimeError) or "CUDA" not in str(error):
+        return False
+    for device in devices:
+        if device.type != "cuda":
+            continue
+        for _ in range(2):
+            try:
+                torch.cuda.synchronize(device)
+            except RuntimeError:
+                continue
+            break
+        else:
+            return True
+    return False
