@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import socket
@@ -138,3 +139,34 @@ def test_kv_session_persisted_by_the_daemon_survives_kill_9(tmp_path):
         genie.shutdown()
         first.stop()
         second.stop()
+
+
+def test_a_failed_reconnect_keeps_to_the_lost_daemon_and_never_falls_back_to_an_embedded_one(monkeypatch):
+    # Work meant for a GPU node must not run on this machine: after the daemon is lost and the
+    # reconnect finds nothing there, later uses try that endpoint again (and say so), as the
+    # first did; before, the second use quietly started an embedded daemon.
+    rt = genie.get_runtime()
+    monkeypatch.setattr(rt, "config", dataclasses.replace(rt.config, connect_refused_timeout=0.5))
+    daemon = DaemonProcess(f"tcp://127.0.0.1:{_free_port()}")
+    daemon.start()
+    try:
+        genie.init(daemon.endpoint)
+        assert torch.ones(2, device=DEV).sum().item() == 2.0
+        daemon.proc.kill()
+        daemon.proc.wait(10)
+        for _ in range(3):
+            with pytest.raises(GenieConnectionError) as caught:
+                torch.ones(2, device=DEV).sum().item()
+            assert daemon.endpoint in str(caught.value)
+            assert genie.get_runtime().local_daemon is None
+        again = DaemonProcess(daemon.endpoint)
+        again.start()
+        try:
+            assert torch.ones(3, device=DEV).sum().item() == 3.0  # the same endpoint, back
+            assert [link.endpoint for link in genie.get_runtime().links] == [daemon.endpoint]
+        finally:
+            genie.shutdown()
+            again.stop()
+    finally:
+        genie.shutdown()
+        daemon.stop()

@@ -117,6 +117,7 @@ class DaemonLink:
         self._collector_running = False  # a thread reads posted answers for waiters (`_collect_in_background`)
         self.said_bye = False  # see `say_bye_behind_posted`
         self.lost: str | None = None  # why this daemon was declared lost, once it is
+        self.restarting = False  # lost because it restarts (its GPU failed): a reconnect waits for it
         self.token = bulk.new_token()  # this client's routing id on the daemon; also opens its bulk lane
         self.bulk_lane: bulk.Lane | None = None
         self.bulk_min_bytes = 0  # payloads at least this big take the bulk lane (set with the lane)
@@ -317,6 +318,7 @@ class DaemonLink:
         dropped, so later uses fail as lost (or reconnect) instead of reaching a daemon on its way down."""
         if isinstance(exc, RemoteError) and exc.error_type == protocol.DEVICE_LOST_ERROR and self.lost is None:
             reason = "its GPU's CUDA context was lost, and it restarts"
+            self.restarting = True
             if self.runtime.loop.in_loop_thread():
                 self.lose(reason)
             else:
@@ -661,6 +663,7 @@ class Runtime:
         self.links: list[DaemonLink] = []
         self.streams: list[DeviceStream] = []
         self.local_daemon: LocalDaemon | None = None
+        self._reconnect_to: list[str] | None = None  # the daemons a failed reconnect still means (see _reconnect)
         self._started = False
         self.current_device = 0
         self._atexit_registered = False
@@ -719,6 +722,7 @@ class Runtime:
                         link, local_index, len(self.streams), self.config.batch_ops, self.config.batch_bytes,
                     ))
             self._started = True
+            self._reconnect_to = None
             self.current_device = 0
             if not self._atexit_registered:
                 atexit.register(self.shutdown)
@@ -741,7 +745,7 @@ class Runtime:
         if not self._started:
             with self._lock:
                 if not self._started:
-                    self.init()
+                    self.init(self._reconnect_to)
 
     def _curve_keys(self, client_key: str | None, server_key: str | None):
         from genie.transport import security
@@ -768,7 +772,19 @@ class Runtime:
             log.warning("reconnecting after: %s", "; ".join(link.lost for link in lost))
             curve = self.curve
             self.shutdown()
-            self.init(endpoints)
+            # Until a connection is made again, to these: a failed attempt must not leave the next
+            # use to start an embedded daemon in their place (work meant for a GPU node, on this CPU).
+            self._reconnect_to = endpoints
+            # A daemon restarting after its GPU failed (see _error_from) is back in seconds: wait for it.
+            deadline = time.monotonic() + (self.config.connect_timeout if any(l.restarting for l in lost) else 0)
+            while True:
+                try:
+                    self.init(endpoints)
+                    break
+                except GenieConnectionError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
             self.curve = curve
 
     @property
@@ -841,6 +857,7 @@ class Runtime:
         if self._forked_away:  # the parent's runtime, seen from a forked child (e.g. at its exit): not ours to close
             return
         with self._lock:
+            self._reconnect_to = None  # disconnecting on purpose: the next use connects as at first
             if self._started and self._loop is not None:
                 for stream in self.streams:
                     try:
