@@ -137,8 +137,27 @@ def _grouped_mm(op):
     return run
 
 
+def _group_norm_on_gpu(op, tensor_args: int):
+    """torch's composite group_norm hands remote_accelerator the input in its suggested memory
+    format, as it does the CPU (channels-last stays channels-last), and the client plans the
+    results by that; CUDA's native_group_norm takes contiguous inputs only ("Expected
+    X.is_contiguous(memory_format)", met on an H100 with a UNet-like channels-last input). On
+    a GPU the first `tensor_args` arguments go contiguous, and the results follow the meta
+    kernel's layout, which the client planned. The CPU's kernels take either."""
+    def run(*args, **kwargs):
+        inputs = args[:tensor_args]
+        if all(t.device.type == "cpu" or t.is_contiguous() for t in inputs):
+            return op(*args, **kwargs)
+        result = op(*(t.contiguous() for t in inputs), *args[tensor_args:], **kwargs)
+        return _into(result, op(*_meta_like(args), **_meta_like(kwargs)))
+    return run
+
+
 _RULES = {
     "aten::_grouped_mm": (_aten._grouped_mm.default, _grouped_mm),
+    "aten::native_group_norm": (_aten.native_group_norm.default, lambda op: _group_norm_on_gpu(op, 1)),
+    "aten::native_group_norm_backward": (_aten.native_group_norm_backward.default,
+                                         lambda op: _group_norm_on_gpu(op, 2)),
     "aten::convolution": (_aten.convolution.default, _convolution),
     "aten::convolution_backward": (_aten.convolution_backward.default, _convolution_backward),
     **{f"aten::{name}": (getattr(_aten, name).default, _padding) for name in PADDING_OPS},

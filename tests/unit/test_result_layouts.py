@@ -36,3 +36,29 @@ def test_results_take_the_planned_strides_of_size_one_dimensions_only():
     assert layouts.with_planned_strides(x, [2048, 1, 256]) is x and layouts.with_planned_strides(x, None) is x
     pair = layouts.with_planned_strides((x, torch.ones(2)), [[2048, 1, 256, 32], None])
     assert pair[0].stride() == (2048, 1, 256, 32) and pair[1].stride() == (1,)
+
+
+def test_group_norm_on_a_gpu_gets_a_contiguous_input_and_gives_the_planned_layout():
+    # CUDA's native_group_norm refuses a channels-last input, which torch's composite group_norm
+    # hands remote_accelerator as it does the CPU. Meta tensors stand in for a GPU's here.
+    aten = torch.ops.aten
+    seen = []
+
+    def kernel(*args):
+        seen.append([a.is_contiguous() for a in args[:2] if isinstance(a, torch.Tensor)])
+        return (aten.native_group_norm_backward.default if len(args) == 10 else aten.native_group_norm.default)(*args)
+
+    forward, backward = layouts._group_norm_on_gpu(kernel, 1), layouts._group_norm_on_gpu(kernel, 2)
+    x = torch.empty(2, 32, 4, 4, device="meta").to(memory_format=CL)
+    y, mean, rstd = forward(x, None, None, 2, 32, 16, 8, 1e-5)
+    assert seen == [[True], [False]]  # the kernel ran on a contiguous input; the plan on the client's
+    assert y.stride() == x.stride() and mean.shape == (2, 8)  # as the client planned
+    seen.clear()
+    grads = backward(y, x, mean, rstd, torch.empty(32, device="meta"), 2, 32, 16, 8, [True, True, True])
+    assert seen == [[True, True], [False, False]] and grads[0].stride() == x.stride()
+    seen.clear()
+    cpu_x = torch.randn(2, 32, 4, 4).to(memory_format=CL)  # the CPU's kernel takes it as it is
+    torch.testing.assert_close(forward(cpu_x, None, None, 2, 32, 16, 8, 1e-5)[0],
+                               torch.nn.functional.group_norm(cpu_x, 8))
+    assert seen == [[False]]
+    assert layouts.replacement("aten::native_group_norm") is not None
