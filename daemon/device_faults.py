@@ -49,7 +49,10 @@ def context_lost(error: BaseException, devices) -> bool:
     error is not returned twice)."""
     if _simulated_loss:
         return True
-    if not isinstance(error, RuntimeError) or "CUDA" not in str(error):
+    # Only CUDA's own errors (torch.AcceleratorError; "CUDA error: ..." from older torch) are
+    # probed: a probe waits for the GPU's queued work, and other messages may name CUDA too.
+    accelerator_error = getattr(torch, "AcceleratorError", ())
+    if not isinstance(error, RuntimeError) or not (isinstance(error, accelerator_error) or "CUDA error" in str(error)):
         return False
     for device in devices:
         if device.type != "cuda":

@@ -97,6 +97,7 @@ def test_only_an_error_that_outlives_two_synchronizes_counts_as_a_lost_context(m
     assert not device_faults.context_lost(ValueError("CUDA"), gpu)  # not a RuntimeError
     failures[:] = [True, True]
     assert not device_faults.context_lost(RuntimeError("index out of range in self"), gpu)  # never probed
+    assert not device_faults.context_lost(RuntimeError("no CUDA IPC handles here"), gpu)  # nor this
     assert failures == [True, True]
     assert device_faults.context_lost(RuntimeError("CUDA error: device-side assert triggered"), gpu)
     failures[:] = [True, False]  # reported once, then the device synchronizes: it goes on
