@@ -39,6 +39,7 @@ log = logging.getLogger("genie.runtime")
 # DaemonLink.post_direct): like a CUDA device's launch queue, about a thousand deep, past which
 # launching waits for the device.
 MAX_OPS_AHEAD = 1024
+EXIT_REPORT_WAIT_S = 1.0  # how long a lost embedded daemon's end is awaited for its report (see lose)
 
 
 class _Answered:
@@ -296,8 +297,10 @@ class DaemonLink:
             return
         waiting = len(self.channel._pending) if self.channel else 0
         local = self.runtime.local_daemon
-        if local is not None and local.endpoint == self.endpoint:
-            ended = local.wait_for_exit_report(0.05)
+        if local is not None and local.endpoint == self.endpoint and not self.restarting:
+            # Its connection dropped: it is ending. A GPU process can take a while to (its CUDA
+            # context is torn down first): 0.05 s missed a killed one on an H100 node.
+            ended = local.wait_for_exit_report(EXIT_REPORT_WAIT_S)
             if ended:
                 reason = f"{reason}; {ended}"
         self.lost = (f"genie-daemon at {self.endpoint} was lost ({reason}); {waiting} request(s) in flight failed "
