@@ -68,6 +68,12 @@ class DaemonProcess:
         self.stop()
 
 
+def child_pythonpath(root: str) -> str:
+    """PYTHONPATH for a child Python: `root` first, then this process's own (on a GPU node, where
+    the packages the image lacks were carried in)."""
+    return os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+
+
 def ipc_endpoint() -> tuple[str, str]:
     d = tempfile.mkdtemp(prefix="genie-test-")
     return f"ipc://{os.path.join(d, 'd.sock')}", d

@@ -31,7 +31,7 @@ class Net(torch.nn.Module):
 
 
 def explicit_casts(model: Net, x, dtype):
-    """Net's forward on the CPU with the casts autocast's policies make, written out: convolutions
+    """Net's forward (on its own device) with the casts autocast's policies make, written out: convolutions
     and matmuls in `dtype`, layer_norm and log_softmax in float32 (PyTorch's lists, as for CUDA)."""
     F = torch.nn.functional
     h = F.conv2d(x.to(dtype), model.conv.weight.to(dtype), model.conv.bias.to(dtype), padding=1)
@@ -42,7 +42,7 @@ def explicit_casts(model: Net, x, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_autocast_casts_like_an_accelerator(dev, dtype):
+def test_autocast_casts_like_an_accelerator(dev, reference, dtype):
     torch.manual_seed(0)
     local = Net()
     remote = copy.deepcopy(local).to(dev)
@@ -55,14 +55,15 @@ def test_autocast_casts_like_an_accelerator(dev, dtype):
     assert (conv_dtype, norm_dtype, logits.dtype, logp.dtype, loss.dtype) == \
         (dtype, torch.float32, dtype, torch.float32, torch.float32)
 
-    ref_logits, ref_logp = explicit_casts(local, x, dtype)
-    ref_loss = torch.nn.functional.nll_loss(ref_logp, target)
+    local = local.to(reference)  # the daemon's kind of device: the same kernels
+    ref_logits, ref_logp = explicit_casts(local, x.to(reference), dtype)
+    ref_loss = torch.nn.functional.nll_loss(ref_logp, target.to(reference))
     ref_loss.backward()
-    torch.testing.assert_close(logits.cpu(), ref_logits)
-    torch.testing.assert_close(logp.cpu(), ref_logp)
+    torch.testing.assert_close(logits.cpu(), ref_logits.cpu())
+    torch.testing.assert_close(logp.cpu(), ref_logp.cpu())
     for p_remote, p_local in zip(remote.parameters(), local.parameters()):
         assert p_remote.grad.dtype == torch.float32  # gradients reach the float32 weights
-        torch.testing.assert_close(p_remote.grad.cpu(), p_local.grad)
+        torch.testing.assert_close(p_remote.grad.cpu(), p_local.grad.cpu())
     # Outside the region, ops run as written again.
     assert remote.fc(torch.zeros(1, 4 * 8 * 8, device=dev)).dtype == torch.float32
 

@@ -26,8 +26,11 @@ def _free_port() -> int:
 
 
 def _long_work(n_ops: int = 1000):
-    """Queue several seconds of daemon work (1 thread: roughly 25 ms per step)."""
-    x = torch.randn(512, 512, device=DEV)
+    """Queue several seconds of daemon work (a CPU daemon's 1 thread: roughly 25 ms per step; a
+    GPU's matmul of 4096 x 4096 in float32, ~3 ms on an H100, where 512 x 512 took microseconds)."""
+    on_gpu = genie.get_runtime().links[0].devices[0]["type"] == "cuda"
+    size = 4096 if on_gpu else 512
+    x = torch.randn(size, size, device=DEV)
     y = x
     for _ in range(n_ops):
         y = (y @ x).tanh()

@@ -11,8 +11,9 @@ from genie.runtime import get_runtime
 pytestmark = pytest.mark.skipif(not native_guard.loaded(), reason="device generators need Genie's C++ guard "
                                 "(no C++ compiler here)")
 
-# Each draws from `g` on the device `d`; the same call on the CPU with a CPU generator seeded alike
-# gives the same numbers, because a CPU daemon's twin of `g` is a CPU generator.
+# Each draws from `g` on the device `d`; the same call on the reference device (the CPU, or the
+# local GPU where the daemon computes on CUDA: conftest's `reference`) with a generator of its own
+# seeded alike gives the same numbers, because the daemon's twin of `g` is such a generator.
 DRAWS = {
     "randn": lambda d, g: torch.randn(4, 3, device=d, generator=g),
     "rand": lambda d, g: torch.rand(7, device=d, generator=g),
@@ -26,12 +27,12 @@ DRAWS = {
 }
 
 
-def _cpu_twin(seed):
-    return torch.Generator().manual_seed(seed)
+def _twin(seed, device="cpu"):
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 @pytest.mark.parametrize("name", sorted(DRAWS))
-def test_seeded_draws_repeat_and_match_a_cpu_generator(dev, name):
+def test_seeded_draws_repeat_and_match_a_cpu_generator(dev, reference, name):
     draw = DRAWS[name]
     g = torch.Generator(device=dev)
     assert g.device == torch.device(dev)
@@ -40,12 +41,12 @@ def test_seeded_draws_repeat_and_match_a_cpu_generator(dev, name):
     g.manual_seed(1234)
     again = draw(dev, g).cpu()
     torch.testing.assert_close(again, first, rtol=0, atol=0)
-    cpu = _cpu_twin(1234)
-    torch.testing.assert_close(first, draw("cpu", cpu), rtol=0, atol=0)
-    torch.testing.assert_close(second, draw("cpu", cpu), rtol=0, atol=0)
+    twin = _twin(1234, reference)
+    torch.testing.assert_close(first, draw(reference, twin).cpu(), rtol=0, atol=0)
+    torch.testing.assert_close(second, draw(reference, twin).cpu(), rtol=0, atol=0)
 
 
-def test_generators_are_independent_of_each_other_and_of_the_default_stream(dev):
+def test_generators_are_independent_of_each_other_and_of_the_default_stream(dev, reference):
     torch.manual_seed(7)
     expected_default = [torch.randn(3, device=dev).cpu() for _ in range(2)]
     torch.manual_seed(7)
@@ -59,17 +60,18 @@ def test_generators_are_independent_of_each_other_and_of_the_default_stream(dev)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     # A fresh generator starts from torch's usual default seed, as on the CPU and CUDA.
     fresh = torch.Generator(device=dev)
-    assert fresh.initial_seed() == torch.Generator().initial_seed()
-    torch.testing.assert_close(torch.rand(4, device=dev, generator=fresh).cpu(), torch.rand(4, generator=torch.Generator()),
-                               rtol=0, atol=0)
+    local = torch.Generator(device=reference)
+    assert fresh.initial_seed() == local.initial_seed()
+    torch.testing.assert_close(torch.rand(4, device=dev, generator=fresh).cpu(),
+                               torch.rand(4, device=reference, generator=local).cpu(), rtol=0, atol=0)
 
 
-def test_seed_picks_a_new_random_seed(dev):
+def test_seed_picks_a_new_random_seed(dev, reference):
     g = torch.Generator(device=dev)
     s = g.seed()
     assert g.initial_seed() == s
     got = torch.rand(5, device=dev, generator=g).cpu()
-    torch.testing.assert_close(got, torch.rand(5, generator=_cpu_twin(s)), rtol=0, atol=0)
+    torch.testing.assert_close(got, torch.rand(5, device=reference, generator=_twin(s, reference)).cpu(), rtol=0, atol=0)
 
 
 def test_diffusers_style_noise_from_a_seeded_device_generator(dev):
@@ -91,13 +93,13 @@ def test_wrong_generators_are_refused(dev):
             call()
 
 
-def test_get_state_and_set_state_replay_draws_in_program_order(dev):
+def test_get_state_and_set_state_replay_draws_in_program_order(dev, reference):
     """g.get_state() is the twin's state after the ops queued before it; g.set_state(s) applies
     before the ops queued after it, as on CUDA (both raised before)."""
     g = torch.Generator(device=dev).manual_seed(3)
     fresh = g.get_state()
     assert fresh.dtype == torch.uint8 and fresh.device.type == "cpu"
-    assert torch.equal(fresh, _cpu_twin(3).get_state())  # a CPU daemon's twin is a CPU generator
+    assert torch.equal(fresh, _twin(3, reference).get_state())  # the daemon's twin: a generator like this one
     first = torch.randn(4, device=dev, generator=g)  # queued, not read: get_state must follow it
     after_first = g.get_state()
     second = torch.randn(4, device=dev, generator=g)

@@ -163,7 +163,8 @@ def test_a_failed_op_that_poisons_no_tensor_is_raised_at_the_next_sync(dev, sync
     g.program_id -= 1000
 
 
-def test_a_failing_replayed_op_poisons_its_outputs(dev):
+def test_a_failing_replayed_op_poisons_its_outputs(index_errors_are_op_errors):
+    dev = index_errors_are_op_errors
     idx = torch.zeros(1, dtype=torch.long, device=dev)
     table = torch.randn(4, 2, device=dev)
     out = torch.zeros(1, 2, device=dev)
@@ -245,7 +246,8 @@ def test_replays_run_as_traced_segments_and_a_second_recording_reuses_them(dev):
     assert second["traced"] == first["traced"] and second["reused"] > first["reused"]
 
 
-def test_a_failing_traced_segment_reruns_op_by_op_without_repeating_side_effects(dev):
+def test_a_failing_traced_segment_reruns_op_by_op_without_repeating_side_effects(index_errors_are_op_errors):
+    dev = index_errors_are_op_errors
     idx = torch.zeros(1, dtype=torch.long, device=dev)
     table = torch.randn(4, 2, device=dev)
     out = torch.zeros(1, 2, device=dev)
@@ -288,7 +290,8 @@ def test_replayed_scalars_keep_their_types(dev):
     assert signs == [[False, False], [True, True]]
 
 
-def test_a_write_merged_before_a_failing_one_lands_once_with_its_value(dev):
+def test_a_write_merged_before_a_failing_one_lands_once_with_its_value(index_errors_are_op_errors):
+    dev = index_errors_are_op_errors
     src = torch.arange(3.0, device=dev)
     a = torch.zeros(3, device=dev)
     b = torch.zeros(4, device=dev)
@@ -306,7 +309,8 @@ def test_a_write_merged_before_a_failing_one_lands_once_with_its_value(dev):
         b.cpu()
 
 
-def test_ops_reading_a_merged_write_then_a_failing_write_give_op_by_op_values(dev):
+def test_ops_reading_a_merged_write_then_a_failing_write_give_op_by_op_values(index_errors_are_op_errors):
+    dev = index_errors_are_op_errors
     # Overwrites do not cut a segment: here every op is one traced segment. The last write fails
     # on the replay; the op-by-op re-run writes `a` again, and `d` is computed from it as before.
     src = torch.arange(3.0, device=dev)
@@ -331,7 +335,8 @@ def test_ops_reading_a_merged_write_then_a_failing_write_give_op_by_op_values(de
     assert after["traced"] + after["reused"] == before["traced"] + before["reused"] + 1  # one segment
 
 
-def test_a_failing_accumulating_write_lands_as_often_as_op_by_op(dev):
+def test_a_failing_accumulating_write_lands_as_often_as_op_by_op(index_errors_are_op_errors):
+    dev = index_errors_are_op_errors
     # index_add_ with one index out of range writes the valid part before it raises; replayed, it
     # must do that once, as op by op, not once more when its segment is re-run. The failed op
     # poisons `x`; `base` views the same memory and shows what landed.

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+from daemons import child_pythonpath
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PROGRAM = textwrap.dedent("""
@@ -39,7 +41,7 @@ PROGRAM = textwrap.dedent("""
 
 
 def test_a_read_that_computes_past_the_heartbeat_timeout_keeps_its_daemon():
-    env = {**os.environ, "PYTHONPATH": ROOT, "GENIE_HEARTBEAT": "0.1", "GENIE_HEARTBEAT_TIMEOUT": "0.5"}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(ROOT), "GENIE_HEARTBEAT": "0.1", "GENIE_HEARTBEAT_TIMEOUT": "0.5"}
     env.pop("GENIE_SERVER_URL", None)  # an embedded daemon of its own
     done = subprocess.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 0 and "ok" in done.stdout, done.stdout + done.stderr[-3000:]

@@ -44,7 +44,8 @@ def test_data_dependent_control_flow(dev):
     assert x.cpu().tolist() == [31.0, 63.0, 95.0]
 
 
-def test_materialization_error_names_the_op(dev):
+def test_materialization_error_names_the_op(index_errors_are_op_errors):
+    dev = index_errors_are_op_errors
     x = torch.randn(4, 3, device=dev)
     bad = torch.index_select(x, 0, torch.tensor([0, 9], device=dev))  # shape is fine; data is out of range
     y = bad * 2 + 1  # downstream of the failure

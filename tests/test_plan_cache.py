@@ -26,12 +26,12 @@ def _train(device, steps, stats_after=None):
     return [float(l) for l in losses], before
 
 
-def test_an_optimizers_changing_step_sizes_reuse_cached_plans(dev):
+def test_an_optimizers_changing_step_sizes_reuse_cached_plans(dev, reference):
     remote, before = _train(dev, 30, stats_after=10)
     after = genie.capture_stats()
     assert after["misses"] - before["misses"] == 0  # 12 per step when keyed by the numbers' values
     assert after["size"] == before["size"]
-    local, _ = _train("cpu", 30)
+    local, _ = _train(reference, 30)  # the daemon's kind of device: the same kernels
     assert remote == local
 
 

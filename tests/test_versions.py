@@ -8,6 +8,7 @@ import threading
 
 import zmq
 
+from daemons import child_pythonpath
 from genie.transport import protocol
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -15,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _connect_in_a_new_process(endpoint: str) -> subprocess.CompletedProcess:
     code = f"import genie\ngenie.init({endpoint!r})\n"
-    env = {**os.environ, "GENIE_CONNECT_TIMEOUT": "10", "PYTHONPATH": ROOT}
+    env = {**os.environ, "GENIE_CONNECT_TIMEOUT": "10", "PYTHONPATH": child_pythonpath(ROOT)}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
 
 
