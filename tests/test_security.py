@@ -12,7 +12,7 @@ import torch
 import zmq
 
 import genie
-from daemons import DaemonProcess, RecordingProxy
+from daemons import DaemonProcess, RecordingProxy, child_pythonpath
 from genie import GenieConnectionError
 from genie.runtime import get_runtime
 from genie.transport import protocol
@@ -138,3 +138,63 @@ def test_keys_must_come_in_pairs(keys):
     out = subprocess.run([sys.executable, "-m", "genie_daemon", "--curve-secret", keys["server_secret"]],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "go together" in out.stderr
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_client_given_keys_reconnects_with_them_when_its_daemon_comes_back(keys, monkeypatch):
+    # genie.init's keys, not only GENIE_CURVE_* ones, carry over a reconnect (before, the
+    # reconnect connected without them and a CURVE daemon never answered).
+    rt = get_runtime()
+    monkeypatch.setattr(rt, "config", dataclasses.replace(rt.config, connect_refused_timeout=0.5, connect_timeout=5.0))
+    extra = ["--curve-secret", keys["server_secret"], "--allow-keys", keys["allow"]]
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    first = DaemonProcess(endpoint, extra=extra)
+    first.start()
+    try:
+        genie.init(endpoint, client_key=keys["good"], server_key=keys["server_public"])
+        assert torch.ones(2, device="remote_accelerator:0").sum().item() == 2.0
+        first.proc.kill()
+        first.proc.wait(10)
+        with pytest.raises(genie.GenieConnectionError):
+            torch.ones(2, device="remote_accelerator:0").sum().item()  # lost, and nothing there yet
+        with DaemonProcess(endpoint, extra=extra):
+            assert torch.ones(3, device="remote_accelerator:0").sum().item() == 3.0
+            assert genie.transport_info()["links"][endpoint]["encrypted"] is True
+    finally:
+        genie.shutdown()
+        first.stop()
+
+
+FORKED_WITH_KEYS = """
+import os, sys, torch, genie
+endpoint, client_key, server_key = sys.argv[1:4]
+genie.init(endpoint, client_key=client_key, server_key=server_key)
+assert torch.ones(2, device="remote_accelerator:0").sum().item() == 2.0
+pid = os.fork()
+if pid == 0:
+    try:
+        ok = torch.ones(3, device="remote_accelerator:0").sum().item() == 3.0
+        os._exit(0 if ok and genie.transport_info()["links"][endpoint]["encrypted"] else 1)
+    except BaseException as e:
+        print("child:", repr(e), flush=True)
+        os._exit(2)
+_, status = os.waitpid(pid, 0)
+print("CHILD", os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_forked_child_connects_with_the_keys_its_parent_was_given(keys, curve_daemon):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(root), "GENIE_CONNECT_TIMEOUT": "5"}
+    for name in ("GENIE_SERVER_URL", "GENIE_CURVE_CLIENT_KEY", "GENIE_CURVE_SERVER_KEY"):
+        env.pop(name, None)
+    done = subprocess.run([sys.executable, "-c", FORKED_WITH_KEYS, curve_daemon.endpoint, keys["good"],
+                           keys["server_public"]], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0 and "CHILD 0" in done.stdout, done.stdout + done.stderr[-2000:]

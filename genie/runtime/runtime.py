@@ -666,7 +666,7 @@ class Runtime:
         self.links: list[DaemonLink] = []
         self.streams: list[DeviceStream] = []
         self.local_daemon: LocalDaemon | None = None
-        self._reconnect_to: list[str] | None = None  # the daemons a failed reconnect still means (see _reconnect)
+        self._reconnect_to: tuple | None = None  # (endpoints, keys) a failed reconnect still means (see _reconnect)
         self._started = False
         self.current_device = 0
         self._atexit_registered = False
@@ -676,6 +676,7 @@ class Runtime:
         self.host_pool = HostBufferPool(self.config.host_pool_bytes)  # receive buffers of bulk downloads
         self.curve = None  # security.ClientKeys when connections use CURVE
         self.inherited_endpoints: list[str] | None = None  # in a forked child: the daemons the parent used
+        self.inherited_curve = None  # and the CURVE keys it used them with
         self._forked_away = False  # in a forked child, this is the parent's runtime: inert
 
     @property
@@ -688,14 +689,17 @@ class Runtime:
     # ------------------------------------------------------------ connecting
 
     def init(self, urls: str | list[str] | None = None, client_key: str | None = None,
-             server_key: str | None = None) -> None:
-        """Connect to the given daemons (comma-separated string or list); None: config or embedded."""
+             server_key: str | None = None, curve=None) -> None:
+        """Connect to the given daemons (comma-separated string or list); None: config or embedded.
+        `curve`: CURVE keys already loaded (a reconnect's), in place of the key files."""
         with self._lock:
             if self._started:
                 self.shutdown()
-            self.curve = self._curve_keys(client_key, server_key)
+            if urls is None and self.inherited_endpoints:  # a forked child: the parent's daemons, keys too
+                urls, curve = self.inherited_endpoints, curve or self.inherited_curve
+            self.curve = curve or self._curve_keys(client_key, server_key)
             if urls is None:
-                urls = self.inherited_endpoints or self.config.server_url
+                urls = self.config.server_url
             endpoints = _split(urls) if urls else []
             if not endpoints:
                 self.local_daemon = LocalDaemon(threads=self.config.daemon_threads)
@@ -748,7 +752,8 @@ class Runtime:
         if not self._started:
             with self._lock:
                 if not self._started:
-                    self.init(self._reconnect_to)
+                    endpoints, curve = self._reconnect_to or (None, None)
+                    self.init(endpoints, curve=curve)
 
     def _curve_keys(self, client_key: str | None, server_key: str | None):
         from genie.transport import security
@@ -775,20 +780,20 @@ class Runtime:
             log.warning("reconnecting after: %s", "; ".join(link.lost for link in lost))
             curve = self.curve
             self.shutdown()
-            # Until a connection is made again, to these: a failed attempt must not leave the next
-            # use to start an embedded daemon in their place (work meant for a GPU node, on this CPU).
-            self._reconnect_to = endpoints
+            # Until a connection is made again, to these, with these keys: a failed attempt must not
+            # leave the next use to start an embedded daemon in their place (work meant for a GPU
+            # node, on this CPU), nor to connect without the keys genie.init was given.
+            self._reconnect_to = (endpoints, curve)
             # A daemon restarting after its GPU failed (see _error_from) is back in seconds: wait for it.
             deadline = time.monotonic() + (self.config.connect_timeout if any(l.restarting for l in lost) else 0)
             while True:
                 try:
-                    self.init(endpoints)
+                    self.init(endpoints, curve=curve)
                     break
                 except GenieConnectionError:
                     if time.monotonic() > deadline:
                         raise
                     time.sleep(0.2)
-            self.curve = curve
 
     @property
     def started(self) -> bool:
@@ -891,7 +896,7 @@ class Runtime:
         fresh = Runtime()
         if self._started:
             fresh.inherited_endpoints = [link.endpoint for link in self.links]
-            fresh.curve = self.curve
+            fresh.inherited_curve = self.curve
         fresh.on_start = list(self.on_start)
         fresh.warm_ups = list(self.warm_ups)
         reason = (f"this process (pid {os.getpid()}) was forked from pid {os.getppid()} after Genie connected: "
