@@ -173,3 +173,39 @@ def test_a_failed_reconnect_keeps_to_the_lost_daemon_and_never_falls_back_to_an_
     finally:
         genie.shutdown()
         daemon.stop()
+
+
+def test_losing_one_of_two_daemons_keeps_the_other_and_its_tensors(monkeypatch):
+    # Two GPU nodes: one failing costs only its own tensors. Before, any use after the loss
+    # reconnected to both (the healthy one's tensors freed with a goodbye) or, with the lost one
+    # still away, failed on the healthy one too.
+    rt = genie.get_runtime()
+    monkeypatch.setattr(rt, "config", dataclasses.replace(rt.config, connect_refused_timeout=0.5))
+    a = DaemonProcess(f"tcp://127.0.0.1:{_free_port()}")
+    b = DaemonProcess(f"tcp://127.0.0.1:{_free_port()}")
+    a.start()
+    b.start()
+    again = DaemonProcess(a.endpoint)
+    try:
+        genie.init(f"{a.endpoint},{b.endpoint}")
+        on_a = torch.full((3,), 2.0, device="remote_accelerator:0")
+        on_b = torch.full((3,), 5.0, device="remote_accelerator:1")
+        assert on_a.sum().item() == 6.0 and on_b.sum().item() == 15.0
+        a.proc.kill()
+        a.proc.wait(10)
+        t0 = time.monotonic()
+        assert (on_b * 2).sum().item() == 30.0  # the other daemon carries on, its tensor intact
+        assert (on_b + 1).sum().item() == 18.0
+        assert time.monotonic() - t0 < 5.0  # one try at the lost daemon, not one per op
+        with pytest.raises(GenieConnectionError, match="lost"):
+            on_a.cpu()
+        with pytest.raises(GenieConnectionError):
+            torch.ones(2, device="remote_accelerator:0").sum().item()  # nothing there yet
+        again.start()
+        assert torch.ones(2, device="remote_accelerator:0").sum().item() == 2.0  # back, same index
+        assert on_b.sum().item() == 15.0  # still there: not reconnected, not freed
+        assert [link.endpoint for link in rt.links] == [a.endpoint, b.endpoint]
+    finally:
+        genie.shutdown()
+        for d in (a, b, again):
+            d.stop()

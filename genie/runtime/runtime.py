@@ -39,6 +39,7 @@ log = logging.getLogger("genie.runtime")
 # DaemonLink.post_direct): like a CUDA device's launch queue, about a thousand deep, past which
 # launching waits for the device.
 MAX_OPS_AHEAD = 1024
+RECONNECT_RETRY_S = 5.0  # how often work on the other daemons tries a lost one again (see _reconnect)
 EXIT_REPORT_WAIT_S = 1.0  # how long a lost embedded daemon's end is awaited for its report (see lose)
 
 
@@ -119,6 +120,7 @@ class DaemonLink:
         self.said_bye = False  # see `say_bye_behind_posted`
         self.lost: str | None = None  # why this daemon was declared lost, once it is
         self.restarting = False  # lost because it restarts (its GPU failed): a reconnect waits for it
+        self.retry_at = 0.0  # time.monotonic() before which work on other daemons does not try it again
         self.token = bulk.new_token()  # this client's routing id on the daemon; also opens its bulk lane
         self.bulk_lane: bulk.Lane | None = None
         self.bulk_min_bytes = 0  # payloads at least this big take the bulk lane (set with the lane)
@@ -769,23 +771,46 @@ class Runtime:
         except (OSError, ValueError) as e:
             raise GenieError(f"CURVE keys: {e}") from None
 
-    def _reconnect(self) -> None:
+    def _reconnect(self, wanted: "DaemonLink | None" = None) -> None:
         """A daemon was lost: connect again to the same endpoints (a fresh embedded daemon if that was
-        the one). Tensors made before keep pointing at the lost streams and raise when used."""
+        the one). Tensors made before on a lost daemon keep pointing at its lost streams and raise
+        when used; those on the daemons that were not lost stay (see _replace_lost_links)."""
         with self._lock:
             lost = [link for link in self.links if link.lost]
             if not lost:
                 return
             endpoints = None if self.local_daemon is not None else [link.endpoint for link in self.links]
-            log.warning("reconnecting after: %s", "; ".join(link.lost for link in lost))
+            # A daemon restarting after its GPU failed (see _error_from) is back in seconds: wait for it.
+            deadline = time.monotonic() + (self.config.connect_timeout if any(l.restarting for l in lost) else 0)
+            if endpoints is not None and len(lost) < len(self.links):
+                # Work for a daemon that is there (`wanted`) goes on while a lost one is away,
+                # trying it again at most every RECONNECT_RETRY_S (each try can take seconds).
+                on_healthy = wanted is not None and not wanted.lost
+                if on_healthy and all(time.monotonic() < link.retry_at for link in lost):
+                    return
+                log.warning("reconnecting after: %s", "; ".join(link.lost for link in lost))
+                while True:
+                    try:
+                        if self._replace_lost_links(lost):
+                            return
+                        break  # it came back with other devices: connect to all afresh
+                    except GenieConnectionError as e:
+                        if time.monotonic() > deadline:
+                            if on_healthy:
+                                for link in lost:
+                                    link.retry_at = time.monotonic() + RECONNECT_RETRY_S
+                                log.warning("%s; the other daemons carry on", e)
+                                return
+                            raise
+                        time.sleep(0.2)
+            else:
+                log.warning("reconnecting after: %s", "; ".join(link.lost for link in lost))
             curve = self.curve
             self.shutdown()
             # Until a connection is made again, to these, with these keys: a failed attempt must not
             # leave the next use to start an embedded daemon in their place (work meant for a GPU
             # node, on this CPU), nor to connect without the keys genie.init was given.
             self._reconnect_to = (endpoints, curve)
-            # A daemon restarting after its GPU failed (see _error_from) is back in seconds: wait for it.
-            deadline = time.monotonic() + (self.config.connect_timeout if any(l.restarting for l in lost) else 0)
             while True:
                 try:
                     self.init(endpoints, curve=curve)
@@ -795,16 +820,45 @@ class Runtime:
                         raise
                     time.sleep(0.2)
 
+    def _replace_lost_links(self, lost: list) -> bool:
+        """Connect to the lost daemons again and put the new links and their streams in the lost
+        ones' places (same device indices), leaving the other daemons' links, streams and tensors
+        as they are: one GPU node failing costs only its own tensors. False, with nothing changed,
+        when a daemon came back with another number of devices. Raises when one cannot be reached."""
+        fresh = {id(old): DaemonLink(self, old.endpoint) for old in lost}
+        futures = [self.loop.submit(link.connect(self.config.connect_timeout, self.config.heartbeat))
+                   for link in fresh.values()]
+        try:
+            for f in futures:
+                f.result(self.config.connect_timeout + 5)
+        except BaseException:
+            for link in fresh.values():
+                self.loop.submit(link.close(say_bye=False))
+            raise
+        if any(len(fresh[id(old)].devices) != len(old.devices) for old in lost):
+            for link in fresh.values():
+                self.loop.submit(link.close(say_bye=True))
+            return False
+        for old in lost:
+            self.loop.submit(old.close(say_bye=False))
+        self.links = [fresh.get(id(link), link) for link in self.links]
+        self.streams = [DeviceStream(fresh[id(s.link)], s.local_index, s.global_index, self.config.batch_ops,
+                                     self.config.batch_bytes) if id(s.link) in fresh else s for s in self.streams]
+        for callback in self.on_start:
+            callback()
+        log.info("genie reconnected to %s", ", ".join(link.endpoint for link in fresh.values()))
+        return True
+
     @property
     def started(self) -> bool:
         return self._started
 
     def stream(self, index: int | None) -> DeviceStream:
         self.ensure_started()
-        if any(link.lost for link in self.links):
-            self._reconnect()
         if index is None:
             index = self.current_device
+        if any(link.lost for link in self.links):
+            self._reconnect(self.streams[index].link if 0 <= index < len(self.streams) else None)
         if not 0 <= index < len(self.streams):
             raise GenieError(
                 f"remote_accelerator:{index} does not exist: {len(self.streams)} remote device(s) connected"
