@@ -144,12 +144,17 @@ def test_kv_session_persisted_by_the_daemon_survives_kill_9(tmp_path):
         second.stop()
 
 
-def test_a_failed_reconnect_keeps_to_the_lost_daemon_and_never_falls_back_to_an_embedded_one(monkeypatch):
+@pytest.fixture
+def refused_fast(monkeypatch):
+    """A connection refused for 0.5 s fails (the default waits 10 s for a daemon to appear)."""
+    rt = genie.get_runtime()
+    monkeypatch.setattr(rt, "config", dataclasses.replace(rt.config, connect_refused_timeout=0.5))
+
+
+def test_a_failed_reconnect_keeps_to_the_lost_daemon_and_never_falls_back_to_an_embedded_one(refused_fast):
     # Work meant for a GPU node must not run on this machine: after the daemon is lost and the
     # reconnect finds nothing there, later uses try that endpoint again (and say so), as the
     # first did; before, the second use quietly started an embedded daemon.
-    rt = genie.get_runtime()
-    monkeypatch.setattr(rt, "config", dataclasses.replace(rt.config, connect_refused_timeout=0.5))
     daemon = DaemonProcess(f"tcp://127.0.0.1:{_free_port()}")
     daemon.start()
     try:
@@ -175,12 +180,10 @@ def test_a_failed_reconnect_keeps_to_the_lost_daemon_and_never_falls_back_to_an_
         daemon.stop()
 
 
-def test_losing_one_of_two_daemons_keeps_the_other_and_its_tensors(monkeypatch):
+def test_losing_one_of_two_daemons_keeps_the_other_and_its_tensors(refused_fast):
     # Two GPU nodes: one failing costs only its own tensors. Before, any use after the loss
     # reconnected to both (the healthy one's tensors freed with a goodbye) or, with the lost one
     # still away, failed on the healthy one too.
-    rt = genie.get_runtime()
-    monkeypatch.setattr(rt, "config", dataclasses.replace(rt.config, connect_refused_timeout=0.5))
     a = DaemonProcess(f"tcp://127.0.0.1:{_free_port()}")
     b = DaemonProcess(f"tcp://127.0.0.1:{_free_port()}")
     a.start()
@@ -204,7 +207,7 @@ def test_losing_one_of_two_daemons_keeps_the_other_and_its_tensors(monkeypatch):
         again.start()
         assert torch.ones(2, device="remote_accelerator:0").sum().item() == 2.0  # back, same index
         assert on_b.sum().item() == 15.0  # still there: not reconnected, not freed
-        assert [link.endpoint for link in rt.links] == [a.endpoint, b.endpoint]
+        assert [link.endpoint for link in genie.get_runtime().links] == [a.endpoint, b.endpoint]
     finally:
         genie.shutdown()
         for d in (a, b, again):
