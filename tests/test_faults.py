@@ -194,6 +194,8 @@ def test_losing_one_of_two_daemons_keeps_the_other_and_its_tensors(refused_fast)
         on_a = torch.full((3,), 2.0, device="remote_accelerator:0")
         on_b = torch.full((3,), 5.0, device="remote_accelerator:1")
         assert on_a.sum().item() == 6.0 and on_b.sum().item() == 15.0
+        torch.manual_seed(123)
+        first_draw = torch.rand(4, device="remote_accelerator:1").cpu()
         a.proc.kill()
         a.proc.wait(10)
         t0 = time.monotonic()
@@ -207,6 +209,11 @@ def test_losing_one_of_two_daemons_keeps_the_other_and_its_tensors(refused_fast)
         again.start()
         assert torch.ones(2, device="remote_accelerator:0").sum().item() == 2.0  # back, same index
         assert on_b.sum().item() == 15.0  # still there: not reconnected, not freed
+        next_draw = torch.rand(4, device="remote_accelerator:1").cpu()
+        torch.manual_seed(123)
+        expected = [torch.rand(4, device="remote_accelerator:1").cpu() for _ in range(2)]
+        assert torch.equal(first_draw, expected[0])
+        assert torch.equal(next_draw, expected[1])  # its random stream went on, not reseeded
         assert [link.endpoint for link in genie.get_runtime().links] == [a.endpoint, b.endpoint]
     finally:
         genie.shutdown()

@@ -844,8 +844,8 @@ class Runtime:
         self.links = [fresh.get(id(link), link) for link in self.links]
         self.streams = [DeviceStream(fresh[id(s.link)], s.local_index, s.global_index, self.config.batch_ops,
                                      self.config.batch_bytes) if id(s.link) in fresh else s for s in self.streams]
-        for callback in self.on_start:
-            callback()
+        # No on_start callbacks: the device count is the same, and the seed they send would restart
+        # the random streams of the daemons that were not lost.
         log.info("genie reconnected to %s", ", ".join(link.endpoint for link in fresh.values()))
         return True
 
