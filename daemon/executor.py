@@ -18,7 +18,11 @@ import torch
 from genie.transport import cuda_ipc, numerics, protocol
 from genie.transport.cuda_ipc import SharedCudaTensor
 from genie.transport.errors import ProtocolError
-from genie.transport.protocol import BulkTensor, DeviceRef, Exec, GeneratorRef, HandleRef, InlineTensor, OpCall
+from genie.transport.protocol import (ADOPT_OP, ALIAS_STORAGE_OP, COPY_STORAGE_OP, DEFINE_PROGRAM_OP, DROP_PROGRAM_OP,
+                                      EVENT_RECORD_OP, EVENT_WAIT_OP, FREE_GENERATORS_OP, KV_APPEND_OP, KV_CLOSE_OP,
+                                      KV_GET_OP, PERSIST_OP, RECORD_STREAM_OP, RECV_OP, REPLAY_OP, RESIZE_STORAGE_OP,
+                                      RNG_STATE_OP, SEED_OP, SEND_OP, SET_RNG_STATE_OP, SHARE_CUDA_OP, STORAGE_OF_OP,
+                                      BulkTensor, DeviceRef, Exec, GeneratorRef, HandleRef, InlineTensor, OpCall)
 from genie.transport.hostmem import snapshot
 from genie.transport.tensors import (as_marked_view, bytes_as_tensor, check_shape, dense, dense_bytes, dtype_name, elements_spanned,
                                      frames_to_tensor, is_dense, tensor_to_buffer, tensor_to_frames)
@@ -31,25 +35,7 @@ from .memory_guard import is_allocation_failure
 
 log = logging.getLogger("genie.daemon")
 
-SEED_OP = "genie::manual_seed"
-FREE_GENERATORS_OP = "genie::free_generators"  # [ids]: torch.Generators the client dropped
-RNG_STATE_OP = "genie::rng_state"  # -> a copy of this client's generator state on the device (CPU uint8)
-SET_RNG_STATE_OP = "genie::set_rng_state"  # [state]: this client's generator on the device takes it
-PERSIST_OP = "genie::mark_persistent"
-SEND_OP = "genie::send"
-RECV_OP = "genie::recv"
-EVENT_RECORD_OP = "genie::event_record"
-EVENT_WAIT_OP = "genie::event_wait"
-RECORD_STREAM_OP = "genie::record_stream"  # [handle]: t.record_stream(the request's stream)
-RESIZE_STORAGE_OP = "genie::resize_storage"  # [handle, nbytes]: t.untyped_storage().resize_(nbytes)
 _MAX_STORAGE_BYTES = 1 << 62  # a resize beyond any memory is refused as malformed, before allocating
-ADOPT_OP = protocol.ADOPT_OP
-SHARE_CUDA_OP = "genie::share_cuda"  # a resident GPU tensor for a client on this host, by CUDA IPC
-ALIAS_STORAGE_OP = "genie::alias_storage"  # a tensor over one of the client's tensors' storage (torch.load)
-STORAGE_OF_OP = "genie::storage_of"  # a tensor's whole storage as uint8, its name, the tensor's place (torch.save)
-COPY_STORAGE_OP = "genie::copy_storage"  # a tensor in a copy of its storage, one copy per storage per memo (deepcopy)
-KV_APPEND_OP, KV_GET_OP, KV_CLOSE_OP = "genie::kv_append", "genie::kv_get", "genie::kv_close"
-DEFINE_PROGRAM_OP, REPLAY_OP, DROP_PROGRAM_OP = "genie::define_program", "genie::replay", protocol.DROP_PROGRAM_OP
 
 
 # torch.inference_mode() builds a Python context object around this guard each time; entered
@@ -61,8 +47,6 @@ def _callable_of(op):
     """What an OpOverload's __call__ calls (its C++ operator): one Python frame less per op run."""
     inner = getattr(op, "_op", None) if type(op) is torch._ops.OpOverload else None
     return inner if callable(inner) else op
-
-
 
 
 _NOT_RESIZABLE = "Trying to resize storage that is not resizable"

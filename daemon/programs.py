@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from genie.transport.protocol import BulkTensor, DeviceRef, HandleRef, InlineTensor, OpCall
+from genie.transport.protocol import REPLAY_OP, BulkTensor, DeviceRef, HandleRef, InlineTensor, OpCall
 
 from . import attention, cuda_parity, fused, layouts
 from . import ops as op_table
@@ -315,7 +315,7 @@ def _finish(executor, client: ClientState, program: Program, compiled: Compiled,
         else:
             client.put(h, regs[r])
     if executor.memory_limit and executor.account.allocated > executor.memory_limit:
-        poison = Poison("genie::replay", "OutOfMemoryError",
+        poison = Poison(REPLAY_OP, "OutOfMemoryError",
                         f"genie-daemon memory limit of {executor.memory_limit} bytes exceeded by a replay's outputs")
         for h, _ in compiled.live:
             client.put(h, poison)

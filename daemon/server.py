@@ -30,7 +30,7 @@ from genie.transport.protocol import BulkTensor
 
 from . import device_faults, fused
 from .bulk_server import BulkListener
-from .executor import RECV_OP, Executor, RemoteOpError
+from .executor import Executor, RemoteOpError
 from .handles import ClientState, MemoryAccount
 from .kv_store import KVDisk, KVStore
 from .peers import Mailbox, PeerLinks, check_transfer_id
@@ -842,7 +842,7 @@ def _transfers_awaited(request, bulk_refs: list) -> list:
     `bulk_refs`: the bulk tensors met while decoding the request's header.
     """
     waits = [("recv", op.args[0]) for op in request.ops
-             if op.name == RECV_OP and op.args and isinstance(op.args[0], str)] if request.ops else []
+             if op.name == protocol.RECV_OP and op.args and isinstance(op.args[0], str)] if request.ops else []
     waits.extend(("bulk", b.xfer) for b in bulk_refs if type(b) is BulkTensor)
     return waits
 
@@ -850,7 +850,7 @@ def _transfers_awaited(request, bulk_refs: list) -> list:
 # Requests at most this big may run on the event loop when the worker is idle.
 INLINE_MAX_OPS = 32
 INLINE_MAX_BYTES = 1 << 20
-_BLOCKING_OPS = frozenset({"genie::recv"})
+_BLOCKING_OPS = frozenset({protocol.RECV_OP})
 
 
 def _small(request, bulk_ok: bool) -> bool:

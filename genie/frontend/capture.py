@@ -719,7 +719,7 @@ def _to_copy(func, args, kwargs):
     return torch.ops.aten._to_copy.default(local, device=target)
 
 
-SHARE_CUDA_OP = "genie::share_cuda"
+SHARE_CUDA_OP = protocol.SHARE_CUDA_OP
 
 
 def _fetch_by_cuda_ipc(src: LazyTensor, target: torch.device) -> torch.Tensor | None:
@@ -739,7 +739,7 @@ def _fetch_by_cuda_ipc(src: LazyTensor, target: torch.device) -> torch.Tensor | 
     return cuda_ipc.client_importer().copy_in(shared, device, wait=True, check_owner=False)
 
 
-STORAGE_OF_OP = "genie::storage_of"
+STORAGE_OF_OP = protocol.STORAGE_OF_OP
 
 
 def storage_of(t: LazyTensor) -> tuple[LazyTensor, tuple, int, tuple[int, ...], tuple[bool, bool]]:
@@ -753,7 +753,7 @@ def storage_of(t: LazyTensor) -> tuple[LazyTensor, tuple, int, tuple[int, ...], 
     return whole, (stream.link, name), offset, tuple(strides), (bool(conj), bool(neg))
 
 
-COPY_STORAGE_OP = "genie::copy_storage"
+COPY_STORAGE_OP = protocol.COPY_STORAGE_OP
 _COPY_MEMOS = "genie copy memos"  # the key of this module's entry in a copy.deepcopy memo (its keys are ints)
 
 
@@ -833,7 +833,7 @@ def _copy_(func, args, kwargs):
     return capture(func, args, kwargs)
 
 
-SEND_OP, RECV_OP = "genie::send", "genie::recv"
+SEND_OP, RECV_OP = protocol.SEND_OP, protocol.RECV_OP
 
 
 def move_between_devices(src: LazyTensor, dst_stream) -> LazyTensor:
@@ -867,7 +867,7 @@ def move_between_devices(src: LazyTensor, dst_stream) -> LazyTensor:
     return out
 
 
-ALIAS_STORAGE_OP = "genie::alias_storage"
+ALIAS_STORAGE_OP = protocol.ALIAS_STORAGE_OP
 
 
 def _set_storage(func, args, kwargs):

@@ -14,6 +14,7 @@ import types
 import torch
 
 from genie.runtime import get_runtime
+from genie.transport.protocol import PERSIST_OP, RNG_STATE_OP, SEED_OP, SET_RNG_STATE_OP
 
 from . import capture, generators
 from .sync_debug import get_sync_debug_mode, set_sync_debug_mode
@@ -25,9 +26,6 @@ from .streams import (Event, Stream, StreamContext, current_stream, default_stre
 OutOfMemoryError = torch.OutOfMemoryError
 
 NAME = "remote_accelerator"
-SEED_OP = "genie::manual_seed"
-RNG_STATE_OP, SET_RNG_STATE_OP = "genie::rng_state", "genie::set_rng_state"
-PERSIST_OP = "genie::mark_persistent"
 
 _state = {"seed": None, "initial_seed": None}
 

@@ -15,12 +15,12 @@ import torch
 
 from genie.errors import GenieError, UnsupportedOperationError
 from genie.transport import protocol
+from genie.transport.protocol import FREE_GENERATORS_OP
 
 from . import native_guard
 
 REMOTE = "remote_accelerator"
 
-FREE_GENERATORS_OP = "genie::free_generators"  # [ids]: generators the client dropped
 
 _homes: dict[int, object] = {}  # generator id -> the DeviceStream it last drew on (its daemon has a twin)
 _dropped: list[int] = []  # ids of generators gone from this process, not yet dropped on their daemon

@@ -26,11 +26,9 @@ from torch.utils._pytree import tree_leaves
 from genie.errors import GenieError
 from genie.runtime import get_runtime
 from genie.runtime.stream import unreplayed_captures
+from genie.transport.protocol import DEFINE_PROGRAM_OP as DEFINE_OP, REPLAY_OP
 
 from .lazy_tensor import LazyTensor
-
-DEFINE_OP = "genie::define_program"
-REPLAY_OP = "genie::replay"
 
 
 class Graph:

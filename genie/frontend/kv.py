@@ -17,11 +17,11 @@ import torch
 
 from genie import errors as genie_errors
 from genie.runtime import get_runtime
+from genie.transport.protocol import KV_APPEND_OP, KV_CLOSE_OP, KV_GET_OP
 
 from . import capture
 from .lazy_tensor import LazyTensor
 
-KV_APPEND_OP, KV_GET_OP, KV_CLOSE_OP = "genie::kv_append", "genie::kv_get", "genie::kv_close"
 CHUNK = 256  # must match genie_daemon.kv_store.CHUNK: the client mirrors the buffers' capacity
 
 

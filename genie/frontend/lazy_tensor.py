@@ -16,6 +16,7 @@ import weakref
 import torch
 
 from genie.runtime.stream import DeviceStream, HandleRef
+from genie.transport.protocol import RESIZE_STORAGE_OP
 from genie.transport.tensors import as_marked_view
 
 from .meta import CONJ, NEG, key_bits, meta_key, set_view_bits, view_bits
@@ -29,7 +30,6 @@ _BACKWARD_HOOKS = torch._C.TensorBase.__dict__["_backward_hooks"]  # its C gette
 # the rest are attributes the program set.
 OWN_STATE = frozenset({"_genie", "_is_param"})
 _make_wrapper = torch.Tensor._make_wrapper_subclass
-RESIZE_STORAGE_OP = "genie::resize_storage"  # [handle, nbytes]: the daemon resizes the tensor's storage
 
 # The address of a remote tensor's (data-less) storage -> the handle of the daemon tensor whose
 # storage it stands for, for each storage this process handed out (untyped_storage(), and so

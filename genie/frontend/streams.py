@@ -24,11 +24,10 @@ import torch
 
 from genie.runtime import get_runtime
 from genie.runtime.stream import current_stream_id, set_current_stream_id
+from genie.transport.protocol import EVENT_RECORD_OP, EVENT_WAIT_OP, RECORD_STREAM_OP
 
 from . import native_guard
 
-EVENT_RECORD_OP, EVENT_WAIT_OP = "genie::event_record", "genie::event_wait"
-RECORD_STREAM_OP = "genie::record_stream"
 
 _stream_ids = itertools.count(1)  # without the C++ guard (whose count torch.Stream shares)
 _event_ids = itertools.count(1)

@@ -78,10 +78,25 @@ VERSION = 4
 # The longest ping period a client may state in hello (it then promises no pings: 0).
 MAX_HEARTBEAT_S = 3600
 
-# The op that keeps an uploaded tensor as received (`.to(device)` of a host tensor).
-ADOPT_OP = "genie::adopt"
-# The op that lets a recorded program (genie.graph) go; the client queues it when the Graph dies.
-DROP_PROGRAM_OP = "genie::drop_program"
+# Genie's own ops, which clients queue beside ATen's and daemons run (daemon/executor.py).
+ADOPT_OP = "genie::adopt"  # keep an uploaded tensor as received (`.to(device)` of a host tensor)
+DROP_PROGRAM_OP = "genie::drop_program"  # let a recorded program (genie.graph) go: its Graph died
+DEFINE_PROGRAM_OP = "genie::define_program"  # [id, [[ops, frees], ...], settings?]: record a program
+REPLAY_OP = "genie::replay"  # [id, ...]: run a recorded program
+SEED_OP = "genie::manual_seed"
+FREE_GENERATORS_OP = "genie::free_generators"  # [ids]: torch.Generators the client dropped
+RNG_STATE_OP = "genie::rng_state"  # -> a copy of this client's generator state on the device (CPU uint8)
+SET_RNG_STATE_OP = "genie::set_rng_state"  # [state]: this client's generator on the device takes it
+PERSIST_OP = "genie::mark_persistent"  # a long-lived tensor (a KV cache), not a temporary
+SEND_OP, RECV_OP = "genie::send", "genie::recv"  # a tensor from one daemon to another
+EVENT_RECORD_OP, EVENT_WAIT_OP = "genie::event_record", "genie::event_wait"
+RECORD_STREAM_OP = "genie::record_stream"  # [handle]: t.record_stream(the request's stream)
+RESIZE_STORAGE_OP = "genie::resize_storage"  # [handle, nbytes]: t.untyped_storage().resize_(nbytes)
+SHARE_CUDA_OP = "genie::share_cuda"  # a resident GPU tensor for a client on this host, by CUDA IPC
+ALIAS_STORAGE_OP = "genie::alias_storage"  # a tensor over one of the client's tensors' storage (torch.load)
+STORAGE_OF_OP = "genie::storage_of"  # a tensor's whole storage as uint8, its name, the tensor's place (torch.save)
+COPY_STORAGE_OP = "genie::copy_storage"  # a tensor in a copy of its storage, one copy per storage per memo (deepcopy)
+KV_APPEND_OP, KV_GET_OP, KV_CLOSE_OP = "genie::kv_append", "genie::kv_get", "genie::kv_close"
 # The error type of an answer saying the daemon's GPU context was lost and the daemon restarts
 # (daemon/device_faults.py): the client takes its link as lost.
 DEVICE_LOST_ERROR = "DeviceLost"
