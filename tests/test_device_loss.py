@@ -15,19 +15,9 @@ import torch
 import genie
 from daemons import DaemonProcess, ipc_endpoint
 from genie import GenieConnectionError, GenieError
+from genie.runtime.runtime import _retry_until  # the runtime's own wait for a restarting daemon
 
 DEV = "remote_accelerator:0"
-
-
-def _until(check, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return check()
-        except GenieConnectionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
 
 
 @pytest.mark.parametrize("listen", ["tcp://127.0.0.1:0", "ipc"])
@@ -49,7 +39,7 @@ def test_a_lost_device_is_reported_and_the_daemon_restarts_in_place(monkeypatch,
         assert "restarts" in message and "every tensor on it is gone" in message, message
 
         # The same process serves again at the same endpoint, and the next use reconnects.
-        fresh = _until(lambda: (torch.full((2,), 3.0, device=DEV) * 2).cpu())
+        fresh = _retry_until(time.monotonic() + 20.0, lambda: (torch.full((2,), 3.0, device=DEV) * 2).cpu())
         assert fresh.tolist() == [6.0, 6.0]
         assert daemon.proc.poll() is None
         assert genie.get_runtime().links[0].endpoint == daemon.endpoint

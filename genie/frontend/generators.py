@@ -21,7 +21,6 @@ from . import native_guard
 
 REMOTE = "remote_accelerator"
 
-
 _homes: dict[int, object] = {}  # generator id -> the DeviceStream it last drew on (its daemon has a twin)
 _dropped: list[int] = []  # ids of generators gone from this process, not yet dropped on their daemon
 

@@ -28,7 +28,6 @@ from genie.transport.protocol import EVENT_RECORD_OP, EVENT_WAIT_OP, RECORD_STRE
 
 from . import native_guard
 
-
 _stream_ids = itertools.count(1)  # without the C++ guard (whose count torch.Stream shares)
 _event_ids = itertools.count(1)
 _PRIVATEUSE1 = int(torch._C._autograd.DeviceType.PrivateUse1)  # torch.Stream's device_type of remote_accelerator

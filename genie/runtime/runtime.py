@@ -782,43 +782,32 @@ class Runtime:
             endpoints = None if self.local_daemon is not None else [link.endpoint for link in self.links]
             # A daemon restarting after its GPU failed (see _error_from) is back in seconds: wait for it.
             deadline = time.monotonic() + (self.config.connect_timeout if any(l.restarting for l in lost) else 0)
-            if endpoints is not None and len(lost) < len(self.links):
-                # Work for a daemon that is there (`wanted`) goes on while a lost one is away,
-                # trying it again at most every RECONNECT_RETRY_S (each try can take seconds).
-                on_healthy = wanted is not None and not wanted.lost
-                if on_healthy and all(time.monotonic() < link.retry_at for link in lost):
+            partial = endpoints is not None and len(lost) < len(self.links)
+            # Work for a daemon that is there (`wanted`) goes on while a lost one is away, trying it
+            # again at most every RECONNECT_RETRY_S (each try can take seconds).
+            on_healthy = partial and wanted is not None and not wanted.lost
+            if on_healthy and all(time.monotonic() < link.retry_at for link in lost):
+                return
+            log.warning("reconnecting after: %s", "; ".join(link.lost for link in lost))
+            if partial:
+                try:
+                    if _retry_until(deadline, lambda: self._replace_lost_links(lost)):
+                        return
+                    # it came back with other devices: connect to all afresh, below
+                except GenieConnectionError as e:
+                    if not on_healthy:
+                        raise
+                    for link in lost:
+                        link.retry_at = time.monotonic() + RECONNECT_RETRY_S
+                    log.warning("%s; the other daemons carry on", e)
                     return
-                log.warning("reconnecting after: %s", "; ".join(link.lost for link in lost))
-                while True:
-                    try:
-                        if self._replace_lost_links(lost):
-                            return
-                        break  # it came back with other devices: connect to all afresh
-                    except GenieConnectionError as e:
-                        if time.monotonic() > deadline:
-                            if on_healthy:
-                                for link in lost:
-                                    link.retry_at = time.monotonic() + RECONNECT_RETRY_S
-                                log.warning("%s; the other daemons carry on", e)
-                                return
-                            raise
-                        time.sleep(0.2)
-            else:
-                log.warning("reconnecting after: %s", "; ".join(link.lost for link in lost))
             curve = self.curve
             self.shutdown()
             # Until a connection is made again, to these, with these keys: a failed attempt must not
             # leave the next use to start an embedded daemon in their place (work meant for a GPU
             # node, on this CPU), nor to connect without the keys genie.init was given.
             self._reconnect_to = (endpoints, curve)
-            while True:
-                try:
-                    self.init(endpoints, curve=curve)
-                    break
-                except GenieConnectionError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.2)
+            _retry_until(deadline, lambda: self.init(endpoints, curve=curve))
 
     def _replace_lost_links(self, lost: list) -> bool:
         """Connect to the lost daemons again and put the new links and their streams in the lost
@@ -964,6 +953,18 @@ class Runtime:
         for stream in self.streams:
             stream.abandon()
         return fresh
+
+
+def _retry_until(deadline: float, attempt):
+    """attempt()'s result, trying again every 0.2 s while it raises GenieConnectionError until
+    time.monotonic() passes `deadline` (then the error is raised)."""
+    while True:
+        try:
+            return attempt()
+        except GenieConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def to_genie_error(exc: BaseException, endpoint: str) -> BaseException:
