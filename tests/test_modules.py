@@ -450,21 +450,17 @@ def test_packed_sequences_through_lstm_match_cpu(dev, batch_first):
 
 
 def test_transformer_encoder_with_padding_mask_in_eval(dev):
-    """Its nested-tensor fast path is refused by name, with the way out; without nested tensors
-    the remote encoder equals the CPU's."""
-    from genie.errors import UnsupportedOperationError
-
+    """With nested tensors (the default; tests/test_nested.py has the cases) and without, the
+    remote encoder equals the CPU's."""
     torch.manual_seed(0)
     x, mask = torch.randn(2, 5, 8), torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
-    nested = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 2).eval()
-    with torch.no_grad(), pytest.raises(UnsupportedOperationError, match="enable_nested_tensor=False"):
-        copy.deepcopy(nested).to(dev)(x.to(dev), src_key_padding_mask=mask.to(dev))
-    dense = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 2,
-                                  enable_nested_tensor=False).eval()
-    with torch.no_grad():
-        want = dense(x, src_key_padding_mask=mask)
-        got = copy.deepcopy(dense).to(dev)(x.to(dev), src_key_padding_mask=mask.to(dev))
-    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-4)
+    for nested in (True, False):
+        encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 2,
+                                        enable_nested_tensor=nested).eval()
+        with torch.no_grad():
+            want = encoder(x, src_key_padding_mask=mask)
+            got = copy.deepcopy(encoder).to(dev)(x.to(dev), src_key_padding_mask=mask.to(dev))
+        torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-4)
 
 
 def _inference_mode_cases(d):

@@ -22,7 +22,7 @@ from genie.transport import cuda_ipc, protocol
 from genie.transport.hostmem import snapshot
 from genie.transport.tensors import DTYPE_NAMES, is_dense, parse_dtype, tensor_to_frames
 
-from . import collectives, generators, meta, shape_rules, sync_debug
+from . import collectives, generators, meta, padded_sequences, shape_rules, sync_debug
 from .lazy_tensor import LazyTensor, OtherSubclassDecides
 
 log = logging.getLogger("genie.capture")
@@ -951,13 +951,6 @@ def _to_sparse_layout(func, args, kwargs):
     raise UnsupportedOperationError(op_name(func), meta.only_strided("sparse"))
 
 
-def _nested_from_mask(func, args, kwargs):
-    raise UnsupportedOperationError(
-        op_name(func), "nested tensors are not supported on remote_accelerator (nn.TransformerEncoder makes "
-        "one in eval mode when given a src_key_padding_mask: construct it with enable_nested_tensor=False; "
-        "its results are then the same except at padded positions, which the nested path sets to 0)")
-
-
 def _pin_remote(func, args, kwargs):
     # As torch refuses to pin a CUDA tensor, here rather than after a round trip to the daemon
     # (which said "Cannot access accelerator device": DataLoader(pin_memory=True) of remote samples).
@@ -987,7 +980,8 @@ _SPECIAL = {
     # Its kernel for every device slices the input by the lengths (a CPU tensor, as torch requires)
     # and makes batch_sizes on the CPU, where PackedSequence wants it: run here, slices captured.
     id(torch.ops.aten._pack_padded_sequence.default): _any_device_kernel,
-    id(torch.ops.aten._nested_tensor_from_mask.default): _nested_from_mask,
+    # nn.TransformerEncoder's nested fast path (eval, a src_key_padding_mask): kept dense, as padded sequences.
+    id(torch.ops.aten._nested_tensor_from_mask.default): padded_sequences.from_mask,
     # torch.tensor(data, device=) marks its result fresh for functionalization: the tensor itself, as
     # torch's own kernel returns (it was captured as an alias op and run on the daemon).
     id(torch.ops.aten.lift_fresh.default): lambda func, args, kwargs: args[0],
