@@ -29,7 +29,7 @@ from genie.transport.tensors import (as_marked_view, bytes_as_tensor, check_shap
 
 from . import attention
 from . import ops as op_table
-from . import cuda_parity, device_faults, layouts, programs, rnn_cells
+from . import cuda_parity, device_faults, layouts, programs, rnn_cells, sync_batch_norm
 from .handles import MAX_COPY_MEMOS, ClientState, Poison
 from .memory_guard import is_allocation_failure
 
@@ -133,6 +133,7 @@ class Executor:
         self.devices = devices
         attention.register()  # kernels for the fused-attention ops clients send under autograd
         rnn_cells.register()  # CPU kernels for the fused LSTM/GRU cell ops torch picks for clients' devices
+        sync_batch_norm.register()  # CPU kernels for nn.SyncBatchNorm's CUDA-only ops
         self.has_cuda = any(d.type == "cuda" for d in devices)
         self.cuda_ipc_offered = False  # set by the server: clients on this host may take GPU tensors by handle
         # (op name, numerics settings) run on a GPU before (see quick_to_start): other settings pick

@@ -1,5 +1,6 @@
 """torch.distributed across processes on remote tensors (genie/frontend/collectives.py): two
-processes, each a client of the session daemon, in one gloo group on loopback."""
+processes, each a client of the session daemon, in one gloo group on loopback: collectives, DDP,
+FSDP2 and SyncBatchNorm against the same training in one process."""
 import json
 import os
 import socket
@@ -14,6 +15,10 @@ RANK_SCRIPT = textwrap.dedent("""
     import torch, torch.distributed as dist
     import genie
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def sync_bn_model():
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                                   torch.nn.Flatten(), torch.nn.Linear(4 * 4 * 4, 2))
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -71,6 +76,19 @@ RANK_SCRIPT = textwrap.dedent("""
         opt.step()
         opt.zero_grad()
     out["params_fsdp2"] = [p.full_tensor().detach().cpu().flatten().tolist() for p in model.parameters()]
+
+    # SyncBatchNorm under DDP, batches of unequal size: statistics over both ranks' samples.
+    torch.manual_seed(0)
+    model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(sync_bn_model()).to(dev)
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(200 + rank)
+    for _ in range(3):
+        ddp(torch.randn(3 + rank, 3, 6, 6, generator=g).to(dev)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    out["params_sync_bn"] = [p.detach().cpu().flatten().tolist() for p in model.parameters()]
+    out["running_sync_bn"] = [model[1].running_mean.cpu().tolist(), model[1].running_var.cpu().tolist()]
     dist.destroy_process_group()
     print("RESULT", json.dumps(out))
 """)
@@ -99,6 +117,24 @@ def _ddp_reference() -> list[list[float]]:
         opt.step()
         opt.zero_grad()
     return [p.detach().flatten().tolist() for p in model.parameters()]
+
+
+def _sync_bn_reference() -> tuple[list[list[float]], list[list[float]]]:
+    """What SyncBatchNorm under DDP computes: batch statistics over both ranks' samples, and the
+    gradient of the mean of the ranks' losses."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                                torch.nn.Flatten(), torch.nn.Linear(4 * 4 * 4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gens = [torch.Generator().manual_seed(200 + rank) for rank in range(2)]
+    for _ in range(3):
+        batches = [torch.randn(3 + rank, 3, 6, 6, generator=g) for rank, g in enumerate(gens)]
+        out = model(torch.cat(batches))
+        ((out[:3].pow(2).mean() + out[3:].pow(2).mean()) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    return ([p.detach().flatten().tolist() for p in model.parameters()],
+            [model[1].running_mean.tolist(), model[1].running_var.tolist()])
 
 
 def test_collectives_and_ddp_across_two_processes(daemon_endpoint, tmp_path):
@@ -130,3 +166,8 @@ def test_collectives_and_ddp_across_two_processes(daemon_endpoint, tmp_path):
         for name in ("params", "params_unused", "params_static", "params_fsdp2"):
             for got, want in zip(r[name], expected):
                 torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
+    # SyncBatchNorm's ops are CUDA-only in torch: a CPU daemon runs daemon/sync_batch_norm.py.
+    params, running = _sync_bn_reference()
+    for r in results:
+        for got, want in zip(r["params_sync_bn"] + r["running_sync_bn"], params + running):
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)

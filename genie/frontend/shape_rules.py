@@ -344,6 +344,87 @@ def plan_fused_gru_cell_backward(bound: dict) -> Plan | None:
     return Plan((gate_grad, gate_grad, _dense_output(grad.dtype, (batch, hidden)).outputs, bias_grad, bias_grad), ())
 
 
+def _batch_norm_input(t) -> bool:
+    """A non-empty floating tensor of 2 or more dimensions, any strides: nn.SyncBatchNorm's input."""
+    return (isinstance(t, torch.Tensor) and t.layout == torch.strided and t.dtype.is_floating_point
+            and t.dim() >= 2 and t.numel() > 0)
+
+
+def _statistics_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The accumulation type CUDA's batch-norm kernels keep statistics in."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _channel_vectors(bound: dict, names: tuple, channels: int) -> bool:
+    return all(isinstance(bound.get(n), torch.Tensor) and bound[n].dtype.is_floating_point
+               and tuple(bound[n].shape) == (channels,) for n in names)
+
+
+def _like_input_in_suggested_format(t) -> NewTensor:
+    """empty_like(t, t.suggest_memory_format()): channels-last strides where t's strides are
+    channels-last-like (4-D and 5-D), else contiguous."""
+    shape = tuple(t.shape)
+    if not strides_like_channels_last(shape, tuple(t.stride())):
+        return _dense_output(t.dtype, shape).outputs
+    inner = [1] * len(shape)  # strides innermost first in the channels-last order
+    order, acc = _CHANNELS_LAST_ORDER[len(shape)], 1
+    for d in order:
+        inner[d] = acc
+        acc *= max(shape[d], 1)
+    return NewTensor(t.dtype, shape, tuple(inner), 0, math.prod(shape) * t.dtype.itemsize)
+
+
+def plan_batch_norm_stats(bound: dict) -> Plan | None:
+    """aten::batch_norm_stats(input, eps) (nn.SyncBatchNorm; no meta kernel in torch): per-channel
+    (mean, invstd), contiguous, in the accumulation type."""
+    x = bound.get("input")
+    if not _batch_norm_input(x):
+        return None
+    vector = _dense_output(_statistics_dtype(x.dtype), (x.shape[1],)).outputs
+    return Plan((vector, vector), ())
+
+
+def plan_batch_norm_gather_stats(bound: dict) -> Plan | None:
+    """aten::batch_norm_gather_stats(_with_counts)(input, mean, invstd, running_mean, running_var,
+    momentum, eps, count(s)): the (world, channels) statistics combined into (mean, invstd) of
+    `channels`, of mean's and invstd's dtypes; the running statistics change values only."""
+    mean, invstd = bound.get("mean"), bound.get("invstd")
+    if not (_batch_norm_input(bound.get("input")) and isinstance(mean, torch.Tensor) and isinstance(invstd, torch.Tensor)
+            and mean.dim() == 2 and mean.shape == invstd.shape and mean.shape[1] == bound["input"].shape[1]
+            and mean.dtype.is_floating_point and invstd.dtype.is_floating_point):
+        return None
+    channels = mean.shape[1]
+    return Plan((_dense_output(mean.dtype, (channels,)).outputs, _dense_output(invstd.dtype, (channels,)).outputs), ())
+
+
+def plan_batch_norm_elemt(bound: dict) -> Plan | None:
+    """aten::batch_norm_elemt(input, weight, bias, mean, invstd, eps) and
+    aten::batch_norm_backward_elemt(grad_out, input, ...): a result like the input, in its
+    suggested memory format (as CUDA's kernels and daemon/sync_batch_norm.py allocate it)."""
+    x = bound.get("input")
+    if not _batch_norm_input(x) or not _channel_vectors(bound, ("mean", "invstd"), x.shape[1]):
+        return None
+    if "grad_out" in bound and not (isinstance(bound["grad_out"], torch.Tensor) and bound["grad_out"].shape == x.shape):
+        return None
+    return Plan(_like_input_in_suggested_format(x), ())
+
+
+def plan_batch_norm_backward_reduce(bound: dict) -> Plan | None:
+    """aten::batch_norm_backward_reduce(grad_out, input, mean, invstd, weight, input_g, weight_g,
+    bias_g): (sum_dy, sum_dy_xmu) of mean's dtype where input_g, grad_weight and grad_bias of the
+    weight's dtype where their flags are set; None for the others."""
+    x, grad, weight = bound.get("input"), bound.get("grad_out"), bound.get("weight")
+    flags = [bound.get(n) for n in ("input_g", "weight_g", "bias_g")]
+    if (not _batch_norm_input(x) or not isinstance(grad, torch.Tensor) or grad.shape != x.shape
+            or not _channel_vectors(bound, ("mean", "invstd"), x.shape[1]) or any(type(f) is not bool for f in flags)
+            or (weight is not None and not _channel_vectors(bound, ("weight",), x.shape[1]))):
+        return None
+    channels, none = x.shape[1], Value(None)
+    sums = _dense_output(bound["mean"].dtype, (channels,)).outputs if flags[0] else none
+    param = _dense_output((weight if weight is not None else bound["mean"]).dtype, (channels,)).outputs
+    return Plan((sums, sums, param if flags[1] else none, param if flags[2] else none), ())
+
+
 def plan_grouped_mm(bound: dict) -> Plan | None:
     """aten::_grouped_mm(self, mat2, offs) (mixture-of-experts layers: Hugging Face's Mixtral,
     Qwen-MoE, ...): PyTorch's meta kernel asks for bfloat16 operands, as CUDA's kernel did once,
@@ -388,6 +469,12 @@ RULES = {id(op): _by_schema_names(op, rule) for op, rule in (
     (_aten._thnn_fused_gru_cell.default, plan_fused_gru_cell),
     (_aten._thnn_fused_gru_cell_backward.default, plan_fused_gru_cell_backward),
     (_aten._grouped_mm.default, plan_grouped_mm),
+    (_aten.batch_norm_stats.default, plan_batch_norm_stats),
+    (_aten.batch_norm_gather_stats.default, plan_batch_norm_gather_stats),
+    (_aten.batch_norm_gather_stats_with_counts.default, plan_batch_norm_gather_stats),
+    (_aten.batch_norm_elemt.default, plan_batch_norm_elemt),
+    (_aten.batch_norm_backward_elemt.default, plan_batch_norm_elemt),
+    (_aten.batch_norm_backward_reduce.default, plan_batch_norm_backward_reduce),
     *((op, plan_fused_step) for op in (_aten._fused_sgd_.default, _aten._fused_sgd_.tensor_lr,
                                        _aten._fused_adagrad_.default, _aten._fused_adagrad_.tensor_lr)),
     (_aten.view_copy.default, plan_view_copy),

@@ -354,3 +354,41 @@ def test_layout_tests_match_torch_on_random_layouts():
             fmt = torch.channels_last if rank == 4 else torch.channels_last_3d
             assert shape_rules.channels_last_contiguous(shape, stride) == probe.is_contiguous(memory_format=fmt), \
                 (shape, stride)
+
+
+def test_sync_batch_norm_rules_match_the_daemon_kernels():
+    """nn.SyncBatchNorm's ops have no meta kernel in torch: the rules plan them (no round trip per
+    op), and the CPU daemon's kernels (daemon/sync_batch_norm.py) give those layouts whatever the
+    input's layout, channels-last included."""
+    from daemon import sync_batch_norm as sbn
+
+    aten = torch.ops.aten
+    alone = lambda plan: meta.Plan((plan.outputs,), ())  # noqa: E731 (a one-output plan as a tuple)
+    rng = random.Random(0)
+    for _ in range(60):
+        shape = rng.choice([(rng.randint(1, 4), rng.randint(1, 5)), (rng.randint(1, 3), rng.randint(1, 4), rng.randint(1, 5)),
+                            tuple(rng.randint(1, 4) for _ in range(4))])
+        dtype = rng.choice([torch.float32, torch.float64, torch.float16])
+        x, grad = laid_out(rng, shape, dtype), laid_out(rng, shape, dtype)
+        c = shape[1]
+        stats = sbn.stats(x, 1e-5)
+        _planned_outputs_match(rule(aten.batch_norm_stats.default)((x, 1e-5), {}), stats)
+        mean, invstd = stats
+        world = (mean.repeat(2, 1), invstd.repeat(2, 1))
+        gathered = sbn.gather_stats_with_counts(x, *world, None, None, 0.1, 1e-5, torch.tensor([3.0, 4.0]))
+        _planned_outputs_match(rule(aten.batch_norm_gather_stats_with_counts.default)(
+            (x, *world, None, None, 0.1, 1e-5, torch.tensor([3.0, 4.0])), {}), gathered)
+        weight = rng.choice([None, torch.randn(c).to(dtype)])
+        args = (x, weight, None, mean, invstd, 1e-5)
+        _planned_outputs_match(alone(rule(aten.batch_norm_elemt.default)(args, {})), [sbn.elemt(*args)])
+        flags = tuple(rng.random() < 0.5 for _ in range(3))
+        flags = flags if weight is not None else (flags[0], False, False)
+        args = (grad, x, mean, invstd, weight, *flags)
+        reduced = sbn.backward_reduce(*args)
+        _planned_outputs_match(rule(aten.batch_norm_backward_reduce.default)(args, {}), reduced)
+        sums = sbn.backward_reduce(grad, x, mean, invstd, weight, True, False, False)[:2]
+        args = (grad, x, mean, invstd, weight, *sums, torch.tensor([5, 6], dtype=torch.int32))
+        _planned_outputs_match(alone(rule(aten.batch_norm_backward_elemt.default)(args, {})), [sbn.backward_elemt(*args)])
+    # Inputs that do not fit are declined (the daemon then says why).
+    assert rule(aten.batch_norm_stats.default)((torch.randn(3), 1e-5), {}) is None
+    assert rule(aten.batch_norm_elemt.default)((torch.randn(2, 3), None, None, torch.randn(4), torch.randn(4), 1e-5), {}) is None
