@@ -288,6 +288,7 @@ def sweep(only: set[str] | None = None, max_samples: int | None = None, dev: str
         "ops": len(per_op), "ops_all_pass": sum(1 for p, f in per_op.values() if f == 0 and p > 0),
         "seconds": time.perf_counter() - t0,
         "failures": {k: v[:3] for k, v in failures.items()},
+        "failed_per_op": {k: f for k, (p, f) in per_op.items() if f},
         "layout_differs": dict(layouts),
     }
 

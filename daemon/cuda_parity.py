@@ -1,4 +1,5 @@
-"""Ops a CPU daemon runs for dtypes CUDA's kernels take and the CPU's refuse.
+"""Ops a CPU daemon runs as CUDA runs them: dtypes CUDA's kernels take and the CPU's refuse, and
+results whose sizes differ on the CPU.
 
 Programs choose their code path by device type, and remote_accelerator is not "cpu": they take
 the path they take on a GPU. Hugging Face's mixture-of-experts layers (Mixtral, Qwen-MoE, ...)
@@ -22,7 +23,41 @@ def histc(input, bins=100, min=0, max=0):  # noqa: A002 - the op's own argument 
     return aten.histc.default(input.double(), bins, min, max).to(input.dtype)
 
 
-REPLACED = {"aten::histc": histc}
+_MODE_MAX = 2
+
+
+def _embedding_bag_like_cuda(op):
+    """aten::_embedding_bag(_forward_only) with CUDA's auxiliary results, which the client plans (torch's
+    meta kernel gives them for every device but the CPU): offset2bag one per index (the CPU's fast
+    path for sums leaves it empty), bag_size one per offset (the CPU's one per bag: one fewer with
+    include_last_offset; the last left 0), max_indices empty unless mode is max, all of the
+    indices' dtype. Without this the client's idea of their sizes was wrong, and
+    nn.EmbeddingBag(sparse=True)'s backward, which the client computes from them, read an empty
+    offset2bag."""
+    def run(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False, per_sample_weights=None,
+            include_last_offset=False, padding_idx=-1):
+        output, offset2bag, bag_size, max_indices = op(weight, indices, offsets, scale_grad_by_freq, mode, sparse,
+                                                       per_sample_weights, include_last_offset, padding_idx)
+        if weight.device.type != "cpu":
+            return output, offset2bag, bag_size, max_indices
+        if offset2bag.numel() != indices.numel():
+            # The kernel's own make_offset2bag: a 1 at each bag's first index, cumulated.
+            offset2bag = torch.zeros(indices.numel() + 1, dtype=torch.int64).index_add_(
+                0, offsets.long(), torch.ones_like(offsets, dtype=torch.int64))
+            offset2bag[0] -= 1
+            offset2bag = offset2bag.cumsum(0)[:indices.numel()]
+        if bag_size.shape[0] != offsets.shape[0]:
+            bag_size = torch.cat([bag_size, bag_size.new_zeros(offsets.shape[0] - bag_size.shape[0])])
+        if mode != _MODE_MAX:
+            max_indices = indices.new_empty(0)
+        return output, offset2bag.to(indices.dtype), bag_size.to(indices.dtype), max_indices.to(indices.dtype)
+
+    return run
+
+
+REPLACED = {"aten::histc": histc,
+            "aten::_embedding_bag": _embedding_bag_like_cuda(aten._embedding_bag.default),
+            "aten::_embedding_bag_forward_only": _embedding_bag_like_cuda(aten._embedding_bag_forward_only.default)}
 
 
 def replacement(name: str):

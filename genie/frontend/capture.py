@@ -22,7 +22,7 @@ from genie.transport import cuda_ipc, protocol
 from genie.transport.hostmem import snapshot
 from genie.transport.tensors import DTYPE_NAMES, is_dense, parse_dtype, tensor_to_frames
 
-from . import collectives, generators, meta, padded_sequences, shape_rules, sync_debug
+from . import collectives, generators, meta, padded_sequences, shape_rules, sparse_coo, sync_debug
 from .lazy_tensor import LazyTensor, OtherSubclassDecides
 
 log = logging.getLogger("genie.capture")
@@ -948,7 +948,27 @@ def _item(func, args, kwargs):
 
 
 def _to_sparse_layout(func, args, kwargs):
-    raise UnsupportedOperationError(op_name(func), meta.only_strided("sparse"))
+    layout = str(func._schema.name).rsplit("_", 1)[-1].upper()  # aten::_to_sparse_csr -> CSR
+    raise UnsupportedOperationError(op_name(func), meta.only_strided(f"sparse {layout}"))
+
+
+def _embedding_bag_backward(func, args, kwargs):
+    """nn.EmbeddingBag(sparse=True)'s backward: its kernel for every device runs the composite sparse
+    path, whose ops capture makes into a remote sparse COO gradient (genie/frontend/sparse_coo.py)."""
+    bound = dict(zip((a.name for a in func._schema.arguments), args), **kwargs)
+    if not bound.pop("sparse", False):
+        return capture(func, args, kwargs)
+    del bound["maximum_indices"]
+    indices, offsets = bound["indices"], bound["offsets"]
+    if indices.dtype != offsets.dtype:  # promoteIndicesAndOffsets, as the kernel does
+        indices, offsets = indices.long(), offsets.long()
+        bound.update(indices=indices, offsets=offsets)
+    if indices.numel() and not bound["offset2bag"].numel():
+        # The forward skips offset2bag in its fast path; the kernel then makes it from the offsets.
+        offset2bag = offsets.new_zeros(indices.shape[0] + 1).index_add_(0, offsets, torch.ones_like(offsets))
+        offset2bag[0] -= 1
+        bound["offset2bag"] = offset2bag.cumsum(0, dtype=offset2bag.dtype)[:indices.shape[0]]
+    return torch.ops.aten._embedding_bag_sparse_backward.default.decompose(**bound)
 
 
 def _pin_remote(func, args, kwargs):
@@ -986,9 +1006,18 @@ _SPECIAL = {
     # torch's own kernel returns (it was captured as an alias op and run on the daemon).
     id(torch.ops.aten.lift_fresh.default): lambda func, args, kwargs: args[0],
     **{id(getattr(packet, overload)): _to_sparse_layout
-       for packet in (torch.ops.aten._to_sparse, torch.ops.aten._to_sparse_csr, torch.ops.aten._to_sparse_csc,
+       for packet in (torch.ops.aten._to_sparse_csr, torch.ops.aten._to_sparse_csc,
                       torch.ops.aten._to_sparse_bsr, torch.ops.aten._to_sparse_bsc)
        for overload in packet.overloads()},
+    # Sparse COO: remote indices and values (genie/frontend/sparse_coo.py).
+    id(torch.ops.aten._to_sparse.default): sparse_coo.dense_to_sparse,
+    id(torch.ops.aten._to_sparse.sparse_dim): sparse_coo.dense_to_sparse,
+    id(torch.ops.aten._sparse_coo_tensor_with_dims_and_tensors.default): sparse_coo.from_parts,
+    id(torch.ops.aten._sparse_coo_tensor_unsafe.default): sparse_coo.from_parts,
+    id(torch.ops.aten._embedding_bag_backward.default): _embedding_bag_backward,
+    # Composite ops that make sparse results, reached below autograd: their ops, one by one.
+    id(torch.ops.aten.embedding_sparse_backward.default):
+        lambda func, args, kwargs: func.decompose(*args, **kwargs),
 }
 
 # LazyTensor.__torch_dispatch__ calls this module's dispatch directly from now on.

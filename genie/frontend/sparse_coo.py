@@ -1,0 +1,299 @@
+"""Sparse COO tensors on remote_accelerator: remote indices and values, ops in dense ops.
+
+The daemon holds strided tensors only. A `RemoteSparseCOO` is a tensor whose layout is
+torch.sparse_coo (`is_sparse` is True, as PyTorch's autograd and optimizers test) over two
+remote tensors: indices (sparse_dim, nnz) int64 and values (nnz, *dense dims). Each op on it is
+written here in dense ops on those two (gathers, index_put_ with accumulate, cat, unique), which
+capture sends like any others. That covers what sparse gradients need, nn.Embedding(sparse=True)
+and nn.EmbeddingBag(sparse=True) with SGD, Adagrad and SparseAdam, and sparse-dense products
+(torch.sparse.mm, as graph networks use):
+creation (torch.sparse_coo_tensor, .to_sparse(), .to() of a CPU sparse tensor), .cpu(),
+coalesce, to_dense, indices/values, add / sub (sparse or dense with sparse), mul / div by a
+scalar, sparse_mask, mm / addmm of a 2-D sparse and a dense matrix, t / transpose, sum.
+Anything else is refused by name, with the way out (.to_dense()).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch._C import DispatchKey, DispatchKeySet
+
+from genie.errors import UnsupportedOperationError
+
+from .meta import only_strided
+
+_aten = torch.ops.aten
+_SPARSE_KEYS = DispatchKeySet(DispatchKey.SparsePrivateUse1)
+
+
+class RemoteSparseCOO(torch.Tensor):
+    """A sparse COO tensor on a remote device: `indices` (sparse_dim, nnz), `values` (nnz, *dense)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, indices: torch.Tensor, values: torch.Tensor, size, coalesced: bool = False,
+                requires_grad: bool = False) -> "RemoteSparseCOO":
+        t = torch.Tensor._make_wrapper_subclass(cls, tuple(size), dtype=values.dtype, layout=torch.sparse_coo,
+                                                device=values.device, requires_grad=requires_grad,
+                                                _extra_dispatch_keys=_SPARSE_KEYS)
+        t._indices_, t._values_, t._coalesced = indices, values, coalesced
+        return t
+
+    @property
+    def _sparse_dim(self) -> int:
+        return self._indices_.shape[0]
+
+    def __repr__(self) -> str:
+        on_cpu = repr(self.cpu())
+        return f"{on_cpu[:-1]}, device='{self.device}')"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        handler = _HANDLERS.get(func)
+        if handler is None:
+            raise UnsupportedOperationError(
+                str(func.name()), "a sparse COO tensor on remote_accelerator has only these ops: "
+                f"{', '.join(sorted({str(op.name()).removeprefix('aten::') for op in _HANDLERS}))}; "
+                "convert with .to_dense() first")
+        return handler(*args, **(kwargs or {}))
+
+
+# ------------------------------------------------------------------ creation
+
+
+def from_parts(func, args, kwargs):
+    """aten::_sparse_coo_tensor_with_dims_and_tensors(sparse_dim, dense_dim, size, indices, values, *,
+    dtype, layout, device, pin_memory, is_coalesced) and _sparse_coo_tensor_unsafe(indices,
+    values, size, ...) with remote indices and values (torch.sparse_coo_tensor, autograd's sparse
+    gradients, `.to()` of a CPU sparse tensor all end here)."""
+    bound = dict(zip((a.name for a in func._schema.arguments), args), **kwargs)
+    indices, values, size = bound["indices"], bound["values"], tuple(bound["size"])
+    if values.device != indices.device:
+        raise RuntimeError(f"indices and values must be on the same device, but got {indices.device} and {values.device}")
+    if indices.dim() != 2 or values.dim() != 1 + len(size) - indices.shape[0]:
+        raise RuntimeError(f"sparse COO: indices {tuple(indices.shape)} and values {tuple(values.shape)} "
+                           f"do not fit size {size}")
+    dtype = bound.get("dtype") or values.dtype
+    return RemoteSparseCOO(indices.to(torch.int64), values.to(dtype), size, bool(bound.get("is_coalesced") or False))
+
+
+def dense_to_sparse(func, args, kwargs):
+    """aten::_to_sparse(self, layout=None, blocksize=None, dense_dim=None) and
+    _to_sparse.sparse_dim(self, sparse_dim): COO of the entries that are not all zero
+    (a read of how many there are, as on any device)."""
+    bound = dict(zip((a.name for a in func._schema.arguments), args), **kwargs)
+    x = bound["self"]
+    if bound.get("layout") not in (None, torch.sparse_coo) or bound.get("blocksize") is not None:
+        raise UnsupportedOperationError(str(func.name()), only_strided(bound.get("layout")))
+    sparse_dim = bound.get("sparse_dim")
+    if sparse_dim is None:
+        sparse_dim = x.dim() - (bound.get("dense_dim") or 0)
+    nonzero = x != 0
+    if sparse_dim < x.dim():
+        nonzero = nonzero.flatten(sparse_dim).any(-1)
+    indices = nonzero.nonzero().t().contiguous()
+    return RemoteSparseCOO(indices, x[tuple(indices)], x.shape, coalesced=True)
+
+
+# ------------------------------------------------------------------ reading it
+
+
+def _linear(s: RemoteSparseCOO) -> torch.Tensor:
+    """Each entry's position in the sparse dimensions, row-major (int64)."""
+    sizes = s.shape[:s._sparse_dim]
+    strides = [math.prod(sizes[d + 1:]) for d in range(len(sizes))]
+    weights = torch.tensor(strides, dtype=torch.int64).to(s.device)
+    return (s._indices_ * weights.unsqueeze(1)).sum(0)
+
+
+def _coalesce(s: RemoteSparseCOO) -> RemoteSparseCOO:
+    """Unique indices in row-major order, the values of repeated ones summed (as the CPU's)."""
+    if s._coalesced:
+        return s
+    sizes = s.shape[:s._sparse_dim]
+    if s._indices_.shape[1] == 0 or not sizes:
+        values = s._values_.sum(0, keepdim=True) if not sizes and s._values_.shape[0] else s._values_
+        return RemoteSparseCOO(s._indices_[:, :values.shape[0]], values, s.shape, coalesced=True)
+    unique, inverse = torch.unique(_linear(s), sorted=True, return_inverse=True)
+    values = s._values_.new_zeros((unique.shape[0], *s._values_.shape[1:])).index_add_(0, inverse, s._values_)
+    rows = [(unique // math.prod(sizes[d + 1:])) % sizes[d] for d in range(len(sizes))]
+    return RemoteSparseCOO(torch.stack(rows), values, s.shape, coalesced=True)
+
+
+def _checked_coalesced(what: str):
+    def read(s):
+        if not s._coalesced:
+            raise RuntimeError(f"Cannot get {what} on an uncoalesced tensor, please call .coalesce() first")
+        return s._indices_ if what == "indices" else s._values_
+    return read
+
+
+def _to_dense(s, dtype=None, masked_grad=None):
+    dense = s._values_.new_zeros(s.shape, dtype=dtype or s.dtype)
+    if s._indices_.shape[1]:
+        dense.index_put_(tuple(s._indices_), s._values_.to(dense.dtype), accumulate=True)
+    return dense
+
+
+def _to_copy(s, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None):
+    if layout not in (None, torch.sparse_coo):
+        raise UnsupportedOperationError("aten::_to_copy", f"a sparse COO tensor to layout {layout}: use .to_dense()")
+    values = s._values_ if dtype is None else s._values_.to(dtype)
+    device = torch.device(device) if device is not None else s.device
+    if device.type == s.device.type:
+        return RemoteSparseCOO(s._indices_.to(device), values.to(device), s.shape, s._coalesced)
+    return torch.sparse_coo_tensor(s._indices_.to(device), values.to(device), s.shape, is_coalesced=s._coalesced)
+
+
+# ------------------------------------------------------------------ arithmetic
+
+
+def _scalar(other) -> bool:
+    return not isinstance(other, torch.Tensor) or other.dim() == 0
+
+
+def _add(a, b, alpha=1, out_place=True):
+    """a + alpha * b: sparse + sparse stays sparse (indices joined, not coalesced, as on CUDA);
+    dense + sparse is dense (sparse entries accumulated into a copy, or into `a` in place)."""
+    if isinstance(a, RemoteSparseCOO) and isinstance(b, RemoteSparseCOO):
+        if a.shape != b.shape:
+            raise RuntimeError(f"add: expected sizes of 'self' and 'other' to match, but {tuple(a.shape)} != {tuple(b.shape)}")
+        values = b._values_ if alpha == 1 else b._values_ * alpha
+        indices, values = torch.cat([a._indices_, b._indices_], 1), torch.cat([a._values_, values.to(a.dtype)])
+        if out_place:
+            return RemoteSparseCOO(indices, values, a.shape)
+        a._indices_, a._values_, a._coalesced = indices, values, False
+        return a
+    if isinstance(b, RemoteSparseCOO) and not isinstance(a, RemoteSparseCOO):
+        if tuple(a.shape) != tuple(b.shape):
+            raise RuntimeError(f"add: expected 'self' and 'other' to have same size, but self has size "
+                               f"{list(a.shape)} while other has size {list(b.shape)}")
+        target = a.clone() if out_place else a
+        if b._indices_.shape[1]:
+            values = b._values_ if alpha == 1 else b._values_ * alpha
+            target.index_put_(tuple(b._indices_), values.to(target.dtype), accumulate=True)
+        return target
+    raise UnsupportedOperationError("aten::add", "a sparse COO tensor plus a dense one on remote_accelerator: "
+                                    "write dense + sparse, or convert with .to_dense()")
+
+
+def _scaled(s, factor, op):
+    if isinstance(factor, RemoteSparseCOO) or not _scalar(factor):
+        raise UnsupportedOperationError(f"aten::{op}", "a sparse COO tensor times a tensor on remote_accelerator: "
+                                        "only a scalar (or a 0-dim tensor)")
+    values = s._values_ * factor if op == "mul" else s._values_ / factor
+    return RemoteSparseCOO(s._indices_, values, s.shape, s._coalesced)
+
+
+def _in_place(op):
+    def apply(s, other, **kwargs):
+        result = op(s, other, **kwargs)
+        s._indices_, s._values_, s._coalesced = result._indices_, result._values_, result._coalesced
+        return s
+    return apply
+
+
+def _sparse_mask(dense, mask):
+    """dense's values at mask's indices, as a sparse tensor with mask's indices."""
+    if tuple(dense.shape) != tuple(mask.shape):
+        raise RuntimeError("sparse_mask(): operands have incompatible sizes")
+    return RemoteSparseCOO(mask._indices_, dense[tuple(mask._indices_)], mask.shape, mask._coalesced)
+
+
+def _matrix(s, what: str) -> None:
+    if s.dim() != 2 or s._sparse_dim != 2:
+        raise UnsupportedOperationError(f"aten::{what}", "only a 2-D sparse COO matrix (no dense dimensions) "
+                                        "times a dense matrix on remote_accelerator")
+
+
+def _mm(s, dense):
+    if not isinstance(s, RemoteSparseCOO) or isinstance(dense, RemoteSparseCOO):
+        raise UnsupportedOperationError("aten::mm", "on remote_accelerator only sparse @ dense: convert the sparse "
+                                        "operand on the right with .to_dense()")
+    _matrix(s, "mm")
+    if dense.dim() != 2 or dense.shape[0] != s.shape[1]:
+        raise RuntimeError(f"mat1 and mat2 shapes cannot be multiplied ({s.shape[0]}x{s.shape[1]} and "
+                           f"{'x'.join(map(str, dense.shape))})")
+    rows, cols = s._indices_
+    out = dense.new_zeros((s.shape[0], dense.shape[1]))
+    return out.index_add_(0, rows, s._values_.unsqueeze(1) * dense[cols])
+
+
+def _matmul(a, b):
+    if not isinstance(a, RemoteSparseCOO) or a.dim() != 2 or b.dim() != 2:
+        raise UnsupportedOperationError("aten::matmul", "on remote_accelerator only a 2-D sparse matrix @ a dense "
+                                        "matrix: convert the other sparse operand with .to_dense()")
+    return _mm(a, b)
+
+
+def _addmm(input, s, dense, beta=1, alpha=1):
+    product = _mm(s, dense)
+    return product * alpha + (input * beta if beta != 1 else input) if beta != 0 else product * alpha
+
+
+def _transpose(s, dim0=0, dim1=1):
+    d = s.dim()
+    dim0, dim1 = dim0 % d, dim1 % d
+    if max(dim0, dim1) >= s._sparse_dim:
+        raise UnsupportedOperationError("aten::transpose", "transposing a dense dimension of a sparse COO tensor "
+                                        "on remote_accelerator")
+    order = list(range(s._sparse_dim))
+    order[dim0], order[dim1] = order[dim1], order[dim0]
+    size = list(s.shape)
+    size[dim0], size[dim1] = size[dim1], size[dim0]
+    return RemoteSparseCOO(s._indices_[order], s._values_, size)
+
+
+def _zero_(s):
+    s._indices_ = s._indices_[:, :0]
+    s._values_ = s._values_[:0]
+    s._coalesced = True
+    return s
+
+
+def _sum(s, dtype=None):
+    return s._values_.sum(dtype=dtype)
+
+
+_HANDLERS = {
+    _aten._indices.default: lambda s: s._indices_,
+    _aten._values.default: lambda s: s._values_,
+    _aten.indices.default: _checked_coalesced("indices"),
+    _aten.values.default: _checked_coalesced("values"),
+    _aten._nnz.default: lambda s: s._indices_.shape[1],
+    _aten.sparse_dim.default: lambda s: s._sparse_dim,
+    _aten.dense_dim.default: lambda s: s.dim() - s._sparse_dim,
+    _aten.is_coalesced.default: lambda s: s._coalesced,
+    _aten._coalesced_.default: lambda s, coalesced: (setattr(s, "_coalesced", coalesced), s)[1],
+    _aten.coalesce.default: _coalesce,
+    _aten._coalesce.default: _coalesce,
+    _aten._to_dense.default: _to_dense,
+    _aten._to_copy.default: _to_copy,
+    _aten.clone.default: lambda s, memory_format=None: RemoteSparseCOO(s._indices_.clone(), s._values_.clone(),
+                                                                       s.shape, s._coalesced),
+    _aten.detach.default: lambda s: RemoteSparseCOO(s._indices_, s._values_, s.shape, s._coalesced),
+    _aten.add.Tensor: lambda a, b, alpha=1: _add(a, b, alpha),
+    _aten.add_.Tensor: lambda a, b, alpha=1: _add(a, b, alpha, out_place=False),
+    _aten.sub.Tensor: lambda a, b, alpha=1: _add(a, b, -alpha),
+    _aten.sub_.Tensor: lambda a, b, alpha=1: _add(a, b, -alpha, out_place=False),
+    _aten.mul.Tensor: lambda s, f: _scaled(s, f, "mul") if isinstance(s, RemoteSparseCOO) else _scaled(f, s, "mul"),
+    _aten.mul.Scalar: lambda s, f: _scaled(s, f, "mul"),
+    _aten.mul_.Tensor: _in_place(lambda s, f: _scaled(s, f, "mul")),
+    _aten.mul_.Scalar: _in_place(lambda s, f: _scaled(s, f, "mul")),
+    _aten.div.Tensor: lambda s, f: _scaled(s, f, "div"),
+    _aten.div.Scalar: lambda s, f: _scaled(s, f, "div"),
+    _aten.div_.Tensor: _in_place(lambda s, f: _scaled(s, f, "div")),
+    _aten.div_.Scalar: _in_place(lambda s, f: _scaled(s, f, "div")),
+    _aten.neg.default: lambda s: _scaled(s, -1, "mul"),
+    _aten.sparse_mask.default: _sparse_mask,
+    _aten.mm.default: _mm,
+    _aten.addmm.default: _addmm,
+    _aten._sparse_addmm.default: _addmm,  # torch.sparse.mm(sparse, dense)
+    _aten.matmul.default: _matmul,
+    _aten.t.default: lambda s: _transpose(s, 0, 1),
+    _aten.transpose.int: _transpose,
+    _aten.zero_.default: _zero_,
+    _aten.sum.default: _sum,
+}

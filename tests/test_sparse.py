@@ -1,0 +1,132 @@
+"""Sparse COO tensors on a remote device (genie/frontend/sparse_coo.py): remote indices and
+values, each op written in dense ops. Everything is compared with the same code on the CPU."""
+import copy
+import itertools
+import re
+
+import pytest
+import torch
+
+from genie.errors import UnsupportedOperationError
+
+I = torch.tensor([[0, 1, 1, 0], [2, 0, 2, 2]])
+V = torch.tensor([1.0, 2.0, 3.0, 4.0])
+
+
+def _cpu():
+    return torch.sparse_coo_tensor(I, V, (2, 3))
+
+
+def _same(got, want):
+    """Same sparse tensor as the CPU's: flags, indices and values (or dense values)."""
+    assert got.device.type == "remote_accelerator" and got.is_sparse and got.layout == torch.sparse_coo
+    back = got.cpu()
+    assert back.is_sparse and back.is_coalesced() == want.is_coalesced() and back.shape == want.shape
+    if want.is_coalesced():
+        assert torch.equal(back.indices(), want.indices())
+        torch.testing.assert_close(back.values(), want.values())
+    torch.testing.assert_close(back.to_dense(), want.to_dense())
+
+
+def test_made_moved_and_read_like_cpu(dev):
+    _same(torch.sparse_coo_tensor(I.to(dev), V.to(dev), (2, 3)), _cpu())
+    _same(_cpu().to(dev), _cpu())
+    _same(_cpu().to(dev).coalesce(), _cpu().coalesce())
+    _same(_cpu().to(dev).double(), _cpu().double())
+    dense = torch.tensor([[0.0, 1.5, 0.0], [2.0, 0.0, -1.0]])
+    _same(dense.to(dev).to_sparse(), dense.to_sparse())
+    hybrid = torch.tensor([[[0.0, 0.0], [1.0, 0.0]], [[0.0, 0.0], [0.0, 0.0]], [[3.0, 4.0], [0.0, 0.0]]])
+    _same(hybrid.to(dev).to_sparse(2), hybrid.to_sparse(2))  # values of (nnz, 2)
+    remote = _cpu().to(dev)
+    assert remote._nnz() == 4 and remote.sparse_dim() == 2 and remote.dense_dim() == 0 and not remote.is_coalesced()
+    with pytest.raises(RuntimeError, match=re.escape("Cannot get indices on an uncoalesced tensor")):
+        remote.indices()
+    assert torch.equal(remote._indices().cpu(), I) and torch.equal(remote._values().cpu(), V)
+    assert "layout=torch.sparse_coo, device='remote_accelerator:0'" in repr(remote)
+
+
+def test_arithmetic_like_cpu(dev):
+    cpu, remote = _cpu(), _cpu().to(dev)
+    dense = torch.randn(2, 3)
+    torch.testing.assert_close((dense.to(dev) + remote).cpu(), dense + cpu)
+    torch.testing.assert_close((dense.to(dev) - remote).cpu(), dense - cpu)
+    in_place = dense.to(dev)
+    in_place.add_(remote, alpha=-0.5)
+    torch.testing.assert_close(in_place.cpu(), dense.clone().add_(cpu, alpha=-0.5))
+    torch.testing.assert_close((remote + remote).to_dense().cpu(), (cpu + cpu).to_dense())
+    _same(remote * 3, cpu * 3)
+    _same(remote / 2, cpu / 2)
+    _same(-remote, -cpu)
+    _same(dense.to(dev).sparse_mask(remote.coalesce()), dense.sparse_mask(cpu.coalesce()))
+    torch.testing.assert_close(torch.sparse.sum(remote).cpu(), torch.sparse.sum(cpu))
+    torch.testing.assert_close(remote.t().to_dense().cpu(), cpu.t().to_dense())
+    remote.zero_()
+    assert remote._nnz() == 0 and remote.to_dense().abs().sum().item() == 0
+
+
+def test_sparse_times_dense_and_its_gradient_like_cpu(dev):
+    cpu = _cpu()
+    d = torch.randn(3, 4, requires_grad=True)
+    dr = d.detach().to(dev).requires_grad_()
+    for f in (torch.sparse.mm, torch.mm, torch.matmul, lambda a, b: a @ b):
+        torch.testing.assert_close(f(cpu.to(dev), dr).cpu(), f(cpu, d))
+    torch.sparse.mm(cpu, d).pow(2).sum().backward()
+    torch.sparse.mm(cpu.to(dev), dr).pow(2).sum().backward()
+    torch.testing.assert_close(dr.grad.cpu(), d.grad)
+    bias = torch.randn(2, 4)
+    torch.testing.assert_close(torch.addmm(bias.to(dev), cpu.to(dev), dr, beta=0.5, alpha=2).cpu(),
+                               torch.addmm(bias, cpu, d, beta=0.5, alpha=2))
+
+
+@pytest.mark.parametrize("optimizer,options", [(torch.optim.SGD, {"lr": 0.1}), (torch.optim.Adagrad, {"lr": 0.1}),
+                                               (torch.optim.SparseAdam, {"lr": 0.05})])
+def test_sparse_embedding_training_like_cpu(dev, optimizer, options):
+    """nn.Embedding(sparse=True): sparse gradients on the device (accumulated over two backward
+    passes), and the optimizers that take them give the CPU's weights."""
+    torch.manual_seed(0)
+    cpu = torch.nn.Embedding(10, 3, sparse=True)
+    remote = copy.deepcopy(cpu).to(dev)
+    steps = [(cpu, optimizer(cpu.parameters(), **options), lambda t: t),
+             (remote, optimizer(remote.parameters(), **options), lambda t: t.to(dev))]
+    for step in range(3):
+        ids = (torch.tensor([[1, 2, 2, 5], [4, 3, 2, 9]]) + step) % 10
+        for model, opt, where in steps:
+            opt.zero_grad()
+            for half in ids:
+                (model(where(half)) ** 2).sum().backward()
+            if step == 2:
+                assert model.weight.grad.is_sparse
+            opt.step()
+    torch.testing.assert_close(remote.weight.detach().cpu(), cpu.weight.detach(), atol=1e-6, rtol=1e-5)
+    assert remote.weight.grad.device.type == "remote_accelerator"
+    torch.testing.assert_close(remote.weight.grad.to_dense().cpu(), cpu.weight.grad.to_dense())
+
+
+def test_embedding_bag_every_mode_like_cpu(dev):
+    """nn.EmbeddingBag, dense and sparse gradients: outputs and gradients equal the CPU's. A CPU
+    daemon gives the auxiliary results CUDA's sizes, as the client plans them (daemon/cuda_parity.py):
+    before, the sparse backward read an empty offset2bag."""
+    for mode, last, weighted, pad, sparse in itertools.product(["sum", "mean", "max"], [False, True], [False, True],
+                                                               [None, 2], [False, True]):
+        if (weighted and mode != "sum") or (sparse and mode == "max"):
+            continue
+        torch.manual_seed(0)
+        cpu = torch.nn.EmbeddingBag(10, 3, mode=mode, include_last_offset=last, padding_idx=pad, sparse=sparse)
+        remote = copy.deepcopy(cpu).to(dev)
+        ids, offsets = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), torch.tensor([0, 3, 8] if last else [0, 3])
+        weights = torch.rand(8) if weighted else None
+        want = cpu(ids, offsets, per_sample_weights=weights)
+        got = remote(ids.to(dev), offsets.to(dev), per_sample_weights=weights.to(dev) if weighted else None)
+        torch.testing.assert_close(got.cpu(), want)
+        scale = torch.arange(want.numel(), dtype=torch.float32).view(want.shape)
+        (want * scale).sum().backward()
+        (got * scale.to(dev)).sum().backward()
+        assert remote.weight.grad.is_sparse == sparse
+        torch.testing.assert_close(remote.weight.grad.to_dense().cpu(), cpu.weight.grad.to_dense())
+
+
+def test_other_ops_are_refused_by_name(dev):
+    remote = _cpu().to(dev)
+    with pytest.raises(UnsupportedOperationError, match=r"aten::exp .*to_dense\(\)"):
+        remote.exp()
+    assert (torch.ones(2, device=dev) * 2).tolist() == [2.0, 2.0]  # nothing reached the daemon
