@@ -130,3 +130,26 @@ def test_other_ops_are_refused_by_name(dev):
     with pytest.raises(UnsupportedOperationError, match=r"aten::exp .*to_dense\(\)"):
         remote.exp()
     assert (torch.ones(2, device=dev) * 2).tolist() == [2.0, 2.0]  # nothing reached the daemon
+
+
+def test_gradients_of_values_and_checkpoints_like_cpu(dev):
+    """Gradients reach the values a sparse tensor was made of (through mm and to_dense); torch.save
+    writes a remote sparse tensor as a CPU one (as remote tensors are saved), and map_location
+    brings a CPU one onto the device."""
+    import io
+
+    grads = []
+    for where in ("cpu", dev):
+        v = V.clone().to(where).requires_grad_()
+        s = torch.sparse_coo_tensor(I.to(where), v, (2, 3))
+        (torch.sparse.mm(s, torch.ones(3, 2, device=where)).sum() + (s.to_dense() * 3).sum()).backward()
+        grads.append(v.grad.cpu())
+    torch.testing.assert_close(grads[1], grads[0])
+    saved = io.BytesIO()
+    torch.save({"remote": _cpu().to(dev), "cpu": _cpu()}, saved)
+    saved.seek(0)
+    loaded = torch.load(saved)
+    assert loaded["remote"].is_sparse and loaded["remote"].device.type == "cpu"
+    torch.testing.assert_close(loaded["remote"].to_dense(), _cpu().to_dense())
+    saved.seek(0)
+    _same(torch.load(saved, map_location=dev)["cpu"], _cpu())

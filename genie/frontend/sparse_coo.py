@@ -9,7 +9,8 @@ and nn.EmbeddingBag(sparse=True) with SGD, Adagrad and SparseAdam, and sparse-de
 (torch.sparse.mm, as graph networks use):
 creation (torch.sparse_coo_tensor, .to_sparse(), .to() of a CPU sparse tensor), .cpu(),
 coalesce, to_dense, indices/values, add / sub (sparse or dense with sparse), mul / div by a
-scalar, sparse_mask, mm / addmm of a 2-D sparse and a dense matrix, t / transpose, sum.
+scalar, sparse_mask, mm / addmm of a 2-D sparse and a dense matrix, t / transpose, sum, indexing
+with index tensors (the gradient of the values a sparse tensor is made of), torch.save.
 Anything else is refused by name, with the way out (.to_dense()).
 """
 from __future__ import annotations
@@ -44,6 +45,12 @@ class RemoteSparseCOO(torch.Tensor):
     @property
     def _sparse_dim(self) -> int:
         return self._indices_.shape[0]
+
+    def __reduce_ex__(self, protocol):
+        # As torch saves a sparse tensor: its indices and values (remote tensors, saved as such), rebuilt
+        # by torch's own function on load (allowed with weights_only=True).
+        return (torch._utils._rebuild_sparse_tensor,
+                (torch.sparse_coo, (self._indices_, self._values_, self.shape, self._coalesced)))
 
     def __repr__(self) -> str:
         on_cpu = repr(self.cpu())
@@ -246,6 +253,12 @@ def _transpose(s, dim0=0, dim1=1):
     return RemoteSparseCOO(s._indices_[order], s._values_, size)
 
 
+def _index(s, indices):
+    """s[i0, i1, ...] with index tensors (autograd's backward of the values of a sparse tensor
+    made from them): the dense tensor's entries there."""
+    return _to_dense(s)[tuple(indices)]
+
+
 def _zero_(s):
     s._indices_ = s._indices_[:, :0]
     s._values_ = s._values_[:0]
@@ -295,5 +308,6 @@ _HANDLERS = {
     _aten.t.default: lambda s: _transpose(s, 0, 1),
     _aten.transpose.int: _transpose,
     _aten.zero_.default: _zero_,
+    _aten.index.Tensor: _index,
     _aten.sum.default: _sum,
 }
