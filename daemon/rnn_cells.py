@@ -12,20 +12,17 @@ from __future__ import annotations
 
 import torch
 
-_lib: torch.library.Library | None = None
+from . import cpu_kernels
 
 
 def register() -> None:
     """Give the four ops a CPU kernel where torch has none (once per process)."""
-    global _lib
-    if _lib is not None:
-        return
-    lib = torch.library.Library("aten", "IMPL")
-    for name, kernel in (("_thnn_fused_lstm_cell", lstm_cell), ("_thnn_fused_lstm_cell_backward_impl", lstm_cell_backward),
-                         ("_thnn_fused_gru_cell", gru_cell), ("_thnn_fused_gru_cell_backward", gru_cell_backward)):
-        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "CPU"):
-            lib.impl(name, kernel, "CPU")
-    _lib = lib
+    cpu_kernels.register_where_missing(__name__, {
+        "_thnn_fused_lstm_cell": lstm_cell,
+        "_thnn_fused_lstm_cell_backward_impl": lstm_cell_backward,
+        "_thnn_fused_gru_cell": gru_cell,
+        "_thnn_fused_gru_cell_backward": gru_cell_backward,
+    })
 
 
 def _gates(input_gates, hidden_gates, input_bias, hidden_bias):

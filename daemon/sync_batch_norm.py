@@ -15,22 +15,19 @@ from __future__ import annotations
 import torch
 from torch._prims_common import suggest_memory_format
 
-_lib: torch.library.Library | None = None
+from . import cpu_kernels
 
 
 def register() -> None:
     """Give the ops a CPU kernel where torch has none (once per process)."""
-    global _lib
-    if _lib is not None:
-        return
-    lib = torch.library.Library("aten", "IMPL")
-    for name, kernel in (("batch_norm_stats", stats), ("batch_norm_gather_stats", gather_stats),
-                         ("batch_norm_gather_stats_with_counts", gather_stats_with_counts),
-                         ("batch_norm_elemt", elemt), ("batch_norm_backward_reduce", backward_reduce),
-                         ("batch_norm_backward_elemt", backward_elemt)):
-        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "CPU"):
-            lib.impl(name, kernel, "CPU")
-    _lib = lib
+    cpu_kernels.register_where_missing(__name__, {
+        "batch_norm_stats": stats,
+        "batch_norm_gather_stats": gather_stats,
+        "batch_norm_gather_stats_with_counts": gather_stats_with_counts,
+        "batch_norm_elemt": elemt,
+        "batch_norm_backward_reduce": backward_reduce,
+        "batch_norm_backward_elemt": backward_elemt,
+    })
 
 
 def _accumulation(dtype: torch.dtype) -> torch.dtype:
