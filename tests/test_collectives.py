@@ -1,6 +1,6 @@
 """torch.distributed across processes on remote tensors (genie/frontend/collectives.py): two
 processes, each a client of the session daemon, in one gloo group on loopback: collectives, DDP,
-FSDP2 and SyncBatchNorm against the same training in one process."""
+FSDP2, SyncBatchNorm and sparse embedding gradients against the same training in one process."""
 import json
 import os
 import socket
@@ -19,6 +19,9 @@ RANK_SCRIPT = textwrap.dedent("""
     def sync_bn_model():
         return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
                                    torch.nn.Flatten(), torch.nn.Linear(4 * 4 * 4, 2))
+
+    def sparse_embedding_model():
+        return torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Flatten(), torch.nn.Linear(8, 1))
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -89,6 +92,19 @@ RANK_SCRIPT = textwrap.dedent("""
         opt.zero_grad()
     out["params_sync_bn"] = [p.detach().cpu().flatten().tolist() for p in model.parameters()]
     out["running_sync_bn"] = [model[1].running_mean.cpu().tolist(), model[1].running_var.cpu().tolist()]
+
+    # DDP over an nn.Embedding(sparse=True): its sparse gradients all-reduced as they are.
+    torch.manual_seed(0)
+    model = sparse_embedding_model().to(dev)
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(3):
+        ddp(torch.randint(0, 10, (3, 2), generator=g).to(dev)).pow(2).mean().backward()
+        assert model[0].weight.grad.is_sparse
+        opt.step()
+        opt.zero_grad()
+    out["params_sparse"] = [p.detach().cpu().flatten().tolist() for p in model.parameters()]
     dist.destroy_process_group()
     print("RESULT", json.dumps(out))
 """)
@@ -137,6 +153,20 @@ def _sync_bn_reference() -> tuple[list[list[float]], list[list[float]]]:
             [model[1].running_mean.tolist(), model[1].running_var.tolist()])
 
 
+def _sparse_embedding_reference() -> list[list[float]]:
+    """DDP over an embedding with sparse gradients: SGD on the mean of the two ranks' losses."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Flatten(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gens = [torch.Generator().manual_seed(100 + rank) for rank in range(2)]
+    for _ in range(3):
+        ids = [torch.randint(0, 10, (3, 2), generator=g) for g in gens]
+        ((model(ids[0]).pow(2).mean() + model(ids[1]).pow(2).mean()) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().flatten().tolist() for p in model.parameters()]
+
+
 def test_collectives_and_ddp_across_two_processes(daemon_endpoint, tmp_path):
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
@@ -170,4 +200,9 @@ def test_collectives_and_ddp_across_two_processes(daemon_endpoint, tmp_path):
     params, running = _sync_bn_reference()
     for r in results:
         for got, want in zip(r["params_sync_bn"] + r["running_sync_bn"], params + running):
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
+    # Sparse gradients (genie/frontend/sparse_coo.py) through the same CPU staging.
+    expected = _sparse_embedding_reference()
+    for r in results:
+        for got, want in zip(r["params_sparse"], expected):
             torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)

@@ -22,6 +22,9 @@ import torch.distributed as dist
 
 from .lazy_tensor import LazyTensor
 from .materialize import to_cpu_many
+from .sparse_coo import RemoteSparseCOO
+
+_REMOTE = (LazyTensor, RemoteSparseCOO)  # the remote tensors a collective stages through the CPU
 
 # c10d ops that write nothing: the rest write their first argument (the tensors reduced or
 # broadcast in place, or the outputs of a gather, scatter or receive).
@@ -63,22 +66,25 @@ def _no_cpu_backend(func, error: Exception) -> RuntimeError:
 
 
 def run_c10d(func, args, kwargs):
-    """A `c10d` op (dist.all_reduce and the others, and what DDP calls) with remote tensors."""
+    """A `c10d` op (dist.all_reduce and the others, and what DDP calls) with remote tensors, dense
+    or sparse COO (DDP all-reduces the sparse gradients of nn.Embedding(sparse=True) as they are)."""
     name = func._schema.name.split("::", 1)[1]
     writes = name not in _WRITE_NOTHING
     outputs: list = []
     if writes and args:
-        _tensors(args[0], outputs)
+        _tensors(args[0], outputs, _REMOTE)
     inputs: list = []
     for i, arg in enumerate(args):
         if not (i == 0 and writes and name in _OUTPUT_ONLY):
-            _tensors(arg, inputs)
+            _tensors(arg, inputs, _REMOTE)
     for value in kwargs.values():
-        _tensors(value, inputs)
-    to_cpu = dict(zip(map(id, inputs), to_cpu_many(inputs))) if inputs else {}
+        _tensors(value, inputs, _REMOTE)
+    dense = [t for t in inputs if type(t) is LazyTensor]
+    to_cpu = dict(zip(map(id, dense), to_cpu_many(dense))) if dense else {}
+    to_cpu.update((id(t), t.cpu()) for t in inputs if type(t) is not LazyTensor)
     for t in outputs:
         if id(t) not in to_cpu:
-            to_cpu[id(t)] = torch.empty_like(t, device="cpu")
+            to_cpu[id(t)] = t.cpu() if t.is_sparse else torch.empty_like(t, device="cpu")
     cpu_args = [_replace(a, to_cpu) for a in args]
     cpu_kwargs = {k: _replace(v, to_cpu) for k, v in kwargs.items()}
     try:

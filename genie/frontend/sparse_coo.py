@@ -59,6 +59,14 @@ class RemoteSparseCOO(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         handler = _HANDLERS.get(func)
+        if handler is None and func.namespace == "c10d":  # torch.distributed, DDP's sparse gradients
+            from .collectives import run_c10d
+
+            return run_c10d(func, args, kwargs or {})
+        if handler is None and torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+            # Reached below autograd (from inside another op's handling, e.g. `.cpu()` in a
+            # collective): the ops it is made of, each handled or refused here.
+            return func.decompose(*args, **(kwargs or {}))
         if handler is None:
             raise UnsupportedOperationError(
                 str(func.name()), "a sparse COO tensor on remote_accelerator has only these ops: "
@@ -259,6 +267,19 @@ def _index(s, indices):
     return _to_dense(s)[tuple(indices)]
 
 
+def _copy_(dst, src, non_blocking=False):
+    """A sparse tensor's copy_ of another: it takes the other's entries (a collective's result)."""
+    if not (dst.is_sparse and src.is_sparse):
+        raise UnsupportedOperationError("aten::copy_", "between a sparse COO and a dense tensor on "
+                                        "remote_accelerator: use .to_dense() or .to_sparse()")
+    if dst.shape != src.shape:
+        raise RuntimeError(f"copy_: sizes {tuple(dst.shape)} and {tuple(src.shape)} differ")
+    dst._indices_ = src._indices().to(dst.device)
+    dst._values_ = src._values().to(device=dst.device, dtype=dst.dtype)
+    dst._coalesced = src.is_coalesced()
+    return dst
+
+
 def _zero_(s):
     s._indices_ = s._indices_[:, :0]
     s._values_ = s._values_[:0]
@@ -308,6 +329,7 @@ _HANDLERS = {
     _aten.t.default: lambda s: _transpose(s, 0, 1),
     _aten.transpose.int: _transpose,
     _aten.zero_.default: _zero_,
+    _aten.copy_.default: _copy_,
     _aten.index.Tensor: _index,
     _aten.sum.default: _sum,
 }
