@@ -554,6 +554,30 @@ def test_moving_a_model_while_an_earlier_graph_is_alive(dev):
         remote_stale.backward()
 
 
+def test_moving_a_model_torch_export_has_seen(dev):
+    """torch.export leaves weak references on the parameters of the model it exported (its fake
+    tensor caches), and swap_tensors refuses those: moving the model failed ("Couldn't swap
+    Linear.weight"). Now the model and the exported program's module move, the parameters keep
+    their identity, and the model exports again after coming back."""
+    import weakref
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 1)).eval()
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        expected = m(x)
+        exported = torch.export.export(m, (x,))
+        assert weakref.getweakrefs(m[0].weight)  # what made the swap refuse
+        weight = m[0].weight
+        m.to(dev)
+        assert m[0].weight is weight and weight.device.type == "remote_accelerator"
+        torch.testing.assert_close(m(x.to(dev)).cpu(), expected)
+        torch.testing.assert_close(exported.module().to(dev)(x.to(dev)).cpu(), expected)
+        m.cpu()
+        assert m[0].weight is weight
+        torch.testing.assert_close(torch.export.export(m, (x,)).module()(x), expected)
+
+
 def test_multihead_attention_moves_after_a_cpu_forward(dev):
     torch.manual_seed(0)
     m = nn.MultiheadAttention(16, 4, batch_first=True)

@@ -13,8 +13,9 @@ cases went wrong:
 
 Now a module that holds remote parameters converts them by swapping (PyTorch's own swap mode,
 torch.__future__, turned on for this thread while that module converts), and a swap that
-involves a remote tensor goes ahead when the only objection is such a reference. The holder
-keeps the old tensor and values. If the holder is an autograd graph, its backward would put
+involves a remote tensor goes ahead when the only objection is such a reference, or weak
+references to the parameter (torch.export leaves them on the model it exported: moving that
+model failed). The holder keeps the old tensor and values. If the holder is an autograd graph, its backward would put
 gradients on the old tensor, so that tensor's gradient accumulator raises instead, as
 swap_tensors arranges when the graph's accumulator is the only holder. On CUDA the same
 backward fails too (a CPU gradient for a CUDA parameter).
@@ -29,7 +30,6 @@ from __future__ import annotations
 import copyreg
 import functools
 import threading
-import weakref
 
 import torch
 
@@ -170,6 +170,15 @@ def _keep_class(t1: torch.Tensor, t2: torch.Tensor) -> None:
         t1.__class__ = former
 
 
+# What swap_tensors objects to that a move to or from a remote device goes ahead despite: another
+# reference to t1's tensor (an autograd graph), and weak references to either object (the
+# weak-keyed caches torch.export leaves on a model's parameters: exporting a model and then moving
+# it failed with "Couldn't swap Linear.weight"). A weak reference names the Python object, which
+# after the swap holds the moved tensor, as after `param.data = new` on CUDA.
+_HELD_OBJECTIONS = ("Expected use_count of t1", "Cannot swap t1 because it has weakref",
+                    "Cannot swap t2 because it has weakref")
+
+
 def _wrap_swap(original):
     @functools.wraps(original)
     def swap_tensors(t1, t2):
@@ -180,9 +189,8 @@ def _wrap_swap(original):
         try:
             original(t1, t2)
         except RuntimeError as e:
-            # Checked before anything is swapped: the other reasons (weak references, slots) stand.
-            if not (remote and str(e).startswith("Expected use_count of t1")
-                    and not weakref.getweakrefs(t1) and not weakref.getweakrefs(t2)
+            # Checked before anything is swapped: the other reason (slots that differ) stands.
+            if not (remote and str(e).startswith(_HELD_OBJECTIONS)
                     and set(copyreg._slotnames(t1.__class__)) == set(copyreg._slotnames(t2.__class__))):
                 raise
             _swap_held(t1, t2)
