@@ -66,3 +66,27 @@ def test_jit_save_of_a_module_on_the_device(dev):
     on_cpu = torch.jit.load(buf, map_location="cpu")
     assert all(p.device.type == "cpu" for p in on_cpu.parameters())
     torch.testing.assert_close(on_cpu(x), model(x))
+
+
+def test_tracing_on_the_device_is_refused_with_the_way_that_works(dev):
+    """torch.jit.trace of a remote model failed partway (planning a convolution under the tracer
+    saw sizes as traced tensors: "cond must be a bool, but got a Tensor"); now it is refused at
+    the call, for models and inputs alike, and tracing on the CPU then moving gives the CPU's values."""
+    import pytest
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 2)).eval()
+    x = torch.randn(2, 3, 6, 6)
+    with pytest.raises(RuntimeError, match="Trace on the CPU"):
+        torch.jit.trace(_copy_to(model, dev), x.to(dev))
+    with pytest.raises(RuntimeError, match="Trace on the CPU"):
+        torch.jit.trace_module(_copy_to(model, dev), {"forward": (x,)})
+    with pytest.raises(RuntimeError, match="Trace on the CPU"):
+        torch.jit.trace(lambda t: t * 2, (x.to(dev),))
+    traced = torch.jit.trace(model, x).to(dev)
+    torch.testing.assert_close(traced(x.to(dev)).cpu(), model(x))
+
+
+def _copy_to(model, dev):
+    import copy
+
+    return copy.deepcopy(model).to(dev)

@@ -1,5 +1,5 @@
 """TorchScript modules on remote_accelerator: `torch.jit.load(f, map_location="remote_accelerator")`
-and `script_module.to("remote_accelerator")`.
+and `script_module.to("remote_accelerator")`; torch.jit.trace of remote models refused, saying what works.
 
 A ScriptModule runs its ops through the TorchScript interpreter, which dispatches them like any
 others, so remote parameters work in it (captured op by op). Getting them there did not:
@@ -117,11 +117,49 @@ def _script_module_apply(self, fn, recurse=True):
     return self
 
 
+_TRACE_REFUSED = (
+    "torch.jit.trace cannot record a model or inputs on remote_accelerator: while it records, PyTorch "
+    "hands Python the sizes of tensors as traced tensors, and Genie plans each op from those sizes. "
+    "Trace on the CPU (or on meta tensors) and move the traced module: traced.to('remote_accelerator') "
+    "(torch.jit.script works on the device as it is)")
+
+
+def _holds_remote(value, seen: set) -> bool:
+    """Whether `value` (a module, tensors, and lists, tuples and dicts of them) holds a remote tensor."""
+    if isinstance(value, torch.Tensor):
+        return value.device.type == REMOTE
+    if id(value) in seen:
+        return False
+    seen.add(id(value))
+    if isinstance(value, torch.nn.Module):
+        return any(t.device.type == REMOTE for t in (*value.parameters(), *value.buffers()))
+    if isinstance(value, dict):
+        return any(_holds_remote(v, seen) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_remote(v, seen) for v in value)
+    return False
+
+
+def _refuse_remote_trace(original):
+    """torch.jit.trace / trace_module refuse remote models and inputs at the call, saying what works
+    (before, ops whose planning reads sizes failed partway: 'cond must be a bool, but got a Tensor')."""
+    @functools.wraps(original)
+    def trace(*args, **kwargs):
+        if _holds_remote((args, kwargs), set()):
+            raise RuntimeError(_TRACE_REFUSED)
+        return original(*args, **kwargs)
+
+    trace._genie_wraps = original
+    return trace
+
+
 def install() -> None:
     global _installed
     if _installed:
         return
     torch.jit.load = _load(torch.jit.load)
     torch.jit.save = _save(torch.jit.save)
+    torch.jit.trace = _refuse_remote_trace(torch.jit.trace)
+    torch.jit.trace_module = _refuse_remote_trace(torch.jit.trace_module)
     torch.jit.ScriptModule._apply = _script_module_apply  # scripted, traced and loaded modules alike
     _installed = True
