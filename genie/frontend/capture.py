@@ -953,22 +953,11 @@ def _to_sparse_layout(func, args, kwargs):
 
 
 def _embedding_bag_backward(func, args, kwargs):
-    """nn.EmbeddingBag(sparse=True)'s backward: its kernel for every device runs the composite sparse
-    path, whose ops capture makes into a remote sparse COO gradient (genie/frontend/sparse_coo.py)."""
+    """nn.EmbeddingBag's backward: with sparse=True a remote sparse COO gradient (genie/frontend/sparse_coo.py)."""
     bound = dict(zip((a.name for a in func._schema.arguments), args), **kwargs)
-    if not bound.pop("sparse", False):
-        return capture(func, args, kwargs)
-    del bound["maximum_indices"]
-    indices, offsets = bound["indices"], bound["offsets"]
-    if indices.dtype != offsets.dtype:  # promoteIndicesAndOffsets, as the kernel does
-        indices, offsets = indices.long(), offsets.long()
-        bound.update(indices=indices, offsets=offsets)
-    if indices.numel() and not bound["offset2bag"].numel():
-        # The forward skips offset2bag in its fast path; the kernel then makes it from the offsets.
-        offset2bag = offsets.new_zeros(indices.shape[0] + 1).index_add_(0, offsets, torch.ones_like(offsets))
-        offset2bag[0] -= 1
-        bound["offset2bag"] = offset2bag.cumsum(0, dtype=offset2bag.dtype)[:indices.shape[0]]
-    return torch.ops.aten._embedding_bag_sparse_backward.default.decompose(**bound)
+    if bound.get("sparse"):
+        return sparse_coo.embedding_bag_backward(bound)
+    return capture(func, args, kwargs)
 
 
 def _pin_remote(func, args, kwargs):

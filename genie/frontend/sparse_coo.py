@@ -112,6 +112,18 @@ def dense_to_sparse(func, args, kwargs):
     return RemoteSparseCOO(indices, x[tuple(indices)], x.shape, coalesced=True)
 
 
+def embedding_bag_backward(bound: dict):
+    """aten::_embedding_bag_backward's arguments (by name) with sparse=True: its kernel for every
+    device runs the composite sparse path, whose ops capture makes into a RemoteSparseCOO."""
+    bound = {k: v for k, v in bound.items() if k not in ("sparse", "maximum_indices")}
+    indices, offsets = bound["indices"], bound["offsets"]
+    if indices.dtype != offsets.dtype:  # promoteIndicesAndOffsets, as the kernel does
+        bound.update(indices=indices.long(), offsets=offsets.long())
+    # offset2bag has one entry per index, as on CUDA (a CPU daemon's forward gives it so:
+    # daemon/cuda_parity.py), so the kernel's step that makes it when empty is not needed here.
+    return _aten._embedding_bag_sparse_backward.default.decompose(**bound)
+
+
 # ------------------------------------------------------------------ reading it
 
 
