@@ -153,3 +153,34 @@ def test_gradients_of_values_and_checkpoints_like_cpu(dev):
     torch.testing.assert_close(loaded["remote"].to_dense(), _cpu().to_dense())
     saved.seek(0)
     _same(torch.load(saved, map_location=dev)["cpu"], _cpu())
+
+
+def test_materialize_and_reads_fetch_indices_and_values_together(dev, monkeypatch):
+    """genie.materialize / materialize_sync accept sparse tensors beside dense ones (refused before:
+    'expected a remote_accelerator tensor'), and `.cpu()` fetches indices and values in one request."""
+    import asyncio
+
+    import genie
+
+    remote, dense = _cpu().to(dev), torch.ones(2, device=dev)
+    got = genie.materialize_sync([dense, remote])
+    assert torch.equal(got[0], torch.ones(2))
+    assert got[1].is_sparse and got[1].device.type == "cpu"
+    torch.testing.assert_close(got[1].to_dense(), _cpu().to_dense())
+
+    async def both():
+        return await genie.materialize([remote, dense])
+
+    torch.testing.assert_close(asyncio.run(both())[0].to_dense(), _cpu().to_dense())
+    from genie.runtime.stream import DeviceStream
+
+    fetched: list = []
+    fetch = DeviceStream.fetch_async
+
+    def spy(self, ids, *args, **kwargs):
+        fetched.append(list(ids))
+        return fetch(self, ids, *args, **kwargs)
+
+    monkeypatch.setattr(DeviceStream, "fetch_async", spy)
+    remote.cpu()
+    assert len(fetched) == 1 and len(fetched[0]) == 2  # indices and values, one request

@@ -79,9 +79,7 @@ def run_c10d(func, args, kwargs):
             _tensors(arg, inputs, _REMOTE)
     for value in kwargs.values():
         _tensors(value, inputs, _REMOTE)
-    dense = [t for t in inputs if not t.is_sparse]
-    to_cpu = dict(zip(map(id, dense), to_cpu_many(dense))) if dense else {}
-    to_cpu.update((id(t), t.cpu()) for t in inputs if t.is_sparse)
+    to_cpu = dict(zip(map(id, inputs), to_cpu_many(inputs))) if inputs else {}
     for t in outputs:
         if id(t) not in to_cpu:
             to_cpu[id(t)] = t.cpu() if t.is_sparse else torch.empty_like(t, device="cpu")

@@ -12,6 +12,7 @@ import torch
 
 from . import sync_debug
 from .lazy_tensor import LazyTensor
+from .sparse_coo import RemoteSparseCOO
 
 
 def _check(t) -> LazyTensor:
@@ -32,7 +33,34 @@ def _largest(tensors: list, idx: list[int]) -> int:
     return max(tensors[i].numel() * tensors[i].element_size() for i in idx)
 
 
-def to_cpu_many(tensors: list) -> list[torch.Tensor]:
+def _with_sparse_parts(fetch):
+    """`fetch` (a list of remote tensors -> their CPU values) for lists that may hold sparse COO
+    tensors: each fetched as its indices and values, in the same round trip as the rest, and
+    rebuilt as a CPU sparse tensor."""
+    def fetch_any(tensors: list):
+        if not any(type(t) is RemoteSparseCOO for t in tensors):
+            return fetch(tensors)
+        flat: list = []
+        for t in tensors:
+            flat.extend((t._indices_, t._values_) if type(t) is RemoteSparseCOO else (t,))
+        return _rebuilt(tensors, flat, fetch(flat))
+
+    return fetch_any
+
+
+def _rebuilt(tensors: list, flat: list, values: list) -> list:
+    out, at = [], 0
+    for t in tensors:
+        if type(t) is RemoteSparseCOO:
+            out.append(torch.sparse_coo_tensor(values[at], values[at + 1], t.shape, is_coalesced=t.is_coalesced()))
+            at += 2
+        else:
+            out.append(values[at])
+            at += 1
+    return out
+
+
+def _to_cpu_many(tensors: list) -> list[torch.Tensor]:
     tensors = [_check(t) for t in tensors]
     sync_debug.note("reading values on the CPU (.cpu(), .to('cpu'), .tolist(), print(t), .numpy())")
     out: list = [None] * len(tensors)
@@ -62,12 +90,19 @@ def _place(out: list, idx: list, take) -> BaseException | None:
     return None
 
 
+to_cpu_many = _with_sparse_parts(_to_cpu_many)
+
+
 def to_cpu(t) -> torch.Tensor:
     return to_cpu_many([t])[0]
 
 
 async def materialize_many(tensors: list) -> list[torch.Tensor]:
     """Async form: awaits the daemons without blocking the caller's event loop."""
+    if any(type(t) is RemoteSparseCOO for t in tensors):  # as to_cpu_many: indices and values fetched with the rest
+        flat = [part for t in tensors
+                for part in ((t._indices_, t._values_) if type(t) is RemoteSparseCOO else (t,))]
+        return _rebuilt(tensors, flat, await materialize_many(flat))
     tensors = [_check(t) for t in tensors]
     out: list = [None] * len(tensors)
     groups = _group(tensors)

@@ -171,6 +171,10 @@ def _to_copy(s, dtype=None, layout=None, device=None, pin_memory=None, non_block
     device = torch.device(device) if device is not None else s.device
     if device.type == s.device.type:
         return RemoteSparseCOO(s._indices_.to(device), values.to(device), s.shape, s._coalesced)
+    if device.type == "cpu":  # indices and values in one round trip
+        from .materialize import to_cpu_many
+
+        return to_cpu_many([RemoteSparseCOO(s._indices_, values, s.shape, s._coalesced)])[0]
     return torch.sparse_coo_tensor(s._indices_.to(device), values.to(device), s.shape, is_coalesced=s._coalesced)
 
 
