@@ -62,12 +62,15 @@ RANK_SCRIPT = textwrap.dedent("""
 
     # FSDP2: parameters sharded over the ranks, all-gathered for each forward and backward into
     # memory freed again after (untyped_storage().resize_), gradients reduce-scattered.
-    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)  # FSDP2 does not broadcast: every rank starts from the same weights
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).to(dev)
-    mesh = DeviceMesh("remote_accelerator", torch.arange(world))  # init_device_mesh wants letters only
+    # init_device_mesh wants letters only: genie/frontend/device_mesh.py lets the name through.
+    mesh = init_device_mesh("remote_accelerator", (world,))
+    assert type(mesh.device_type) is str and mesh.device_type == "remote_accelerator"
+    assert mesh.mesh.tolist() == DeviceMesh("remote_accelerator", torch.arange(world)).mesh.tolist()
     fully_shard(model[0], mesh=mesh)
     fully_shard(model[2], mesh=mesh)
     fully_shard(model, mesh=mesh)

@@ -384,8 +384,8 @@ def register() -> types.ModuleType:
     module = sys.modules[__name__]
     if _registered:
         return module
-    from . import (data_parallel, factories, graphs, lazy_tensor, module_conversion, native_guard, process_sharing,
-                   serialization, settings_barrier, streams, torchscript)
+    from . import (data_parallel, device_mesh, factories, graphs, lazy_tensor, module_conversion, native_guard,
+                   process_sharing, serialization, settings_barrier, streams, torchscript)
 
     if torch._C._get_privateuse1_backend_name() != NAME:
         _setup_backend(module)
@@ -396,6 +396,7 @@ def register() -> types.ModuleType:
     torchscript.install()
     module_conversion.install()
     data_parallel.install()
+    device_mesh.install()
     lazy_tensor.refuse_dlpack_export()
     settings_barrier.install()
     if native_guard.load():
