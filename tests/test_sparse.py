@@ -184,3 +184,36 @@ def test_materialize_and_reads_fetch_indices_and_values_together(dev, monkeypatc
     monkeypatch.setattr(DeviceStream, "fetch_async", spy)
     remote.cpu()
     assert len(fetched) == 1 and len(fetched[0]) == 2  # indices and values, one request
+
+
+DENSE = torch.tensor([[0.0, 1.0, 0.0], [2.0, 0.0, 3.0], [0.0, 0.0, 0.0], [4.0, 0.0, 0.0]])
+
+
+def test_csr_matrices_like_cpu(dev):
+    """2-D sparse CSR matrices (genie/frontend/sparse_csr.py; refused before): made from dense or COO
+    tensors on the device, moved there, read back, and multiplied with dense matrices, gradient
+    included; transposes come back as COO; CSC stays refused."""
+    csr = DENSE.to_sparse_csr()
+    for made in (DENSE.to(dev).to_sparse_csr(), DENSE.to_sparse().to(dev).to_sparse_csr(), csr.to(dev),
+                 torch.sparse_csr_tensor(csr.crow_indices().to(dev), csr.col_indices().to(dev), csr.values().to(dev),
+                                         (4, 3))):
+        assert made.layout == torch.sparse_csr and made.device.type == "remote_accelerator"
+        back = made.cpu()
+        assert back.layout == torch.sparse_csr
+        for part in ("crow_indices", "col_indices", "values"):
+            assert torch.equal(getattr(back, part)(), getattr(csr, part)()), part
+        assert torch.equal(made.to_dense().cpu(), DENSE)
+    remote = csr.to(dev)
+    assert torch.equal(remote.to_sparse().cpu().to_dense(), DENSE) and remote._nnz() == 4
+    assert torch.equal(remote.t().to_dense().cpu(), DENSE.t())
+    assert torch.equal((remote * 2).to_dense().cpu(), DENSE * 2)
+    x = torch.randn(3, 2, requires_grad=True)
+    xr = x.detach().to(dev).requires_grad_()
+    torch.testing.assert_close((remote @ xr).cpu(), csr @ x)
+    torch.sparse.mm(csr, x).pow(2).sum().backward()
+    torch.sparse.mm(remote, xr).pow(2).sum().backward()
+    torch.testing.assert_close(xr.grad.cpu(), x.grad)
+    with pytest.raises(UnsupportedOperationError, match="sparse CSC"):
+        DENSE.to(dev).to_sparse_csc()
+    with pytest.raises(UnsupportedOperationError, match=r"aten::exp .*to_dense\(\)"):
+        remote.exp()

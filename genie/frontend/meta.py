@@ -37,8 +37,8 @@ METADATA_ONLY_RESULTS = frozenset({
 
 def only_strided(layout) -> str:
     """Why an op whose result would have another layout (sparse, ...) is refused."""
-    return (f"its result would be a {layout} tensor; only strided (dense) and sparse COO tensors live on "
-            "remote_accelerator: convert with .to_dense() (or .to_sparse()) first")
+    return (f"its result would be a {layout} tensor; only strided (dense), sparse COO and 2-D sparse CSR tensors "
+            "live on remote_accelerator: convert with .to_dense() (or .to_sparse()) first")
 
 
 class NeedsRemoteExecution(Exception):

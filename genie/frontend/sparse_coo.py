@@ -239,8 +239,9 @@ def _matrix(s, what: str) -> None:
                                         "times a dense matrix on remote_accelerator")
 
 
-def _mm(s, dense):
-    if not isinstance(s, RemoteSparseCOO) or isinstance(dense, RemoteSparseCOO):
+def coo_mm(s, dense):
+    """A 2-D sparse COO matrix @ a dense matrix (a sparse CSR one's too, through its COO form)."""
+    if not isinstance(s, RemoteSparseCOO) or not isinstance(dense, torch.Tensor) or dense.layout != torch.strided:
         raise UnsupportedOperationError("aten::mm", "on remote_accelerator only sparse @ dense: convert the sparse "
                                         "operand on the right with .to_dense()")
     _matrix(s, "mm")
@@ -256,11 +257,11 @@ def _matmul(a, b):
     if not isinstance(a, RemoteSparseCOO) or a.dim() != 2 or b.dim() != 2:
         raise UnsupportedOperationError("aten::matmul", "on remote_accelerator only a 2-D sparse matrix @ a dense "
                                         "matrix: convert the other sparse operand with .to_dense()")
-    return _mm(a, b)
+    return coo_mm(a, b)
 
 
 def _addmm(input, s, dense, beta=1, alpha=1):
-    product = _mm(s, dense)
+    product = coo_mm(s, dense)
     return product * alpha + (input * beta if beta != 1 else input) if beta != 0 else product * alpha
 
 
@@ -294,6 +295,12 @@ def _copy_(dst, src, non_blocking=False):
     dst._values_ = src._values().to(device=dst.device, dtype=dst.dtype)
     dst._coalesced = src.is_coalesced()
     return dst
+
+
+def _to_csr(s, dense_dim=None):
+    from .sparse_csr import from_strided_or_coo
+
+    return from_strided_or_coo(s, dense_dim)
 
 
 def _zero_(s):
@@ -338,13 +345,14 @@ _HANDLERS = {
     _aten.div_.Scalar: _in_place(lambda s, f: _scaled(s, f, "div")),
     _aten.neg.default: lambda s: _scaled(s, -1, "mul"),
     _aten.sparse_mask.default: _sparse_mask,
-    _aten.mm.default: _mm,
+    _aten.mm.default: coo_mm,
     _aten.addmm.default: _addmm,
     _aten._sparse_addmm.default: _addmm,  # torch.sparse.mm(sparse, dense)
     _aten.matmul.default: _matmul,
     _aten.t.default: lambda s: _transpose(s, 0, 1),
     _aten.transpose.int: _transpose,
     _aten.zero_.default: _zero_,
+    _aten._to_sparse_csr.default: _to_csr,
     _aten.copy_.default: _copy_,
     _aten.index.Tensor: _index,
     _aten.sum.default: _sum,
