@@ -28,10 +28,42 @@ _aten = torch.ops.aten
 _SPARSE_KEYS = DispatchKeySet(DispatchKey.SparsePrivateUse1)
 
 
-class RemoteSparseCOO(torch.Tensor):
-    """A sparse COO tensor on a remote device: `indices` (sparse_dim, nnz), `values` (nnz, *dense)."""
+class RemoteSparse(torch.Tensor):
+    """What the remote sparse layouts share: printing, and dispatch to their handlers (`_handlers`,
+    {OpOverload: function}), torch.distributed's ops staged through the CPU, composite ops run as
+    their decompositions, anything else refused by name."""
 
     __torch_function__ = torch._C._disabled_torch_function_impl
+    _handlers: dict = {}
+    _layout_name = ""
+
+    def __repr__(self) -> str:
+        on_cpu = repr(self.cpu())
+        return f"{on_cpu[:-1]}, device='{self.device}')"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        handler = cls._handlers.get(func)
+        if handler is None and func.namespace == "c10d":  # torch.distributed, DDP's sparse gradients
+            from .collectives import run_c10d
+
+            return run_c10d(func, args, kwargs or {})
+        if handler is None and torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+            # Reached below autograd (from inside another op's handling, e.g. `.cpu()` in a
+            # collective): the ops it is made of, each handled or refused here.
+            return func.decompose(*args, **(kwargs or {}))
+        if handler is None:
+            raise UnsupportedOperationError(
+                str(func.name()), f"a sparse {cls._layout_name} tensor on remote_accelerator has only these ops: "
+                f"{', '.join(sorted({str(op.name()).removeprefix('aten::') for op in cls._handlers}))}; "
+                "convert with .to_dense() first")
+        return handler(*args, **(kwargs or {}))
+
+
+class RemoteSparseCOO(RemoteSparse):
+    """A sparse COO tensor on a remote device: `indices` (sparse_dim, nnz), `values` (nnz, *dense)."""
+
+    _layout_name = "COO"
 
     @staticmethod
     def __new__(cls, indices: torch.Tensor, values: torch.Tensor, size, coalesced: bool = False,
@@ -51,28 +83,6 @@ class RemoteSparseCOO(torch.Tensor):
         # by torch's own function on load (allowed with weights_only=True).
         return (torch._utils._rebuild_sparse_tensor,
                 (torch.sparse_coo, (self._indices_, self._values_, self.shape, self._coalesced)))
-
-    def __repr__(self) -> str:
-        on_cpu = repr(self.cpu())
-        return f"{on_cpu[:-1]}, device='{self.device}')"
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        handler = _HANDLERS.get(func)
-        if handler is None and func.namespace == "c10d":  # torch.distributed, DDP's sparse gradients
-            from .collectives import run_c10d
-
-            return run_c10d(func, args, kwargs or {})
-        if handler is None and torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
-            # Reached below autograd (from inside another op's handling, e.g. `.cpu()` in a
-            # collective): the ops it is made of, each handled or refused here.
-            return func.decompose(*args, **(kwargs or {}))
-        if handler is None:
-            raise UnsupportedOperationError(
-                str(func.name()), "a sparse COO tensor on remote_accelerator has only these ops: "
-                f"{', '.join(sorted({str(op.name()).removeprefix('aten::') for op in _HANDLERS}))}; "
-                "convert with .to_dense() first")
-        return handler(*args, **(kwargs or {}))
 
 
 # ------------------------------------------------------------------ creation
@@ -357,3 +367,4 @@ _HANDLERS = {
     _aten.index.Tensor: _index,
     _aten.sum.default: _sum,
 }
+RemoteSparseCOO._handlers = _HANDLERS

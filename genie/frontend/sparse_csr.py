@@ -17,7 +17,7 @@ from torch._C import DispatchKey, DispatchKeySet
 from genie.errors import UnsupportedOperationError
 
 from .meta import only_strided
-from .sparse_coo import RemoteSparseCOO, coo_mm, dense_to_sparse
+from .sparse_coo import RemoteSparse, RemoteSparseCOO, coo_mm, dense_to_sparse
 
 _aten = torch.ops.aten
 _CSR_KEYS = DispatchKeySet(DispatchKey.SparseCsrPrivateUse1)
@@ -25,10 +25,10 @@ _ONLY_2D = ("only 2-D sparse CSR matrices with scalar values live on remote_acce
             "dimensions): keep it dense (.to_dense()) or sparse COO (.to_sparse())")
 
 
-class RemoteSparseCSR(torch.Tensor):
+class RemoteSparseCSR(RemoteSparse):
     """A 2-D sparse CSR matrix on a remote device."""
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    _layout_name = "CSR"
 
     @staticmethod
     def __new__(cls, crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, size) -> "RemoteSparseCSR":
@@ -47,22 +47,6 @@ class RemoteSparseCSR(torch.Tensor):
     def __reduce_ex__(self, protocol):
         return (torch._utils._rebuild_sparse_tensor,
                 (torch.sparse_csr, (self._crow, self._col, self._values_, self.shape)))
-
-    def __repr__(self) -> str:
-        on_cpu = repr(self.cpu())
-        return f"{on_cpu[:-1]}, device='{self.device}')"
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        handler = _HANDLERS.get(func)
-        if handler is None and torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
-            return func.decompose(*args, **(kwargs or {}))  # reached below autograd: its ops, each handled here
-        if handler is None:
-            raise UnsupportedOperationError(
-                str(func.name()), "a sparse CSR tensor on remote_accelerator has only these ops: "
-                f"{', '.join(sorted({str(op.name()).removeprefix('aten::') for op in _HANDLERS}))}; "
-                "convert with .to_dense() or .to_sparse() first")
-        return handler(*args, **(kwargs or {}))
 
 
 def from_parts(func, args, kwargs):
@@ -166,3 +150,4 @@ _HANDLERS = {
     _aten.neg.default: lambda s: _scaled(s, -1, "mul"),
     _aten.sum.default: lambda s, dtype=None: s._values_.sum(dtype=dtype),
 }
+RemoteSparseCSR._handlers = _HANDLERS
