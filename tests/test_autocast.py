@@ -97,3 +97,19 @@ def test_autocast_without_its_kernels_says_why(monkeypatch):
     monkeypatch.setattr(native_guard, "_built", no_compiler)
     with pytest.raises(GenieError, match="autocast kernels, which could not be built here: no C\\+\\+ compiler"):
         device.get_amp_supported_dtype()
+
+
+def test_sparse_mm_is_cast_as_on_the_cpu(dev):
+    """torch.sparse.mm(sparse, dense) under autocast: bfloat16 on the CPU (its kernel calls addmm,
+    which autocast casts), float32 on the device before (the sparse classes take _sparse_addmm
+    whole, below autocast); _sparse_addmm is now on Genie's lower-precision list."""
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 1, 1], [2, 0, 2]]), torch.tensor([1.0, 2.0, 3.0]), (2, 3))
+    x = torch.randn(3, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = torch.sparse.mm(sparse, x)
+    with torch.autocast("remote_accelerator", dtype=torch.bfloat16):
+        for remote in (sparse.to(dev), sparse.to_sparse_csr().to(dev)):
+            got = torch.sparse.mm(remote, x.to(dev))
+            assert got.dtype == want.dtype == torch.bfloat16
+            torch.testing.assert_close(got.cpu(), want)
+    assert torch.sparse.mm(sparse.to(dev), x.to(dev)).dtype == torch.float32  # outside autocast

@@ -36,6 +36,9 @@ TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
   AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE(KERNEL_DIFFERENT_REDISPATCH_SIGNATURE_PRIVATEUSEONE)
 #define GENIE_PROMOTE(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, promote)
   AT_FORALL_PROMOTE(GENIE_PROMOTE)
+  // torch.sparse.mm(sparse, dense): on CPU and CUDA its kernel calls addmm, which autocast casts;
+  // Genie's sparse tensors take _sparse_addmm whole, below autocast, so it is listed itself.
+  KERNEL_PRIVATEUSEONE(_sparse_addmm, lower_precision_fp)
 }
 
 }  // namespace
