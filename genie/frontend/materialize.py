@@ -12,8 +12,7 @@ import torch
 
 from . import sync_debug
 from .lazy_tensor import LazyTensor
-from .sparse_coo import RemoteSparseCOO
-from .sparse_csr import RemoteSparseCSR
+from .sparse_coo import RemoteSparse
 
 
 def _check(t) -> LazyTensor:
@@ -39,26 +38,18 @@ def _with_sparse_parts(fetch):
     tensors: each fetched as its indices and values, in the same round trip as the rest, and
     rebuilt as a CPU sparse tensor."""
     def fetch_any(tensors: list):
-        if not any(type(t) in _SPARSE for t in tensors):
+        if not any(isinstance(t, RemoteSparse) for t in tensors):
             return fetch(tensors)
         return _rebuilt(tensors, fetch(_parts(tensors)))
 
     return fetch_any
 
 
-_SPARSE = (RemoteSparseCOO, RemoteSparseCSR)
-
-
 def _parts(tensors: list) -> list:
     """The remote tensors to fetch for `tensors`: a sparse tensor's parts in its place."""
     flat: list = []
     for t in tensors:
-        if type(t) is RemoteSparseCOO:
-            flat += [t._indices_, t._values_]
-        elif type(t) is RemoteSparseCSR:
-            flat += [t._crow, t._col, t._values_]
-        else:
-            flat.append(t)
+        flat.extend(t.parts() if isinstance(t, RemoteSparse) else (t,))
     return flat
 
 
@@ -66,12 +57,10 @@ def _rebuilt(tensors: list, values: list) -> list:
     """`tensors`' CPU values from their parts' (`values`, in _parts' order)."""
     out, at = [], 0
     for t in tensors:
-        if type(t) is RemoteSparseCOO:
-            out.append(torch.sparse_coo_tensor(values[at], values[at + 1], t.shape, is_coalesced=t.is_coalesced()))
-            at += 2
-        elif type(t) is RemoteSparseCSR:
-            out.append(torch.sparse_csr_tensor(values[at], values[at + 1], values[at + 2], t.shape))
-            at += 3
+        if isinstance(t, RemoteSparse):
+            n = len(t.parts())
+            out.append(t.cpu_from(values[at:at + n]))
+            at += n
         else:
             out.append(values[at])
             at += 1
@@ -117,7 +106,7 @@ def to_cpu(t) -> torch.Tensor:
 
 async def materialize_many(tensors: list) -> list[torch.Tensor]:
     """Async form: awaits the daemons without blocking the caller's event loop."""
-    if any(type(t) in _SPARSE for t in tensors):  # as to_cpu_many: a sparse tensor's parts fetched with the rest
+    if any(isinstance(t, RemoteSparse) for t in tensors):  # as to_cpu_many: a sparse tensor's parts fetched with the rest
         return _rebuilt(tensors, await materialize_many(_parts(tensors)))
     tensors = [_check(t) for t in tensors]
     out: list = [None] * len(tensors)

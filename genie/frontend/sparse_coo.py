@@ -37,6 +37,18 @@ class RemoteSparse(torch.Tensor):
     _handlers: dict = {}
     _layout_name = ""
 
+    def parts(self) -> list:
+        """The remote tensors it is made of, values last."""
+        raise NotImplementedError
+
+    def with_parts(self, parts: list) -> "RemoteSparse":
+        """The same kind of tensor, of the same size and flags, over other (remote) parts."""
+        raise NotImplementedError
+
+    def cpu_from(self, parts: list) -> torch.Tensor:
+        """PyTorch's own sparse tensor of this layout over `parts` (tensors of another device: the CPU)."""
+        raise NotImplementedError
+
     def __repr__(self) -> str:
         on_cpu = repr(self.cpu())
         return f"{on_cpu[:-1]}, device='{self.device}')"
@@ -77,6 +89,15 @@ class RemoteSparseCOO(RemoteSparse):
     @property
     def _sparse_dim(self) -> int:
         return self._indices_.shape[0]
+
+    def parts(self) -> list:
+        return [self._indices_, self._values_]
+
+    def with_parts(self, parts: list) -> "RemoteSparseCOO":
+        return RemoteSparseCOO(*parts, self.shape, self._coalesced)
+
+    def cpu_from(self, parts: list) -> torch.Tensor:
+        return torch.sparse_coo_tensor(*parts, self.shape, is_coalesced=self._coalesced)
 
     def __reduce_ex__(self, protocol):
         # As torch saves a sparse tensor: its indices and values (remote tensors, saved as such), rebuilt
@@ -174,18 +195,22 @@ def _to_dense(s, dtype=None, masked_grad=None):
     return dense
 
 
-def _to_copy(s, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None):
-    if layout not in (None, torch.sparse_coo):
-        raise UnsupportedOperationError("aten::_to_copy", f"a sparse COO tensor to layout {layout}: use .to_dense()")
-    values = s._values_ if dtype is None else s._values_.to(dtype)
+def to_copy(s, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None):
+    """aten::_to_copy of a remote sparse tensor (of either layout): its values cast, its parts moved."""
+    if layout not in (None, s.layout):
+        raise UnsupportedOperationError("aten::_to_copy", f"a sparse {s._layout_name} tensor to layout {layout}: "
+                                        "use .to_dense()")
+    parts = s.parts()
+    if dtype is not None:
+        parts[-1] = parts[-1].to(dtype)
     device = torch.device(device) if device is not None else s.device
     if device.type == s.device.type:
-        return RemoteSparseCOO(s._indices_.to(device), values.to(device), s.shape, s._coalesced)
-    if device.type == "cpu":  # indices and values in one round trip
+        return s.with_parts([p.to(device) for p in parts])
+    if device.type == "cpu":  # every part in one round trip
         from .materialize import to_cpu_many
 
-        return to_cpu_many([RemoteSparseCOO(s._indices_, values, s.shape, s._coalesced)])[0]
-    return torch.sparse_coo_tensor(s._indices_.to(device), values.to(device), s.shape, is_coalesced=s._coalesced)
+        return to_cpu_many([s.with_parts(parts)])[0]
+    return s.cpu_from([p.to(device) for p in parts])
 
 
 # ------------------------------------------------------------------ arithmetic
@@ -220,12 +245,24 @@ def _add(a, b, alpha=1, out_place=True):
                                     "write dense + sparse, or convert with .to_dense()")
 
 
-def _scaled(s, factor, op):
-    if isinstance(factor, RemoteSparseCOO) or not _scalar(factor):
-        raise UnsupportedOperationError(f"aten::{op}", "a sparse COO tensor times a tensor on remote_accelerator: "
-                                        "only a scalar (or a 0-dim tensor)")
-    values = s._values_ * factor if op == "mul" else s._values_ / factor
-    return RemoteSparseCOO(s._indices_, values, s.shape, s._coalesced)
+def scaled(s, factor, op: str):
+    """A remote sparse tensor (of either layout) times or divided by a scalar: its values scaled."""
+    if isinstance(factor, RemoteSparse) or not _scalar(factor):
+        raise UnsupportedOperationError(f"aten::{op}", f"a sparse {s._layout_name} tensor times a tensor on "
+                                        "remote_accelerator: only a scalar (or a 0-dim tensor)")
+    *indices, values = s.parts()
+    return s.with_parts([*indices, values * factor if op == "mul" else values / factor])
+
+
+def scaling_handlers(cls) -> dict:
+    """mul / div / neg of `cls` by scalars, the sparse operand on either side of mul."""
+    return {
+        _aten.mul.Tensor: lambda a, b: scaled(a, b, "mul") if isinstance(a, cls) else scaled(b, a, "mul"),
+        _aten.mul.Scalar: lambda a, b: scaled(a, b, "mul"),
+        _aten.div.Tensor: lambda a, b: scaled(a, b, "div"),
+        _aten.div.Scalar: lambda a, b: scaled(a, b, "div"),
+        _aten.neg.default: lambda a: scaled(a, -1, "mul"),
+    }
 
 
 def _in_place(op):
@@ -270,9 +307,14 @@ def _matmul(a, b):
     return coo_mm(a, b)
 
 
-def _addmm(input, s, dense, beta=1, alpha=1):
+def coo_addmm(input, s, dense, beta=1, alpha=1):
+    """beta * input + alpha * (s @ dense); input unread when beta is 0, as torch's addmm."""
     product = coo_mm(s, dense)
-    return product * alpha + (input * beta if beta != 1 else input) if beta != 0 else product * alpha
+    if alpha != 1:
+        product = product * alpha
+    if beta == 0:
+        return product
+    return product + (input if beta == 1 else input * beta)
 
 
 def _transpose(s, dim0=0, dim1=1):
@@ -337,27 +379,17 @@ _HANDLERS = {
     _aten.coalesce.default: _coalesce,
     _aten._coalesce.default: _coalesce,
     _aten._to_dense.default: _to_dense,
-    _aten._to_copy.default: _to_copy,
-    _aten.clone.default: lambda s, memory_format=None: RemoteSparseCOO(s._indices_.clone(), s._values_.clone(),
-                                                                       s.shape, s._coalesced),
-    _aten.detach.default: lambda s: RemoteSparseCOO(s._indices_, s._values_, s.shape, s._coalesced),
+    _aten._to_copy.default: to_copy,
+    _aten.clone.default: lambda s, memory_format=None: s.with_parts([p.clone() for p in s.parts()]),
+    _aten.detach.default: lambda s: s.with_parts(s.parts()),
     _aten.add.Tensor: lambda a, b, alpha=1: _add(a, b, alpha),
     _aten.add_.Tensor: lambda a, b, alpha=1: _add(a, b, alpha, out_place=False),
     _aten.sub.Tensor: lambda a, b, alpha=1: _add(a, b, -alpha),
     _aten.sub_.Tensor: lambda a, b, alpha=1: _add(a, b, -alpha, out_place=False),
-    _aten.mul.Tensor: lambda s, f: _scaled(s, f, "mul") if isinstance(s, RemoteSparseCOO) else _scaled(f, s, "mul"),
-    _aten.mul.Scalar: lambda s, f: _scaled(s, f, "mul"),
-    _aten.mul_.Tensor: _in_place(lambda s, f: _scaled(s, f, "mul")),
-    _aten.mul_.Scalar: _in_place(lambda s, f: _scaled(s, f, "mul")),
-    _aten.div.Tensor: lambda s, f: _scaled(s, f, "div"),
-    _aten.div.Scalar: lambda s, f: _scaled(s, f, "div"),
-    _aten.div_.Tensor: _in_place(lambda s, f: _scaled(s, f, "div")),
-    _aten.div_.Scalar: _in_place(lambda s, f: _scaled(s, f, "div")),
-    _aten.neg.default: lambda s: _scaled(s, -1, "mul"),
     _aten.sparse_mask.default: _sparse_mask,
     _aten.mm.default: coo_mm,
-    _aten.addmm.default: _addmm,
-    _aten._sparse_addmm.default: _addmm,  # torch.sparse.mm(sparse, dense)
+    _aten.addmm.default: coo_addmm,
+    _aten._sparse_addmm.default: coo_addmm,  # torch.sparse.mm(sparse, dense)
     _aten.matmul.default: _matmul,
     _aten.t.default: lambda s: _transpose(s, 0, 1),
     _aten.transpose.int: _transpose,
@@ -366,5 +398,10 @@ _HANDLERS = {
     _aten.copy_.default: _copy_,
     _aten.index.Tensor: _index,
     _aten.sum.default: _sum,
+    _aten.mul_.Tensor: _in_place(lambda s, f: scaled(s, f, "mul")),
+    _aten.mul_.Scalar: _in_place(lambda s, f: scaled(s, f, "mul")),
+    _aten.div_.Tensor: _in_place(lambda s, f: scaled(s, f, "div")),
+    _aten.div_.Scalar: _in_place(lambda s, f: scaled(s, f, "div")),
+    **scaling_handlers(RemoteSparseCOO),
 }
 RemoteSparseCOO._handlers = _HANDLERS

@@ -17,7 +17,8 @@ from torch._C import DispatchKey, DispatchKeySet
 from genie.errors import UnsupportedOperationError
 
 from .meta import only_strided
-from .sparse_coo import RemoteSparse, RemoteSparseCOO, coo_mm, dense_to_sparse
+from .sparse_coo import (RemoteSparse, RemoteSparseCOO, coo_addmm, coo_mm, dense_to_sparse, scaling_handlers,
+                         to_copy)
 
 _aten = torch.ops.aten
 _CSR_KEYS = DispatchKeySet(DispatchKey.SparseCsrPrivateUse1)
@@ -44,6 +45,15 @@ class RemoteSparseCSR(RemoteSparse):
         rows_cols = _aten._convert_indices_from_csr_to_coo.default(self._crow, self._col)
         return RemoteSparseCOO(rows_cols.long(), self._values_, self.shape, coalesced=True)
 
+    def parts(self) -> list:
+        return [self._crow, self._col, self._values_]
+
+    def with_parts(self, parts: list) -> "RemoteSparseCSR":
+        return RemoteSparseCSR(*parts, self.shape)
+
+    def cpu_from(self, parts: list) -> torch.Tensor:
+        return torch.sparse_csr_tensor(*parts, self.shape)
+
     def __reduce_ex__(self, protocol):
         return (torch._utils._rebuild_sparse_tensor,
                 (torch.sparse_csr, (self._crow, self._col, self._values_, self.shape)))
@@ -56,12 +66,12 @@ def from_parts(func, args, kwargs):
     crow = bound.get("crow_indices", bound.get("compressed_indices"))
     col = bound.get("col_indices", bound.get("plain_indices"))
     values = bound["values"]
+    if bound.get("layout") not in (None, torch.sparse_csr):
+        raise UnsupportedOperationError(str(func.name()), only_strided(f"sparse {str(bound['layout']).split('_')[-1].upper()}"))
     if bound.get("size") is not None:
         size = tuple(bound["size"])
     else:  # as torch infers it: rows from crow_indices, columns from the largest column index (a read)
         size = (crow.shape[0] - 1, int(col.max()) + 1 if col.numel() else 0)
-    if bound.get("layout") not in (None, torch.sparse_csr):
-        raise UnsupportedOperationError(str(func.name()), only_strided(f"sparse {str(bound['layout']).split('_')[-1].upper()}"))
     if len(size) != 2 or crow.dim() != 1 or col.dim() != 1 or values.dim() != 1:
         raise UnsupportedOperationError(str(func.name()), _ONLY_2D)
     return RemoteSparseCSR(crow, col, values.to(bound.get("dtype") or values.dtype), size)
@@ -80,20 +90,6 @@ def from_strided_or_coo(x, dense_dim=None):
     return RemoteSparseCSR(crow, cols, coo._values(), x.shape)
 
 
-def _to_copy(s, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None):
-    if layout not in (None, torch.sparse_csr):
-        raise UnsupportedOperationError("aten::_to_copy", f"a sparse CSR tensor to layout {layout}: use .to_dense()")
-    values = s._values_ if dtype is None else s._values_.to(dtype)
-    device = torch.device(device) if device is not None else s.device
-    if device.type == s.device.type:
-        return RemoteSparseCSR(s._crow.to(device), s._col.to(device), values.to(device), s.shape)
-    if device.type == "cpu":  # the three parts in one round trip
-        from .materialize import to_cpu_many
-
-        return to_cpu_many([RemoteSparseCSR(s._crow, s._col, values, s.shape)])[0]
-    return torch.sparse_csr_tensor(s._crow.to(device), s._col.to(device), values.to(device), s.shape)
-
-
 def _to_sparse(s, layout=None, blocksize=None, dense_dim=None):
     if layout in (None, torch.sparse_coo) and blocksize is None and not dense_dim:
         return s.to_coo()
@@ -102,24 +98,12 @@ def _to_sparse(s, layout=None, blocksize=None, dense_dim=None):
     raise UnsupportedOperationError("aten::_to_sparse", only_strided(f"sparse {str(layout).split('_')[-1].upper()}"))
 
 
-def _mm(s, dense):
-    if not isinstance(s, RemoteSparseCSR) or isinstance(dense, torch.Tensor) and dense.layout != torch.strided:
-        raise UnsupportedOperationError("aten::mm", "on remote_accelerator only sparse @ dense: convert the sparse "
-                                        "operand on the right with .to_dense()")
-    return coo_mm(s.to_coo(), dense)
-
-
-def _addmm(input, s, dense, beta=1, alpha=1):
-    product = _mm(s, dense)
-    return product * alpha + (input * beta if beta != 1 else input) if beta != 0 else product * alpha
-
-
-def _scaled(s, factor, op):
-    if isinstance(factor, torch.Tensor) and (factor.layout != torch.strided or factor.dim()):
-        raise UnsupportedOperationError(f"aten::{op}", "a sparse CSR tensor times a tensor on remote_accelerator: "
-                                        "only a scalar (or a 0-dim tensor)")
-    values = s._values_ * factor if op == "mul" else s._values_ / factor
-    return RemoteSparseCSR(s._crow, s._col, values, s.shape)
+def _as_coo(s, what: str) -> RemoteSparseCOO:
+    """The sparse operand of a product, in COO form (the products are COO's)."""
+    if not isinstance(s, RemoteSparseCSR):
+        raise UnsupportedOperationError(f"aten::{what}", "on remote_accelerator only sparse @ dense: convert the "
+                                        "sparse operand on the right with .to_dense()")
+    return s.to_coo()
 
 
 _HANDLERS = {
@@ -130,24 +114,21 @@ _HANDLERS = {
     _aten._nnz.default: lambda s: s._col.shape[0],
     _aten.sparse_dim.default: lambda s: 2,
     _aten.dense_dim.default: lambda s: 0,
-    _aten._to_copy.default: _to_copy,
+    _aten._to_copy.default: to_copy,
     _aten._to_dense.default: lambda s, dtype=None, masked_grad=None: s.to_coo().to_dense().to(dtype or s.dtype),
     _aten._to_sparse.default: _to_sparse,
     _aten._to_sparse_csr.default: lambda s, dense_dim=None: s,
-    _aten.clone.default: lambda s, memory_format=None: RemoteSparseCSR(s._crow.clone(), s._col.clone(),
-                                                                       s._values_.clone(), s.shape),
-    _aten.detach.default: lambda s: RemoteSparseCSR(s._crow, s._col, s._values_, s.shape),
-    _aten.mm.default: _mm,
-    _aten.addmm.default: _addmm,
-    _aten._sparse_addmm.default: _addmm,
-    _aten.matmul.default: _mm,
+    _aten.clone.default: lambda s, memory_format=None: s.with_parts([p.clone() for p in s.parts()]),
+    _aten.detach.default: lambda s: s.with_parts(s.parts()),
+    _aten.mm.default: lambda s, dense: coo_mm(_as_coo(s, "mm"), dense),
+    _aten.matmul.default: lambda s, dense: coo_mm(_as_coo(s, "matmul"), dense),
+    _aten.addmm.default: lambda input, s, dense, beta=1, alpha=1: coo_addmm(input, _as_coo(s, "addmm"), dense,
+                                                                            beta, alpha),
+    _aten._sparse_addmm.default: lambda input, s, dense, beta=1, alpha=1: coo_addmm(
+        input, _as_coo(s, "_sparse_addmm"), dense, beta, alpha),
     _aten.t.default: lambda s: s.to_coo().t(),
     _aten.transpose.int: lambda s, dim0, dim1: s.to_coo().transpose(dim0, dim1),
-    _aten.mul.Tensor: lambda s, f: _scaled(s, f, "mul") if isinstance(s, RemoteSparseCSR) else _scaled(f, s, "mul"),
-    _aten.mul.Scalar: lambda s, f: _scaled(s, f, "mul"),
-    _aten.div.Tensor: lambda s, f: _scaled(s, f, "div"),
-    _aten.div.Scalar: lambda s, f: _scaled(s, f, "div"),
-    _aten.neg.default: lambda s: _scaled(s, -1, "mul"),
     _aten.sum.default: lambda s, dtype=None: s._values_.sum(dtype=dtype),
+    **scaling_handlers(RemoteSparseCSR),
 }
 RemoteSparseCSR._handlers = _HANDLERS
