@@ -141,6 +141,7 @@ class DaemonLink:
         # would only let the timeout say (nothing listens there).
         watch = asyncio.ensure_future(reachability.wait_until_refused(
             self.endpoint, min(self.runtime.config.connect_refused_timeout, timeout)))
+        watch.add_done_callback(self._read_watch_outcome)
         try:
             done, _ = await asyncio.wait({hello, watch}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             if watch in done and isinstance(watch.exception(), reachability.Unreachable):
@@ -159,8 +160,6 @@ class DaemonLink:
             raise GenieConnectionError(f"genie-daemon at {self.endpoint} refused hello: {e}") from None
         finally:
             watch.cancel()
-            if watch.done() and not watch.cancelled() and watch.exception() is not None:
-                log.debug("reachability watch of %s: %s", self.endpoint, watch.exception())  # read: never "unretrieved"
         self.measured_rtt_s = time.perf_counter() - start
         if reply.body.get("version") != protocol.VERSION:
             await self.channel.close()
@@ -179,6 +178,12 @@ class DaemonLink:
         await self._probe_link()
         if heartbeat > 0:
             self._heartbeat = asyncio.create_task(self._beat(heartbeat))
+
+    def _read_watch_outcome(self, watch: asyncio.Future) -> None:
+        """Reads the reachability watch's error whenever it ends: an error left unread is logged,
+        traceback and all, when the task is collected, which can be in the middle of anything."""
+        if not watch.cancelled() and watch.exception() is not None:
+            log.debug("reachability watch of %s: %s", self.endpoint, watch.exception())
 
     async def _open_lanes(self, advertised, ucx_port, timeout: float) -> None:
         """The bulk lane (UCX where chosen, see ucx_lane) and the direct lane, both to the daemon's

@@ -50,13 +50,20 @@ async def wait_until_refused(endpoint: str, grace: float) -> None:
         return
     kind, address = target
     first_refusal: float | None = None
+    this_task = asyncio.current_task()
     while True:
         try:
             if kind == "tcp":
                 connecting = asyncio.open_connection(*address)
             else:
                 connecting = asyncio.open_unix_connection(address)
-            _, writer = await asyncio.wait_for(connecting, _ATTEMPT_TIMEOUT)
+            try:
+                _, writer = await asyncio.wait_for(connecting, _ATTEMPT_TIMEOUT)
+            finally:
+                # wait_for (3.11) hands back its inner result or error when cancelled just as that
+                # finished: the cancel would be lost and the watch go on, failing unread later.
+                if this_task is not None and this_task.cancelling():
+                    raise asyncio.CancelledError
             writer.close()
             return
         except socket.gaierror as e:
