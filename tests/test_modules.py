@@ -155,8 +155,53 @@ def test_assigning_data_replaces_the_values(dev):
     local(x).sum().backward()
     remote(x.to(dev)).sum().backward()  # still parameters, still trained
     torch.testing.assert_close(remote.weight.grad.cpu(), local.weight.grad)
-    with pytest.raises(RuntimeError, match="move it first"):
-        remote.weight.data = torch.zeros(2, 3)
+
+
+def test_assigning_data_from_another_device_moves_the_parameter_as_on_cuda(dev):
+    """`p.data = p.data.to(dev)` (older training scripts move models so) and `p.data = cpu_t` on a
+    remote parameter failed ("incompatible tensor type": PyTorch lets `.data` change type only
+    between its own backends). The parameter now moves, the same Python object, as on CUDA."""
+    torch.manual_seed(0)
+    reference, moved = nn.Linear(3, 2), nn.Linear(3, 2)
+    moved.load_state_dict(reference.state_dict())
+    weight = moved.weight
+    weight.no_weight_decay = True
+    calls = []
+    weight.register_hook(lambda g: calls.append("grad") or g)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, moved)]
+    for p in moved.parameters():
+        p.data = p.data.to(dev)
+    assert moved.weight is weight and isinstance(weight, nn.Parameter) and weight.requires_grad
+    assert weight.device == torch.device(dev) and weight.no_weight_decay is True
+    x = torch.randn(4, 3)
+    for m, opt, inp in zip((reference, moved), optimizers, (x, x.to(dev))):
+        m(inp).pow(2).sum().backward()
+        opt.step()
+    assert calls == ["grad"]
+    torch.testing.assert_close(moved.weight.detach().cpu(), reference.weight.detach())
+
+    moved.bias.data = torch.zeros(2)  # and back, as `cuda_param.data = cpu_tensor`
+    assert moved.bias.device.type == "cpu" and isinstance(moved.bias, nn.Parameter)
+    assert moved.bias.tolist() == [0.0, 0.0]
+
+    source = torch.zeros(3, device=dev)  # `.data =` shares the new tensor's memory
+    plain = torch.ones(3)
+    plain.data = source
+    source.add_(1)
+    assert plain.device == torch.device(dev) and plain.tolist() == [1.0, 1.0, 1.0] and not plain.requires_grad
+
+
+def test_tensor_data_stays_plain_for_torch_compile():
+    """Genie's `.data` setter must not change what torch.compile sees of `.data` on CPU tensors."""
+    def f(x, y):
+        x.data = x.data * 2 + y
+        return x.data + 1
+
+    for backend in ("eager", "aot_eager"):
+        compiled = torch.compile(f, fullgraph=True, backend=backend)
+        x, expected = torch.ones(3), torch.ones(3)
+        torch.testing.assert_close(compiled(x, torch.arange(3.0)), f(expected, torch.arange(3.0)))
+        torch.testing.assert_close(x, expected)
 
 
 def test_the_class_of_a_remote_parameter_makes_parameters_as_nn_parameter_does(dev):

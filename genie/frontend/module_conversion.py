@@ -1,4 +1,5 @@
-"""`model.to(...)`, `model.cpu()`, `model.half()` keep a module's Parameter objects, as for CUDA.
+"""`model.to(...)`, `model.cpu()`, `model.half()` and `p.data = p.data.to(...)` keep a module's
+Parameter objects, as for CUDA.
 
 For CPU and CUDA tensors nn.Module._apply changes each parameter in place (`param.data = new`).
 A remote tensor is another tensor type, so for it _apply either swaps the Python objects'
@@ -24,6 +25,11 @@ A swap also left behind the hooks registered on a parameter (they live on the C+
 the attributes set on it (it exchanges the whole __dict__): both stay with the parameter. And a
 lazy module's uninitialized parameters (nn.LazyLinear before its first forward) cannot become
 remote tensors: they are made by that forward, on the CPU, and then moved as the module was asked.
+
+`t.data = new` between a remote tensor and a CPU or CUDA one is refused by PyTorch ("incompatible
+tensor type": it lets `.data` change type only between its own backends), so a property over
+torch.Tensor.data does that move by the same swap; within one type it is PyTorch's C setter, and
+torch.compile traces `.data` as before (it reads the attribute by name).
 """
 from __future__ import annotations
 
@@ -207,10 +213,53 @@ def _wrap_swap(original):
     return swap_tensors
 
 
+def _moves_across(t: torch.Tensor, new) -> bool:
+    """Whether `t.data = new` crosses between the remote device and a device of PyTorch's own (a
+    strided tensor on the CPU or CUDA), which PyTorch's setter refuses as another tensor type."""
+    if not isinstance(new, torch.Tensor) or isinstance(t, LazyTensor) == isinstance(new, LazyTensor):
+        return False
+    local = t if isinstance(new, LazyTensor) else new
+    return local.layout == torch.strided and local.device.type in ("cpu", "cuda")
+
+
+def _move_by_data(t: torch.Tensor, new: torch.Tensor) -> None:
+    """`t.data = new` across devices, as on CUDA: t, the same Python object, becomes a tensor
+    sharing new's memory, keeping its class, requires_grad, hooks and attributes (the swap that
+    model.to uses). Its gradient stays behind with the old tensor (on CUDA a gradient of the old
+    device failed at the next backward)."""
+    with torch.no_grad():
+        alias = torch.Tensor.detach(new)
+    if isinstance(t, torch.nn.Parameter):
+        alias = torch.nn.Parameter(alias, requires_grad=t.requires_grad)
+    elif t.requires_grad:
+        alias.requires_grad_(True)
+    torch.utils.swap_tensors(t, alias)
+
+
+def _setting_data_across(set_data):
+    """A `.data` setter that moves the tensor where `set_data` would refuse the other type."""
+    def setter(t, new) -> None:
+        if _moves_across(t, new):
+            _move_by_data(t, new)
+        else:
+            set_data(t, new)
+
+    return setter
+
+
+def _install_data_setters() -> None:
+    # torch.Tensor (so nn.Parameter and the program's subclasses) from the C getter and setter;
+    # LazyTensor has its own setter, for a remote tensor given another remote one.
+    plain = torch._C.TensorBase.__dict__["data"]
+    torch.Tensor.data = property(plain.__get__, _setting_data_across(plain.__set__), doc=plain.__doc__)
+    LazyTensor.data = property(LazyTensor.data.fget, _setting_data_across(LazyTensor.data.fset))
+
+
 def install() -> None:
     global _installed
     if _installed:
         return
+    _install_data_setters()
     torch.nn.Module._apply = _wrap_apply(torch.nn.Module._apply)
     torch.__future__.get_swap_module_params_on_conversion = _wrap_swap_mode(
         torch.__future__.get_swap_module_params_on_conversion)
