@@ -195,6 +195,33 @@ def test_torch_compile_runs_remote_code_eagerly(dev):
         torch.compile(torch.nn.Linear(4, 2).to(dev), fullgraph=True)(x)
 
 
+def test_torch_compile_of_code_that_makes_remote_tensors(dev):
+    """Tensors made inside compiled code (`torch.arange(n, device=x.device)` for positions, a
+    scalar on the device) failed: dynamo compiled Genie's own factory kernel when PyTorch called
+    it in the eagerly run part, broke its graph inside LazyTensor.__new__ and then read the
+    half-made tensor ("'LazyTensor' object has no attribute '_genie'"). Genie's code is now
+    outside what dynamo compiles."""
+    def positions(x):
+        return x * 2 + torch.arange(x.shape[-1], device=x.device)
+
+    def clamp_below(x):
+        return torch.where(x > 0, x, torch.tensor(-1.0, device=x.device)).sum()
+
+    x = torch.randn(3, 4)
+    for fn in (positions, clamp_below):
+        torch.testing.assert_close(torch.compile(fn)(x.to(dev)).cpu(), fn(x))
+
+
+def test_torch_compile_of_code_that_makes_remote_tensors_from_nothing(dev):
+    """With no remote input there is no graph break: the graph reached inductor, which has no code
+    generator for the device (KeyError 'remote_accelerator'; Hugging Face's compiled
+    create_block_mask for a remote model). Such graphs run as traced, op by op."""
+    def ramp(n):
+        return torch.arange(n, device=dev).float().mul(2).cumsum(0)
+
+    assert torch.compile(ramp)(5).cpu().tolist() == [0.0, 2.0, 6.0, 12.0, 20.0]
+
+
 def test_torch_export_refuses_with_the_way_out(dev):
     """torch.export cannot trace a remote tensor (no graph break to fall back on): the error
     says to export on CPU and move the model afterwards."""

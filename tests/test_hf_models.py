@@ -84,6 +84,32 @@ def test_training_steps_match_cpu(dev, make, labels):
         torch.testing.assert_close(q.detach().cpu(), p.detach(), atol=1e-4, rtol=1e-3, msg=name)
 
 
+def test_llama_with_flex_attention_matches_cpu_and_trains_as_sdpa(dev):
+    """attn_implementation="flex_attention": Hugging Face builds its block mask with a compiled
+    create_block_mask on the model's device and calls flex_attention, both refused for a remote
+    device before. Forward and generate as the CPU's flex_attention (padding mask included); one
+    training step's gradients as SDPA's (flex_attention has no backward on the CPU)."""
+    torch.manual_seed(0)
+    model = _llama()
+    model.config._attn_implementation = "flex_attention"
+    model.eval()
+    remote = copy.deepcopy(model).to(dev)
+    ids, mask = _inputs()
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+        got = remote(input_ids=ids.to(dev), attention_mask=mask.to(dev)).logits
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-4)
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert torch.equal(remote.generate(ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=4,
+                                       do_sample=False).cpu(), expected)
+    model.config._attn_implementation = "sdpa"
+    for m, device in ((model, "cpu"), (remote, dev)):
+        m.train()
+        m(input_ids=ids.to(device), labels=ids.to(device)).loss.backward()
+    for (name, p), q in zip(model.named_parameters(), remote.parameters()):
+        torch.testing.assert_close(q.grad.cpu(), p.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
 def test_llama_decode_step_recorded_with_a_static_cache_and_replayed(dev):
     """The README's recipe: prefill op by op into a transformers StaticCache, record one decode
     step with genie.graph, replay it per token; the tokens are greedy generate()'s on the CPU."""

@@ -384,8 +384,8 @@ def register() -> types.ModuleType:
     module = sys.modules[__name__]
     if _registered:
         return module
-    from . import (data_parallel, device_mesh, factories, graphs, lazy_tensor, module_conversion, native_guard,
-                   process_sharing, serialization, settings_barrier, streams, torchscript)
+    from . import (data_parallel, device_mesh, factories, flex_attention, graphs, lazy_tensor, module_conversion,
+                   native_guard, process_sharing, serialization, settings_barrier, streams, torch_compile, torchscript)
 
     if torch._C._get_privateuse1_backend_name() != NAME:
         _setup_backend(module)
@@ -397,6 +397,8 @@ def register() -> types.ModuleType:
     module_conversion.install()
     data_parallel.install()
     device_mesh.install()
+    flex_attention.install()
+    torch_compile.install()
     lazy_tensor.refuse_dlpack_export()
     settings_barrier.install()
     if native_guard.load():
@@ -408,6 +410,7 @@ def register() -> types.ModuleType:
     get_runtime().on_start.append(_apply_pending_seed)
     get_runtime().on_start.append(data_parallel.forget_copy_streams)
     get_runtime().on_start.append(_mark_initialized)
+    get_runtime().on_start.append(torch_compile.keep_dynamo_out)
     from .meta import import_lazy_dependencies
 
     get_runtime().warm_ups.append(import_lazy_dependencies)

@@ -1,0 +1,88 @@
+"""`torch.nn.attention.flex_attention` on remote tensors: PyTorch's unfused implementation.
+
+Called without torch.compile, flex_attention refuses devices other than its own list, and for
+the others compiles its higher-order op with torch.compile(fullgraph=True), which cannot trace
+a remote tensor. For remote inputs it now takes PyTorch's own eager path (the one its
+`_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG` switch selects): the op runs `math_attention`, scores
+materialized as for the CPU, every op captured and run on the daemon. score_mod, mask_mod and
+`create_block_mask(..., device="remote_accelerator")` work as on the CPU.
+
+Gradients: PyTorch's autograd rule traces score_mod on fake tensors, and the scalars score_mod
+makes on the device (`torch.where(..., -inf)`) become remote tensors, which fake tensors cannot
+take. For remote inputs autograd records `math_attention`'s own ops instead (vmap over score_mod
+is differentiable), which gives the same gradients; PyTorch's CPU implementation has no backward.
+That rule is registered for AutogradPrivateUse1 only: CPU and CUDA calls keep PyTorch's kernels.
+
+The device check this wraps is in flex_attention_check.py, the one Genie module dynamo traces.
+"""
+from __future__ import annotations
+
+import contextlib
+
+from . import flex_attention_check as check
+from .lazy_tensor import LazyTensor
+
+
+class _EagerForRemoteCalls:
+    """Stands in for flex_attention's `_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG` (read at each call,
+    after its device check): true for a call on remote tensors, else the program's setting."""
+
+    def __init__(self, setting) -> None:
+        self.setting = setting
+
+    def __bool__(self) -> bool:
+        return getattr(check.call, "remote", False) or bool(self.setting)
+
+    def __repr__(self) -> str:
+        return f"{bool(self.setting)} (True for remote_accelerator inputs: Genie)"
+
+
+def _compiling_unless_remote(setup_compilation_env):
+    @contextlib.contextmanager
+    def _setup_compilation_env():
+        if not getattr(check.call, "remote", False):
+            with setup_compilation_env() as backend:
+                yield backend
+            return
+        # A remote call runs the op directly (the switch above). Under the program's own
+        # torch.compile that call's frame would still be compiled, fail on remote tensors and be
+        # marked to skip, and flex_attention's later compiles of it for CPU or CUDA tensors (with
+        # fullgraph=True) then failed: it runs with dynamo standing aside.
+        from torch._C._dynamo.eval_frame import set_eval_frame
+
+        prior = set_eval_frame(None)  # what torch._dynamo.disable does around a call
+        try:
+            yield None
+        finally:
+            set_eval_frame(prior)
+
+    _setup_compilation_env._genie_wraps = setup_compilation_env
+    return _setup_compilation_env
+
+
+def _remote_autograd(query, key, value, score_mod, block_mask, scale, kernel_options,
+                     score_mod_other_buffers=(), mask_mod_other_buffers=()):
+    from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+    from torch._higher_order_ops.flex_attention import _permute_strides, math_attention
+
+    with TransformGetItemToIndex():
+        out, lse, max_scores = math_attention(query, key, value, score_mod, block_mask, scale, kernel_options,
+                                              score_mod_other_buffers, mask_mod_other_buffers)
+    return _permute_strides(out, query.stride()), lse, max_scores
+
+
+def install() -> None:
+    import torch.nn.attention.flex_attention as api
+    from torch._C import DispatchKey
+    from torch._higher_order_ops.flex_attention import (flex_attention, flex_attention_backward, sdpa_dense,
+                                                        sdpa_dense_backward)
+
+    if hasattr(api._validate_device, "_genie_wraps"):
+        return
+    api._validate_device = check.validating_remote_calls(api._validate_device)
+    api._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = _EagerForRemoteCalls(api._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG)
+    api.setup_compilation_env = _compiling_unless_remote(api.setup_compilation_env)
+    # Below autograd (no_grad, inference_mode) the op reaches the Python key: PyTorch's dense kernels.
+    flex_attention.py_impl(LazyTensor)(sdpa_dense)
+    flex_attention_backward.py_impl(LazyTensor)(sdpa_dense_backward)
+    flex_attention.py_impl(DispatchKey.AutogradPrivateUse1)(_remote_autograd)
