@@ -18,9 +18,12 @@ The device check this wraps is in flex_attention_check.py, the one Genie module 
 from __future__ import annotations
 
 import contextlib
+import logging
 
 from . import flex_attention_check as check
 from .lazy_tensor import LazyTensor
+
+log = logging.getLogger("genie.frontend")
 
 
 class _EagerForRemoteCalls:
@@ -72,17 +75,32 @@ def _remote_autograd(query, key, value, score_mod, block_mask, scale, kernel_opt
 
 
 def install() -> None:
+    """Once, and only where this PyTorch has every piece used (they are its internals): otherwise
+    flex_attention keeps refusing remote tensors with PyTorch's own message."""
+    import importlib
+
     import torch.nn.attention.flex_attention as api
     from torch._C import DispatchKey
-    from torch._higher_order_ops.flex_attention import (flex_attention, flex_attention_backward, sdpa_dense,
-                                                        sdpa_dense_backward)
 
+    # By name: torch._higher_order_ops exports the op itself under the module's name.
+    ops = importlib.import_module("torch._higher_order_ops.flex_attention")
+
+    missing = [name for module, names in ((api, _API_NAMES), (ops, _OP_NAMES)) for name in names
+               if not hasattr(module, name)]
+    if missing:
+        log.debug("flex_attention stays refused on remote tensors: this PyTorch has no %s", ", ".join(missing))
+        return
     if hasattr(api._validate_device, "_genie_wraps"):
         return
     api._validate_device = check.validating_remote_calls(api._validate_device)
     api._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = _EagerForRemoteCalls(api._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG)
     api.setup_compilation_env = _compiling_unless_remote(api.setup_compilation_env)
     # Below autograd (no_grad, inference_mode) the op reaches the Python key: PyTorch's dense kernels.
-    flex_attention.py_impl(LazyTensor)(sdpa_dense)
-    flex_attention_backward.py_impl(LazyTensor)(sdpa_dense_backward)
-    flex_attention.py_impl(DispatchKey.AutogradPrivateUse1)(_remote_autograd)
+    ops.flex_attention.py_impl(LazyTensor)(ops.sdpa_dense)
+    ops.flex_attention_backward.py_impl(LazyTensor)(ops.sdpa_dense_backward)
+    ops.flex_attention.py_impl(DispatchKey.AutogradPrivateUse1)(_remote_autograd)
+
+
+_API_NAMES = ("_validate_device", "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", "setup_compilation_env")
+_OP_NAMES = ("flex_attention", "flex_attention_backward", "sdpa_dense", "sdpa_dense_backward", "math_attention",
+             "_permute_strides")

@@ -36,6 +36,9 @@ def keep_dynamo_out() -> None:
         return
     import torch._dynamo.trace_rules as trace_rules
 
+    if not (hasattr(trace_rules, "SKIP_DIRS") and hasattr(trace_rules, "_recompile_re")):
+        return  # another PyTorch: compiled code that makes remote tensors may fail as it did
+
     import genie
 
     names = [m.name for m in pkgutil.walk_packages(genie.__path__, "genie.") if m.name not in _TRACED_BY_DYNAMO]
@@ -71,6 +74,6 @@ def _inductor_unless_remote(compile_with_inductor):
 
 
 def install() -> None:
-    wrapper = torch._TorchCompileInductorWrapper  # what torch.compile(backend="inductor") calls
-    if not hasattr(wrapper.__call__, "_genie_wraps"):
+    wrapper = getattr(torch, "_TorchCompileInductorWrapper", None)  # what torch.compile(backend="inductor") calls
+    if wrapper is not None and not hasattr(wrapper.__call__, "_genie_wraps"):
         wrapper.__call__ = _inductor_unless_remote(wrapper.__call__)
