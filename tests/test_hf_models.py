@@ -54,14 +54,17 @@ def _quiet():
 def test_causal_lm_forward_and_generate_match_cpu(dev, make):
     torch.manual_seed(0)
     model = make().eval()
-    remote = copy.deepcopy(model).to(dev)
+    _forward_and_generate_match(model, copy.deepcopy(model).to(dev), dev)
+
+
+def _forward_and_generate_match(model, remote, dev, new_tokens=6):
     ids, mask = _inputs()
     with torch.no_grad():
         want = model(input_ids=ids, attention_mask=mask).logits
         got = remote(input_ids=ids.to(dev), attention_mask=mask.to(dev)).logits
     torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-4)
-    expected = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
-    generated = remote.generate(ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=6, do_sample=False)
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+    generated = remote.generate(ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=new_tokens, do_sample=False)
     assert torch.equal(generated.cpu(), expected)
 
 
@@ -94,15 +97,9 @@ def test_llama_with_flex_attention_matches_cpu_and_trains_as_sdpa(dev):
     model.config._attn_implementation = "flex_attention"
     model.eval()
     remote = copy.deepcopy(model).to(dev)
-    ids, mask = _inputs()
-    with torch.no_grad():
-        want = model(input_ids=ids, attention_mask=mask).logits
-        got = remote(input_ids=ids.to(dev), attention_mask=mask.to(dev)).logits
-    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-4)
-    expected = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
-    assert torch.equal(remote.generate(ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=4,
-                                       do_sample=False).cpu(), expected)
+    _forward_and_generate_match(model, remote, dev, new_tokens=4)
     model.config._attn_implementation = "sdpa"
+    ids, _ = _inputs()
     for m, device in ((model, "cpu"), (remote, dev)):
         m.train()
         m(input_ids=ids.to(device), labels=ids.to(device)).loss.backward()
