@@ -76,3 +76,27 @@ def test_compiling_flex_attention_for_cpu_and_remote_tensors(dev):
                                F.scaled_dot_product_attention(q, k, v, attn_mask=alibi_bias))
     with pytest.raises(NotImplementedError, match="backward on CPU"):  # PyTorch's own check still there
         fa.flex_attention(q.requires_grad_(), k, v)
+
+
+def test_score_mod_over_a_learned_bias_on_the_device_trains(dev):
+    """A relative-position bias table held by the model (on the device), read by score_mod, and
+    a document mask over ids on the device: values, and the bias's gradient, as SDPA's on the CPU."""
+    q, k, v = _qkv(2, 4, 16, 8)
+    bias = torch.randn(4, 16, 16)
+    remote_bias = bias.to(dev).requires_grad_()
+    out = fa.flex_attention(*(t.to(dev) for t in (q, k, v)),
+                            score_mod=lambda score, b, h, q_idx, kv_idx: score + remote_bias[h, q_idx, kv_idx])
+    local_bias = bias.clone().requires_grad_()
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=local_bias)
+    out.sum().backward()
+    expected.sum().backward()
+    torch.testing.assert_close(out.detach().cpu(), expected.detach())
+    torch.testing.assert_close(remote_bias.grad.cpu(), local_bias.grad, atol=1e-5, rtol=1e-4)
+
+    docs = torch.tensor([0] * 5 + [1] * 7 + [2] * 4)
+    on_dev = docs.to(dev)
+    block_mask = fa.create_block_mask(lambda b, h, q_idx, kv_idx: on_dev[q_idx] == on_dev[kv_idx],
+                                      None, None, 16, 16, device=dev)
+    same_doc = docs.view(16, 1) == docs.view(1, 16)
+    torch.testing.assert_close(fa.flex_attention(*(t.to(dev) for t in (q, k, v)), block_mask=block_mask).cpu(),
+                               F.scaled_dot_product_attention(q, k, v, attn_mask=same_doc))
