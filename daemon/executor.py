@@ -29,7 +29,7 @@ from genie.transport.tensors import (as_marked_view, bytes_as_tensor, check_shap
 
 from . import attention
 from . import ops as op_table
-from . import cuda_parity, device_faults, layouts, programs, rnn_cells, sync_batch_norm
+from . import checked_ops, cuda_parity, device_faults, layouts, programs, rnn_cells, sync_batch_norm
 from .handles import MAX_COPY_MEMOS, ClientState, Poison
 from .memory_guard import is_allocation_failure
 
@@ -254,7 +254,8 @@ class Executor:
             aten = self._aten_ops.get(call.name)
             if aten is None:
                 op = op_table.resolve(call.name)
-                aten = self._aten_ops[call.name] = (op, attention.replacement(call.name) or layouts.replacement(call.name)
+                aten = self._aten_ops[call.name] = (op, checked_ops.replacement(op) or attention.replacement(call.name)
+                                                    or layouts.replacement(call.name)
                                                     or cuda_parity.replacement(call.name)
                                                     or _callable_of(op),
                                                     op_table.unsafe_flags(op), op_table.takes_generator(op),

@@ -1,8 +1,9 @@
 """Which operators a client may run, resolved from their ATen overload names.
 
 Only the `aten` namespace is reachable, looked up by name on `torch.ops.aten`
-(no eval, no import). Ops that touch the file system or the process, or that
-skip bounds checks (and so could read another client's memory), are refused.
+(no eval, no import). Ops that touch the file system or the process are refused. Ops that
+skip bounds checks (and so could read another client's memory) run as their checked
+equivalents (checked_ops.py; `unsafe=True` arguments given False), never as themselves.
 """
 from __future__ import annotations
 
@@ -12,15 +13,13 @@ import torch
 
 from genie.transport.errors import ProtocolError
 
+from . import checked_ops
+
 DENIED = frozenset({
     "aten::from_file",          # reads files on the daemon host
     "aten::_print",             # writes to the daemon's stdout
     "aten::_assert_scalar",     # aborts on purpose
     "aten::set_",               # can point a tensor at arbitrary storage
-    "aten::_unsafe_index",      # no bounds checks
-    "aten::_unsafe_index_put",
-    "aten::_unsafe_masked_index",
-    "aten::_unsafe_masked_index_put_accumulate",
     "aten::_cpu_cuda_sync",
 })
 
@@ -44,6 +43,8 @@ def resolve(name: str) -> torch._ops.OpOverload:
         raise OpRefused(f"unknown operator {name}") from None
     if not isinstance(op, torch._ops.OpOverload):
         raise OpRefused(f"unknown operator {name}")
+    if f"aten::{packet_name}" in checked_ops.UNSAFE_OPS and checked_ops.replacement(op) is None:
+        raise OpRefused(f"operator {name} skips bounds checks and is not allowed on a daemon")
     for arg in op._schema.arguments:
         if "Storage" in str(arg.type):
             raise OpRefused(f"operator {name} takes a Storage and is not allowed on a daemon")
@@ -57,11 +58,14 @@ def unsafe_flags(op: torch._ops.OpOverload) -> tuple[tuple[int, str], ...]:
 
 
 def check_call(op: torch._ops.OpOverload, args: list, kwargs: dict) -> None:
-    """Refuse a call that switches off the op's own bounds checks (e.g. `_index_put_impl_(unsafe=True)`)."""
+    """A call that switches off the op's own bounds checks (`segment_reduce(unsafe=True)`,
+    `_index_put_impl_(unsafe=True)`) keeps them: its `unsafe` arguments are set to False, in place."""
     for position, name in unsafe_flags(op):
-        value = args[position] if position < len(args) else kwargs.get(name)
-        if value:
-            raise OpRefused(f"operator {op._schema.name} with {name}=True skips bounds checks and is not allowed")
+        if position < len(args):
+            if args[position]:
+                args[position] = False
+        elif kwargs.get(name):
+            kwargs[name] = False
 
 
 @functools.lru_cache(maxsize=4096)

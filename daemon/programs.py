@@ -19,7 +19,7 @@ import torch
 
 from genie.transport.protocol import REPLAY_OP, BulkTensor, DeviceRef, HandleRef, InlineTensor, OpCall
 
-from . import attention, cuda_parity, fused, layouts
+from . import attention, checked_ops, cuda_parity, fused, layouts
 from . import ops as op_table
 from .handles import ClientState, Poison
 
@@ -115,7 +115,7 @@ def compile_program(batches: list[tuple[list[OpCall], list[int]]], devices: list
                     return None  # per-client generators: the general path handles them
                 args = [arg(a, 0) for a in call.args]
                 kwargs = {k: arg(v, 0) for k, v in call.kwargs.items()}
-                kernel = (attention.traceable(call.name) or layouts.replacement(call.name)
+                kernel = (checked_ops.replacement(op) or attention.traceable(call.name) or layouts.replacement(call.name)
                           or cuda_parity.replacement(call.name) or op._op)
                 if call.strides is not None:
                     kernel = layouts.planned_strides(kernel, call.strides)

@@ -277,16 +277,40 @@ def test_deeply_nested_header_gets_an_error_reply(fuzz_daemon):
         client.close()
 
 
-def test_unsafe_flag_is_refused(fuzz_daemon):
+def test_unsafe_ops_keep_their_bounds_checks(fuzz_daemon):
+    """Ops named unsafe and `unsafe=True` arguments skip bounds checks in their own kernels: the
+    daemon runs their checked equivalents (daemon/checked_ops.py), under every overload name. In
+    bounds they give the op's result; out of bounds, an error for that request, and the daemon
+    carries on. (They were refused before, in bounds too.)"""
     client = RawClient(fuzz_daemon.endpoint)
+    long = {"dtype": protocol.encode_dtype(torch.int64)}
     try:
-        ops = [_op("aten::ones.default", [[4]], {}, 1), _op("aten::ones.default", [[1]], {"dtype": protocol.encode_dtype(torch.int64)}, 2),
-               _op("aten::_index_put_impl_.default", [protocol.encode_handle(1), [protocol.encode_handle(2)],
-                                                      protocol.encode_handle(1), False, True], {}, None)]
-        rid, ok, body = client.exchange([protocol.pack(["exec", 4, {"ops": ops, "fetch": [1]}])])
-        assert ok and "skips bounds checks" in body["fetched"][0]["error"]["message"], body
+        ops = [_op("aten::arange.default", [4.0], {}, 1),
+               _op("aten::full.default", [[1], 9], long, 2),  # out of bounds for 4 elements
+               _op("aten::full.default", [[1], 2], long, 3),
+               _op("aten::full.default", [[1], 5.0], {}, 4)]
+        rid, ok, body = client.exchange([protocol.pack(["exec", 4, {"ops": ops, "fetch": []}])])
+        assert ok, body
+        for n, (name, index) in enumerate([("aten::_index_put_impl_.default", 2), ("aten::_unsafe_index.Tensor", 2),
+                                           ("aten::_unsafe_index.Tensor_hacked_twin", 2),
+                                           ("aten::_unsafe_index_put.hacked_twin", 2)]):
+            args = [protocol.encode_handle(1), [protocol.encode_handle(index)]]
+            if "put" in name:
+                args += [protocol.encode_handle(4), False]  # values, accumulate
+            if name.startswith("aten::_index_put_impl_"):
+                args.append(True)  # unsafe=True
+            rid, ok, body = client.exchange([protocol.pack(["exec", 10 + n, {"ops": [_op(name, args, {}, 20 + n)],
+                                                                              "fetch": [20 + n]}])])
+            assert ok and "out of bounds" in body["fetched"][0]["error"]["message"], (name, body)
+        # In bounds (a fresh tensor: the failed in-place op above poisoned handle 1, as it should).
+        ops = [_op("aten::arange.default", [4.0], {}, 5),
+               _op("aten::_unsafe_index.Tensor", [protocol.encode_handle(5), [protocol.encode_handle(3)]], {}, 30),
+               _op("aten::_index_put_impl_.default", [protocol.encode_handle(5), [protocol.encode_handle(3)],
+                                                      protocol.encode_handle(30), True, True], {}, None)]
+        rid, ok, body = client.exchange([protocol.pack(["exec", 40, {"ops": ops, "fetch": [30, 5]}])])
+        assert ok and not any("error" in f for f in body["fetched"]), body
     finally:
-        client.exchange([protocol.pack(["bye", 5, {}])])
+        client.exchange([protocol.pack(["bye", 50, {}])])
         client.close()
 
 

@@ -35,7 +35,7 @@ def test_opinfo_pass_rate(dev, dtype, layout):
           f"{result['pass_rate'] * 100:.1f}% over {result['ops']} ops")
     assert result["passed"] > (10_000 if dtype == "float32" else 5_000)  # the sweep really ran the database
     # Conjugate views: 98.1% while the wrappers lacked the daemon's bits (.real, .imag, convolutions
-    # failed), 99.6% since (the rest: sparse results, refused unsafe ops, as for float32).
+    # failed), 99.6% since (the rest: sparse results and, before they ran checked, unsafe ops, as for float32).
     # Gradients: 13,751 of 13,835 (99.4%) when added, the failures of the same kinds. Forward AD:
     # 12,606 of 12,679 (99.4%) when added (before its fixes the whole sweep broke after one
     # failure, and linear / matmul / layer_norm / softmax gave no tangent).

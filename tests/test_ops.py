@@ -115,6 +115,24 @@ def test_indexing(dev):
     check(dev, lambda a, idx, src: a.index_add(0, idx, src), A, torch.tensor([0, 2]), torch.ones(2, 5))
 
 
+def test_ops_named_unsafe_run_checked(dev):
+    """_unsafe_index & co. and segment_reduce(unsafe=True) were refused by the daemon (they skip
+    bounds checks); it runs their checked equivalents (daemon/checked_ops.py): the CPU's values in
+    bounds, an error out of bounds (the CPU's kernels check these too), and the daemon carries on."""
+    aten = torch.ops.aten
+    mask, index = torch.tensor([[True], [False], [True]]), torch.tensor([3, 99, 0])  # 99: masked off, any value
+    check(dev, lambda a, i: aten._unsafe_index(a, [i]), A, torch.tensor([3, 0, 1]))
+    check(dev, lambda a, i, v: aten._unsafe_index_put(a, [i], v, True), A, torch.tensor([1, 1]), torch.ones(2, 5))
+    check(dev, lambda a, m, i: aten._unsafe_masked_index(a, m, [i], -1.5), A, mask, index)
+    check(dev, lambda a, m, i, v: aten._unsafe_masked_index_put_accumulate(a, m, [i], v), A, mask, index,
+          torch.ones(3, 5))
+    check(dev, lambda d, n: aten.segment_reduce(d, "max", lengths=n, unsafe=True), torch.arange(6.0),
+          torch.tensor([2, 0, 4]))
+    with pytest.raises((IndexError, RuntimeError), match="out of bounds"):
+        aten._unsafe_index(A.to(dev), [torch.tensor([7], device=dev)]).cpu()
+    check(dev, lambda a: a * 2, A)
+
+
 def test_data_dependent_shapes(dev):
     x = torch.tensor([0.0, 3.0, 0.0, 1.0, 3.0])
     check(dev, torch.nonzero, x)
