@@ -217,3 +217,35 @@ def test_csr_matrices_like_cpu(dev):
         DENSE.to(dev).to_sparse_csc()
     with pytest.raises(UnsupportedOperationError, match=r"aten::exp .*to_dense\(\)"):
         remote.exp()
+
+
+def test_csr_reductions_and_sampled_products_like_cpu(dev):
+    """torch.sparse.mm(csr, dense, reduce) (PyTorch Geometric's aggregation) and
+    torch.sparse.sampled_addmm were refused by name; now the CPU's values, and the CPU's
+    gradients of both operands for every reduction."""
+    csr = DENSE.to_sparse_csr()  # a row without entries included
+    other = torch.randn(3, 5)
+    for reduce in ("sum", "mean", "amax", "amin"):
+        torch.testing.assert_close(torch.sparse.mm(csr.to(dev), other.to(dev), reduce).cpu(),
+                                   torch.sparse.mm(csr, other, reduce))
+    for reduce in ("sum", "mean", "amax", "amin"):
+        local = [csr.clone().requires_grad_(), other.clone().requires_grad_()]
+        remote = [t.detach().to(dev).requires_grad_() for t in local]
+        for a, b in (local, remote):
+            torch.sparse.mm(a, b, reduce).pow(2).sum().backward()
+        torch.testing.assert_close(remote[1].grad.cpu(), local[1].grad)
+        torch.testing.assert_close(remote[0].grad.cpu().to_dense(), local[0].grad.to_dense())
+    ties = torch.tensor([[1.0, 1.0, 0.0], [0.0, 2.0, 2.0]]).to_sparse_csr()  # equal products: the first one wins
+    tied = torch.tensor([[1.0, 5.0], [1.0, 5.0], [0.5, 5.0]])
+    for reduce in ("amax", "amin"):
+        local = [ties.clone().requires_grad_(), tied.clone().requires_grad_()]
+        remote = [t.detach().to(dev).requires_grad_() for t in local]
+        for a, b in (local, remote):
+            torch.sparse.mm(a, b, reduce).sum().backward()
+        torch.testing.assert_close(remote[1].grad.cpu(), local[1].grad)
+        torch.testing.assert_close(remote[0].grad.cpu().to_dense(), local[0].grad.to_dense())
+    mat1, mat2 = torch.randn(4, 6), torch.randn(6, 3)
+    got = torch.sparse.sampled_addmm(csr.to(dev), mat1.to(dev), mat2.to(dev), beta=0.5, alpha=2.0)
+    expected = torch.sparse.sampled_addmm(csr, mat1, mat2, beta=0.5, alpha=2.0)
+    assert got.layout == torch.sparse_csr
+    torch.testing.assert_close(got.cpu().to_dense(), expected.to_dense())

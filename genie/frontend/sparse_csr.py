@@ -6,7 +6,8 @@ dense dimensions), which is what graph networks hand torch.sparse.mm (PyTorch Ge
 a COO adjacency into CSR first): made on the device (.to_sparse_csr() of a dense or COO
 tensor, torch.sparse_csr_tensor) or moved there, read back (.cpu(), .to_dense(),
 crow_indices / col_indices / values, .to_sparse()), scaled, and multiplied with dense matrices
-(torch.sparse.mm, @, addmm), with the dense operand's gradient. A transpose comes back as sparse
+(torch.sparse.mm, @, addmm, with the dense operand's gradient; torch.sparse.mm(s, d, reduce) and
+torch.sparse.sampled_addmm, the former with gradients). A transpose comes back as sparse
 COO (a CSR matrix's transpose is CSC, which is not held here). Anything else is refused by name.
 """
 from __future__ import annotations
@@ -106,6 +107,68 @@ def _as_coo(s, what: str) -> RemoteSparseCOO:
     return s.to_coo()
 
 
+def _rows_and_cols(s: "RemoteSparseCSR") -> tuple[torch.Tensor, torch.Tensor]:
+    """Each stored entry's row and column (CSR keeps them sorted by row, then column)."""
+    rows = _aten._convert_indices_from_csr_to_coo.default(s._crow, s._col)[0].long()
+    return rows, s._col.long()
+
+
+def _sampled_addmm(s, mat1, mat2, beta=1, alpha=1):
+    """beta * s + alpha * (mat1 @ mat2), computed only where s has entries (a CSR matrix of s's
+    pattern): each entry is one row of mat1 times one column of mat2."""
+    if not isinstance(s, RemoteSparseCSR) or mat1.dim() != 2 or mat2.dim() != 2:
+        raise UnsupportedOperationError("aten::sparse_sampled_addmm", _ONLY_2D)
+    rows, cols = _rows_and_cols(s)
+    sampled = (mat1[rows] * mat2.t()[cols]).sum(-1)
+    return RemoteSparseCSR(s._crow, s._col, s._values_ * beta + sampled * alpha, s.shape)
+
+
+_REDUCTIONS = ("sum", "mean", "amax", "amin")
+
+
+def _mm_reduce(s, other, reduce):
+    """torch.sparse.mm(s, other, reduce): row i of the result reduces values[j] * other[col j]
+    over row i's entries; a row without entries is 0. The second result (the CPU's positions of
+    amax/amin's winners, for their gradients) is left empty: the backward finds them again."""
+    if reduce not in _REDUCTIONS:
+        raise RuntimeError(f"reduce argument must be either sum, mean, amax or amin, got {reduce}")
+    rows, products = _row_products(s, other)
+    return _reduced(s, rows, products, reduce), torch.empty(0, dtype=torch.long, device=s.device)
+
+
+def _row_products(s, other):
+    rows, cols = _rows_and_cols(s)
+    return rows, s._values_.unsqueeze(1) * other[cols]
+
+
+def _reduced(s, rows, products, reduce):
+    out = products.new_zeros((s.shape[0], products.shape[1]))
+    return out.scatter_reduce(0, rows.unsqueeze(1).expand_as(products), products, reduce, include_self=False)
+
+
+def _mm_reduce_backward(s, grad_out, other, reduce, arg_out, output_mask):
+    """Each entry's share of its row's result: 1 for sum, 1 / the row's entry count for mean; for
+    amax / amin, 1 for the entry that won (the first of equals, as the CPU's kernel keeps), else 0."""
+    rows, cols = _rows_and_cols(s)
+    grad_rows = grad_out[rows]
+    if reduce == "mean":
+        counts = (s._crow[1:] - s._crow[:-1]).to(grad_out.dtype)
+        grad_rows = grad_rows / counts[rows].unsqueeze(1)
+    elif reduce in ("amax", "amin"):
+        products = s._values_.unsqueeze(1) * other[cols]
+        won = products == _reduced(s, rows, products, reduce)[rows]
+        entry = torch.arange(products.shape[0], device=products.device).unsqueeze(1).expand_as(products)
+        candidate = torch.where(won, entry, products.shape[0])
+        first = _reduced(s, rows, candidate, "amin")[rows]
+        grad_rows = grad_rows * (candidate == first)
+    grad_self = grad_other = None
+    if output_mask[0]:
+        grad_self = RemoteSparseCSR(s._crow, s._col, (grad_rows * other[cols]).sum(-1), s.shape)
+    if output_mask[1]:
+        grad_other = other.new_zeros(other.shape).index_add_(0, cols, s._values_.unsqueeze(1) * grad_rows)
+    return grad_self, grad_other
+
+
 _HANDLERS = {
     torch.ops.prim.layout.default: lambda s: torch.sparse_csr,
     _aten.crow_indices.default: lambda s: s._crow,
@@ -129,6 +192,9 @@ _HANDLERS = {
     _aten.t.default: lambda s: s.to_coo().t(),
     _aten.transpose.int: lambda s, dim0, dim1: s.to_coo().transpose(dim0, dim1),
     _aten.sum.default: lambda s, dtype=None: s._values_.sum(dtype=dtype),
+    _aten.sparse_sampled_addmm.default: _sampled_addmm,
+    _aten._sparse_mm_reduce_impl.default: _mm_reduce,
+    _aten._sparse_mm_reduce_impl_backward.default: _mm_reduce_backward,
     **scaling_handlers(RemoteSparseCSR),
 }
 RemoteSparseCSR._handlers = _HANDLERS
