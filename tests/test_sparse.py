@@ -57,6 +57,8 @@ def test_arithmetic_like_cpu(dev):
     _same(remote * 3, cpu * 3)
     _same(remote / 2, cpu / 2)
     _same(-remote, -cpu)
+    _same(remote * dense.to(dev), cpu * dense)  # elementwise by a dense tensor: sparse, as on the CPU
+    _same(dense[0].to(dev) * remote, dense[0] * cpu)
     _same(dense.to(dev).sparse_mask(remote.coalesce()), dense.sparse_mask(cpu.coalesce()))
     torch.testing.assert_close(torch.sparse.sum(remote).cpu(), torch.sparse.sum(cpu))
     torch.testing.assert_close(remote.t().to_dense().cpu(), cpu.t().to_dense())
@@ -249,3 +251,24 @@ def test_csr_reductions_and_sampled_products_like_cpu(dev):
     expected = torch.sparse.sampled_addmm(csr, mat1, mat2, beta=0.5, alpha=2.0)
     assert got.layout == torch.sparse_csr
     torch.testing.assert_close(got.cpu().to_dense(), expected.to_dense())
+    # Its gradients (they take dense @ sparse and a sparse CSR sparse_mask), and to_dense's.
+    local = [csr.clone().requires_grad_(), mat1.clone().requires_grad_(), mat2.clone().requires_grad_()]
+    remote = [t.detach().to(dev).requires_grad_() for t in local]
+    for s, a, b in (local, remote):
+        torch.sparse.sampled_addmm(s, a, b).to_dense().pow(2).sum().backward()
+    for r, c in zip(remote, local):
+        torch.testing.assert_close(r.grad.cpu().to_dense(), c.grad.to_dense())
+    assert remote[0].grad.layout == torch.sparse_csr
+
+
+def test_dense_times_sparse_and_conversions_like_cpu(dev):
+    """dense @ sparse (COO and CSR) gives a dense matrix, as on the CPU (refused before: only
+    sparse @ dense); dense.to_sparse(layout=torch.sparse_csr)."""
+    left = torch.randn(5, 4)
+    for sparse in (DENSE.to_sparse(), DENSE.to_sparse_csr()):
+        for product in (lambda a, b: a @ b, torch.mm):
+            got = product(left.to(dev), sparse.to(dev))
+            assert got.layout == torch.strided
+            torch.testing.assert_close(got.cpu(), left @ DENSE)
+    made = DENSE.to(dev).to_sparse(layout=torch.sparse_csr)
+    assert made.layout == torch.sparse_csr and torch.equal(made.cpu().to_dense(), DENSE)

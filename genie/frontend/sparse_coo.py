@@ -49,6 +49,10 @@ class RemoteSparse(torch.Tensor):
         """PyTorch's own sparse tensor of this layout over `parts` (tensors of another device: the CPU)."""
         raise NotImplementedError
 
+    def at_entries(self, dense: torch.Tensor) -> torch.Tensor:
+        """`dense` (of this tensor's shape) at each stored entry, in the order of the values."""
+        raise NotImplementedError
+
     def __repr__(self) -> str:
         on_cpu = repr(self.cpu())
         return f"{on_cpu[:-1]}, device='{self.device}')"
@@ -99,6 +103,9 @@ class RemoteSparseCOO(RemoteSparse):
     def cpu_from(self, parts: list) -> torch.Tensor:
         return torch.sparse_coo_tensor(*parts, self.shape, is_coalesced=self._coalesced)
 
+    def at_entries(self, dense: torch.Tensor) -> torch.Tensor:
+        return dense[tuple(self._indices_)]
+
     def __reduce_ex__(self, protocol):
         # As torch saves a sparse tensor: its indices and values (remote tensors, saved as such), rebuilt
         # by torch's own function on load (allowed with weights_only=True).
@@ -131,6 +138,12 @@ def dense_to_sparse(func, args, kwargs):
     (a read of how many there are, as on any device)."""
     bound = dict(zip((a.name for a in func._schema.arguments), args), **kwargs)
     x = bound["self"]
+    if bound.get("layout") == torch.sparse_csr and bound.get("blocksize") is None:
+        return _to_csr(x, bound.get("dense_dim"))
+    if isinstance(x, RemoteSparseCOO):  # already COO (the backward of a CSR matrix's to_dense asks)
+        if bound.get("layout") in (None, torch.sparse_coo) and bound.get("sparse_dim", x._sparse_dim) == x._sparse_dim:
+            return x
+        raise UnsupportedOperationError(str(func.name()), "this conversion of a sparse COO tensor on remote_accelerator")
     if bound.get("layout") not in (None, torch.sparse_coo) or bound.get("blocksize") is not None:
         raise UnsupportedOperationError(str(func.name()), only_strided(bound.get("layout")))
     sparse_dim = bound.get("sparse_dim")
@@ -246,10 +259,17 @@ def _add(a, b, alpha=1, out_place=True):
 
 
 def scaled(s, factor, op: str):
-    """A remote sparse tensor (of either layout) times or divided by a scalar: its values scaled."""
+    """A remote sparse tensor (of either layout) times or divided by a scalar: its values scaled.
+    Times a dense tensor of its shape (or one that broadcasts to it), as on the CPU: each value by
+    the dense tensor's element at that entry, the result sparse with the same entries."""
+    if not isinstance(factor, RemoteSparse) and not _scalar(factor) and op == "mul" \
+            and torch.broadcast_shapes(s.shape, factor.shape) == s.shape:
+        *indices, values = s.parts()
+        return s.with_parts([*indices, values * s.at_entries(factor.expand(s.shape))])
     if isinstance(factor, RemoteSparse) or not _scalar(factor):
-        raise UnsupportedOperationError(f"aten::{op}", f"a sparse {s._layout_name} tensor times a tensor on "
-                                        "remote_accelerator: only a scalar (or a 0-dim tensor)")
+        raise UnsupportedOperationError(f"aten::{op}", f"a sparse {s._layout_name} tensor {op} a tensor on "
+                                        "remote_accelerator: only a scalar (or a 0-dim tensor), or times a dense "
+                                        "tensor of its shape")
     *indices, values = s.parts()
     return s.with_parts([*indices, values * factor if op == "mul" else values / factor])
 
@@ -287,7 +307,13 @@ def _matrix(s, what: str) -> None:
 
 
 def coo_mm(s, dense):
-    """A 2-D sparse COO matrix @ a dense matrix (a sparse CSR one's too, through its COO form)."""
+    """A 2-D sparse COO matrix @ a dense matrix (a sparse CSR one's too, through its COO form), or
+    a dense matrix @ a sparse one: (sparse.t() @ dense.t()).t(), dense as on the CPU."""
+    if isinstance(dense, RemoteSparseCOO) and isinstance(s, torch.Tensor) and s.layout == torch.strided:
+        if s.dim() != 2 or s.shape[1] != dense.shape[0]:
+            raise RuntimeError(f"mat1 and mat2 shapes cannot be multiplied ({'x'.join(map(str, s.shape))} and "
+                               f"{dense.shape[0]}x{dense.shape[1]})")
+        return coo_mm(_transpose(dense), s.t()).t().contiguous()
     if not isinstance(s, RemoteSparseCOO) or not isinstance(dense, torch.Tensor) or dense.layout != torch.strided:
         raise UnsupportedOperationError("aten::mm", "on remote_accelerator only sparse @ dense: convert the sparse "
                                         "operand on the right with .to_dense()")
@@ -301,7 +327,7 @@ def coo_mm(s, dense):
 
 
 def _matmul(a, b):
-    if not isinstance(a, RemoteSparseCOO) or a.dim() != 2 or b.dim() != 2:
+    if a.dim() != 2 or b.dim() != 2 or isinstance(a, RemoteSparseCOO) == isinstance(b, RemoteSparseCOO):
         raise UnsupportedOperationError("aten::matmul", "on remote_accelerator only a 2-D sparse matrix @ a dense "
                                         "matrix: convert the other sparse operand with .to_dense()")
     return coo_mm(a, b)
@@ -395,6 +421,8 @@ _HANDLERS = {
     _aten.transpose.int: _transpose,
     _aten.zero_.default: _zero_,
     _aten._to_sparse_csr.default: _to_csr,
+    _aten._to_sparse.default: lambda *args, **kwargs: dense_to_sparse(_aten._to_sparse.default, args, kwargs),
+    _aten._to_sparse.sparse_dim: lambda *args, **kwargs: dense_to_sparse(_aten._to_sparse.sparse_dim, args, kwargs),
     _aten.copy_.default: _copy_,
     _aten.index.Tensor: _index,
     _aten.sum.default: _sum,

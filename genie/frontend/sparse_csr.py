@@ -6,8 +6,9 @@ dense dimensions), which is what graph networks hand torch.sparse.mm (PyTorch Ge
 a COO adjacency into CSR first): made on the device (.to_sparse_csr() of a dense or COO
 tensor, torch.sparse_csr_tensor) or moved there, read back (.cpu(), .to_dense(),
 crow_indices / col_indices / values, .to_sparse()), scaled, and multiplied with dense matrices
-(torch.sparse.mm, @, addmm, with the dense operand's gradient; torch.sparse.mm(s, d, reduce) and
-torch.sparse.sampled_addmm, the former with gradients). A transpose comes back as sparse
+(torch.sparse.mm, @, addmm, with the dense operand's gradient; dense @ sparse; torch.sparse.mm(s,
+d, reduce) and torch.sparse.sampled_addmm, with gradients), times a dense matrix elementwise,
+sparse_mask. A transpose comes back as sparse
 COO (a CSR matrix's transpose is CSC, which is not held here). Anything else is refused by name.
 """
 from __future__ import annotations
@@ -54,6 +55,9 @@ class RemoteSparseCSR(RemoteSparse):
 
     def cpu_from(self, parts: list) -> torch.Tensor:
         return torch.sparse_csr_tensor(*parts, self.shape)
+
+    def at_entries(self, dense: torch.Tensor) -> torch.Tensor:
+        return dense[_rows_and_cols(self)]
 
     def __reduce_ex__(self, protocol):
         return (torch._utils._rebuild_sparse_tensor,
@@ -107,10 +111,25 @@ def _as_coo(s, what: str) -> RemoteSparseCOO:
     return s.to_coo()
 
 
+def _product(a, b):
+    """a @ b with one of them a CSR matrix (in COO form for the product), the other dense."""
+    return coo_mm(a.to_coo() if isinstance(a, RemoteSparseCSR) else a, b.to_coo() if isinstance(b, RemoteSparseCSR) else b)
+
+
 def _rows_and_cols(s: "RemoteSparseCSR") -> tuple[torch.Tensor, torch.Tensor]:
     """Each stored entry's row and column (CSR keeps them sorted by row, then column)."""
     rows = _aten._convert_indices_from_csr_to_coo.default(s._crow, s._col)[0].long()
     return rows, s._col.long()
+
+
+def _sparse_mask(dense, mask):
+    """dense's values where mask has entries, as a CSR matrix of mask's pattern (`dense` may be
+    sparse itself: a gradient of sampled_addmm is)."""
+    if tuple(dense.shape) != tuple(mask.shape):
+        raise RuntimeError("sparse_mask(): operands have incompatible sizes")
+    if isinstance(dense, RemoteSparse):
+        dense = dense.to_dense()
+    return RemoteSparseCSR(mask._crow, mask._col, mask.at_entries(dense), mask.shape)
 
 
 def _sampled_addmm(s, mat1, mat2, beta=1, alpha=1):
@@ -180,11 +199,12 @@ _HANDLERS = {
     _aten._to_copy.default: to_copy,
     _aten._to_dense.default: lambda s, dtype=None, masked_grad=None: s.to_coo().to_dense().to(dtype or s.dtype),
     _aten._to_sparse.default: _to_sparse,
+    _aten._to_sparse.sparse_dim: lambda s, sparse_dim: _to_sparse(s) if sparse_dim == 2 else _to_sparse(s, dense_dim=1),
     _aten._to_sparse_csr.default: lambda s, dense_dim=None: s,
     _aten.clone.default: lambda s, memory_format=None: s.with_parts([p.clone() for p in s.parts()]),
     _aten.detach.default: lambda s: s.with_parts(s.parts()),
-    _aten.mm.default: lambda s, dense: coo_mm(_as_coo(s, "mm"), dense),
-    _aten.matmul.default: lambda s, dense: coo_mm(_as_coo(s, "matmul"), dense),
+    _aten.mm.default: _product,
+    _aten.matmul.default: _product,
     _aten.addmm.default: lambda input, s, dense, beta=1, alpha=1: coo_addmm(input, _as_coo(s, "addmm"), dense,
                                                                             beta, alpha),
     _aten._sparse_addmm.default: lambda input, s, dense, beta=1, alpha=1: coo_addmm(
@@ -192,6 +212,7 @@ _HANDLERS = {
     _aten.t.default: lambda s: s.to_coo().t(),
     _aten.transpose.int: lambda s, dim0, dim1: s.to_coo().transpose(dim0, dim1),
     _aten.sum.default: lambda s, dtype=None: s._values_.sum(dtype=dtype),
+    _aten.sparse_mask.default: _sparse_mask,
     _aten.sparse_sampled_addmm.default: _sampled_addmm,
     _aten._sparse_mm_reduce_impl.default: _mm_reduce,
     _aten._sparse_mm_reduce_impl_backward.default: _mm_reduce_backward,
