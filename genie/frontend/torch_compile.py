@@ -17,8 +17,7 @@ break: the code runs eagerly and Genie captures it). Two more things keep such p
 from __future__ import annotations
 
 import functools
-import importlib.util
-import pkgutil
+import os
 
 import torch
 
@@ -41,9 +40,13 @@ def keep_dynamo_out() -> None:
 
     import genie
 
-    names = [m.name for m in pkgutil.walk_packages(genie.__path__, "genie.") if m.name not in _TRACED_BY_DYNAMO]
-    # File by file: the rules match path prefixes, and a package's folder would take in every module.
-    trace_rules.SKIP_DIRS.extend([genie.__file__, *(importlib.util.find_spec(name).origin for name in names)])
+    # File by file (the rules match path prefixes: a package's folder would take in every module),
+    # found on disk: walking the packages imports them (89 ms, measured, at every runtime start).
+    root = os.path.dirname(os.path.abspath(genie.__file__))
+    traced = {os.path.join(root, *name.split(".")[1:]) + ".py" for name in _TRACED_BY_DYNAMO}
+    files = [os.path.join(folder, name) for folder, _, names in os.walk(root) for name in names
+             if name.endswith(".py") and os.path.join(folder, name) not in traced]
+    trace_rules.SKIP_DIRS.extend(files)
     trace_rules._recompile_re()
     _dynamo_kept_out = True
 
