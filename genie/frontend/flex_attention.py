@@ -92,13 +92,17 @@ def install() -> None:
         return
     if hasattr(api._validate_device, "_genie_wraps"):
         return
+    try:  # the op's rules first: if this PyTorch refuses one, the calls stay refused as they were
+        # Below autograd (no_grad, inference_mode) the op reaches the Python key: PyTorch's dense kernels.
+        ops.flex_attention.py_impl(LazyTensor)(ops.sdpa_dense)
+        ops.flex_attention_backward.py_impl(LazyTensor)(ops.sdpa_dense_backward)
+        ops.flex_attention.py_impl(DispatchKey.AutogradPrivateUse1)(_remote_autograd)
+    except Exception as e:  # noqa: BLE001 - another PyTorch's internals
+        log.debug("flex_attention stays refused on remote tensors: %s", e)
+        return
     api._validate_device = check.validating_remote_calls(api._validate_device)
     api._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = _EagerForRemoteCalls(api._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG)
     api.setup_compilation_env = _compiling_unless_remote(api.setup_compilation_env)
-    # Below autograd (no_grad, inference_mode) the op reaches the Python key: PyTorch's dense kernels.
-    ops.flex_attention.py_impl(LazyTensor)(ops.sdpa_dense)
-    ops.flex_attention_backward.py_impl(LazyTensor)(ops.sdpa_dense_backward)
-    ops.flex_attention.py_impl(DispatchKey.AutogradPrivateUse1)(_remote_autograd)
 
 
 _API_NAMES = ("_validate_device", "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", "setup_compilation_env")
