@@ -6,7 +6,7 @@
 must not read or write outside a client's tensors, so it refused them all. Each has an equivalent
 that checks: the same results for inputs within bounds, and an error otherwise. That is what runs
 here: `index` / `index_put`, the masked ones as ATen composes them (indices clamped, then the
-checked op), and ops with `unsafe` given False (ops.checked_call). Their own kernels never run.
+checked op), and ops with `unsafe` given False (ops.check_call). Their own kernels never run.
 """
 from __future__ import annotations
 

@@ -5,11 +5,11 @@ each op written in dense ops the daemon runs. 2-D matrices with scalar values (n
 dense dimensions), which is what graph networks hand torch.sparse.mm (PyTorch Geometric turns
 a COO adjacency into CSR first): made on the device (.to_sparse_csr() of a dense or COO
 tensor, torch.sparse_csr_tensor) or moved there, read back (.cpu(), .to_dense(),
-crow_indices / col_indices / values, .to_sparse()), scaled, and multiplied with dense matrices
-(torch.sparse.mm, @, addmm, with the dense operand's gradient; dense @ sparse; torch.sparse.mm(s,
-d, reduce) and torch.sparse.sampled_addmm, with gradients), times a dense matrix elementwise,
-sparse_mask. A transpose comes back as sparse
-COO (a CSR matrix's transpose is CSC, which is not held here). Anything else is refused by name.
+crow_indices / col_indices / values, .to_sparse()), scaled, multiplied elementwise by a dense
+matrix, masked (sparse_mask), and multiplied with dense matrices (torch.sparse.mm, @, addmm, with
+the dense operand's gradient; dense @ sparse; torch.sparse.mm(s, d, reduce) and
+torch.sparse.sampled_addmm, with gradients). A transpose comes back as sparse COO (a CSR
+matrix's transpose is CSC, which is not held here). Anything else is refused by name.
 """
 from __future__ import annotations
 
@@ -96,6 +96,8 @@ def from_strided_or_coo(x, dense_dim=None):
 
 
 def _to_sparse(s, layout=None, blocksize=None, dense_dim=None):
+    if dense_dim:
+        raise UnsupportedOperationError("aten::_to_sparse", _ONLY_2D)
     if layout in (None, torch.sparse_coo) and blocksize is None and not dense_dim:
         return s.to_coo()
     if layout == torch.sparse_csr and blocksize is None and not dense_dim:
@@ -199,7 +201,7 @@ _HANDLERS = {
     _aten._to_copy.default: to_copy,
     _aten._to_dense.default: lambda s, dtype=None, masked_grad=None: s.to_coo().to_dense().to(dtype or s.dtype),
     _aten._to_sparse.default: _to_sparse,
-    _aten._to_sparse.sparse_dim: lambda s, sparse_dim: _to_sparse(s) if sparse_dim == 2 else _to_sparse(s, dense_dim=1),
+    _aten._to_sparse.sparse_dim: lambda s, sparse_dim: _to_sparse(s, dense_dim=2 - sparse_dim),
     _aten._to_sparse_csr.default: lambda s, dense_dim=None: s,
     _aten.clone.default: lambda s, memory_format=None: s.with_parts([p.clone() for p in s.parts()]),
     _aten.detach.default: lambda s: s.with_parts(s.parts()),
