@@ -33,18 +33,6 @@ def _largest(tensors: list, idx: list[int]) -> int:
     return max(tensors[i].numel() * tensors[i].element_size() for i in idx)
 
 
-def _with_sparse_parts(fetch):
-    """`fetch` (a list of remote tensors -> their CPU values) for lists that may hold sparse COO
-    tensors: each fetched as its indices and values, in the same round trip as the rest, and
-    rebuilt as a CPU sparse tensor."""
-    def fetch_any(tensors: list):
-        if not any(isinstance(t, RemoteSparse) for t in tensors):
-            return fetch(tensors)
-        return _rebuilt(tensors, fetch(_parts(tensors)))
-
-    return fetch_any
-
-
 def _parts(tensors: list) -> list:
     """The remote tensors to fetch for `tensors`: a sparse tensor's parts in its place."""
     flat: list = []
@@ -67,7 +55,9 @@ def _rebuilt(tensors: list, values: list) -> list:
     return out
 
 
-def _to_cpu_many(tensors: list) -> list[torch.Tensor]:
+def to_cpu_many(tensors: list) -> list[torch.Tensor]:
+    if any(isinstance(t, RemoteSparse) for t in tensors):  # a sparse tensor's parts fetched with the rest
+        return _rebuilt(tensors, to_cpu_many(_parts(tensors)))
     tensors = [_check(t) for t in tensors]
     sync_debug.note("reading values on the CPU (.cpu(), .to('cpu'), .tolist(), print(t), .numpy())")
     out: list = [None] * len(tensors)
@@ -97,16 +87,13 @@ def _place(out: list, idx: list, take) -> BaseException | None:
     return None
 
 
-to_cpu_many = _with_sparse_parts(_to_cpu_many)
-
-
 def to_cpu(t) -> torch.Tensor:
     return to_cpu_many([t])[0]
 
 
 async def materialize_many(tensors: list) -> list[torch.Tensor]:
     """Async form: awaits the daemons without blocking the caller's event loop."""
-    if any(isinstance(t, RemoteSparse) for t in tensors):  # as to_cpu_many: a sparse tensor's parts fetched with the rest
+    if any(isinstance(t, RemoteSparse) for t in tensors):  # as in to_cpu_many
         return _rebuilt(tensors, await materialize_many(_parts(tensors)))
     tensors = [_check(t) for t in tensors]
     out: list = [None] * len(tensors)

@@ -153,13 +153,9 @@ def _mm_reduce(s, other, reduce):
     amax/amin's winners, for their gradients) is left empty: the backward finds them again."""
     if reduce not in _REDUCTIONS:
         raise RuntimeError(f"reduce argument must be either sum, mean, amax or amin, got {reduce}")
-    rows, products = _row_products(s, other)
-    return _reduced(s, rows, products, reduce), torch.empty(0, dtype=torch.long, device=s.device)
-
-
-def _row_products(s, other):
     rows, cols = _rows_and_cols(s)
-    return rows, s._values_.unsqueeze(1) * other[cols]
+    products = s._values_.unsqueeze(1) * other[cols]
+    return _reduced(s, rows, products, reduce), torch.empty(0, dtype=torch.long, device=s.device)
 
 
 def _reduced(s, rows, products, reduce):

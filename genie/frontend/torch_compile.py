@@ -20,6 +20,7 @@ import functools
 import os
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from .device import NAME
 
@@ -52,11 +53,7 @@ def keep_dynamo_out() -> None:
 
 
 def _on_remote_device(value) -> bool:
-    if isinstance(value, torch.Tensor):
-        return value.device.type == NAME
-    if isinstance(value, (tuple, list)):
-        return any(_on_remote_device(v) for v in value)
-    return False
+    return any(isinstance(leaf, torch.Tensor) and leaf.device.type == NAME for leaf in tree_leaves(value))
 
 
 def _makes_remote_tensors(graph_module: torch.fx.GraphModule, example_inputs) -> bool:

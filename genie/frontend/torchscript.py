@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from .lazy_tensor import LazyTensor, register_storage
 
@@ -124,19 +125,12 @@ _TRACE_REFUSED = (
     "(torch.jit.script works on the device as it is)")
 
 
-def _holds_remote(value, seen: set) -> bool:
-    """Whether `value` (a module, tensors, and lists, tuples and dicts of them) holds a remote tensor."""
-    if isinstance(value, torch.Tensor):
-        return value.device.type == REMOTE
-    if id(value) in seen:
-        return False
-    seen.add(id(value))
-    if isinstance(value, torch.nn.Module):
-        return any(t.device.type == REMOTE for t in (*value.parameters(), *value.buffers()))
-    if isinstance(value, dict):
-        return any(_holds_remote(v, seen) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_holds_remote(v, seen) for v in value)
+def _holds_remote(value) -> bool:
+    """Whether `value` (modules, tensors, and lists, tuples and dicts of them) holds a remote tensor."""
+    for leaf in tree_leaves(value):
+        tensors = (*leaf.parameters(), *leaf.buffers()) if isinstance(leaf, torch.nn.Module) else (leaf,)
+        if any(isinstance(t, torch.Tensor) and t.device.type == REMOTE for t in tensors):
+            return True
     return False
 
 
@@ -145,7 +139,7 @@ def _refuse_remote_trace(original):
     (before, ops whose planning reads sizes failed partway: 'cond must be a bool, but got a Tensor')."""
     @functools.wraps(original)
     def trace(*args, **kwargs):
-        if _holds_remote((args, kwargs), set()):
+        if _holds_remote((args, kwargs)):
             raise RuntimeError(_TRACE_REFUSED)
         return original(*args, **kwargs)
 
