@@ -29,7 +29,7 @@ from genie.transport.tensors import (as_marked_view, bytes_as_tensor, check_shap
 
 from . import attention
 from . import ops as op_table
-from . import checked_ops, cuda_parity, device_faults, layouts, programs, rnn_cells, sync_batch_norm
+from . import device_faults, layouts, programs, rnn_cells, sync_batch_norm
 from .handles import MAX_COPY_MEMOS, ClientState, Poison
 from .memory_guard import is_allocation_failure
 
@@ -186,7 +186,7 @@ class Executor:
             SEND_OP: lambda c, call, f, d: self._send(c, call),
             RECV_OP: lambda c, call, f, d: self._recv(c, call, d),
         }
-        # name -> (op, what runs it (attention.replacement or op), its unsafe flags, takes a
+        # name -> (op, what runs it (programs.replaced_kernel or op), its unsafe flags, takes a
         # generator, seeded without one)
         self._aten_ops: dict[str, tuple] = {}
 
@@ -254,10 +254,7 @@ class Executor:
             aten = self._aten_ops.get(call.name)
             if aten is None:
                 op = op_table.resolve(call.name)
-                aten = self._aten_ops[call.name] = (op, checked_ops.replacement(op) or attention.replacement(call.name)
-                                                    or layouts.replacement(call.name)
-                                                    or cuda_parity.replacement(call.name)
-                                                    or _callable_of(op),
+                aten = self._aten_ops[call.name] = (op, programs.replaced_kernel(op, call.name) or _callable_of(op),
                                                     op_table.unsafe_flags(op), op_table.takes_generator(op),
                                                     op_table.seeded_without_generator(op),
                                                     op_table.resized_arguments(op))

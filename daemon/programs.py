@@ -65,6 +65,14 @@ class NotCompilable(Exception):
     pass
 
 
+def replaced_kernel(op: torch._ops.OpOverload, name: str, attention_kernel=attention.replacement):
+    """What runs `op` instead of its own kernel, or None: the checked twins of ops that skip bounds
+    checks (first: their own kernels must never run), attention, layout and CUDA-parity kernels.
+    One list for ops run one by one and in compiled programs (which take attention's traceable kernel)."""
+    return (checked_ops.replacement(op) or attention_kernel(name) or layouts.replacement(name)
+            or cuda_parity.replacement(name))
+
+
 def compile_program(batches: list[tuple[list[OpCall], list[int]]], devices: list[torch.device]) -> Compiled | None:
     """Registers for a program, or None when one of its ops needs the general path (e.g. RNG ops)."""
     registers: dict[int, int] = {}
@@ -115,8 +123,7 @@ def compile_program(batches: list[tuple[list[OpCall], list[int]]], devices: list
                     return None  # per-client generators: the general path handles them
                 args = [arg(a, 0) for a in call.args]
                 kwargs = {k: arg(v, 0) for k, v in call.kwargs.items()}
-                kernel = (checked_ops.replacement(op) or attention.traceable(call.name) or layouts.replacement(call.name)
-                          or cuda_parity.replacement(call.name) or op._op)
+                kernel = replaced_kernel(op, call.name, attention.traceable) or op._op
                 if call.strides is not None:
                     kernel = layouts.planned_strides(kernel, call.strides)
                 steps.append((kernel, args, kwargs, out(call.outs), call))
