@@ -275,7 +275,7 @@ def scaled(s, factor, op: str):
 
 
 def scaling_handlers(cls) -> dict:
-    """mul / div / neg of `cls` by scalars, the sparse operand on either side of mul."""
+    """mul / div / neg of `cls` by scalars (mul by dense tensors too), the sparse operand on either side of mul."""
     return {
         _aten.mul.Tensor: lambda a, b: scaled(a, b, "mul") if isinstance(a, cls) else scaled(b, a, "mul"),
         _aten.mul.Scalar: lambda a, b: scaled(a, b, "mul"),
@@ -293,11 +293,15 @@ def _in_place(op):
     return apply
 
 
-def _sparse_mask(dense, mask):
-    """dense's values at mask's indices, as a sparse tensor with mask's indices."""
+def sparse_mask(dense, mask):
+    """dense's values where mask (of either layout) has entries, as a sparse tensor of mask's
+    layout and entries (`dense` may be sparse itself: a gradient of sampled_addmm is)."""
     if tuple(dense.shape) != tuple(mask.shape):
         raise RuntimeError("sparse_mask(): operands have incompatible sizes")
-    return RemoteSparseCOO(mask._indices_, dense[tuple(mask._indices_)], mask.shape, mask._coalesced)
+    if isinstance(dense, RemoteSparse):
+        dense = dense.to_dense()
+    *indices, _ = mask.parts()
+    return mask.with_parts([*indices, mask.at_entries(dense)])
 
 
 def _matrix(s, what: str) -> None:
@@ -412,7 +416,7 @@ _HANDLERS = {
     _aten.add_.Tensor: lambda a, b, alpha=1: _add(a, b, alpha, out_place=False),
     _aten.sub.Tensor: lambda a, b, alpha=1: _add(a, b, -alpha),
     _aten.sub_.Tensor: lambda a, b, alpha=1: _add(a, b, -alpha, out_place=False),
-    _aten.sparse_mask.default: _sparse_mask,
+    _aten.sparse_mask.default: sparse_mask,
     _aten.mm.default: coo_mm,
     _aten.addmm.default: coo_addmm,
     _aten._sparse_addmm.default: coo_addmm,  # torch.sparse.mm(sparse, dense)

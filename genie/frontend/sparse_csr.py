@@ -20,7 +20,7 @@ from genie.errors import UnsupportedOperationError
 
 from .meta import only_strided
 from .sparse_coo import (RemoteSparse, RemoteSparseCOO, coo_addmm, coo_mm, dense_to_sparse, scaling_handlers,
-                         to_copy)
+                         sparse_mask, to_copy)
 
 _aten = torch.ops.aten
 _CSR_KEYS = DispatchKeySet(DispatchKey.SparseCsrPrivateUse1)
@@ -124,16 +124,6 @@ def _rows_and_cols(s: "RemoteSparseCSR") -> tuple[torch.Tensor, torch.Tensor]:
     return rows, s._col.long()
 
 
-def _sparse_mask(dense, mask):
-    """dense's values where mask has entries, as a CSR matrix of mask's pattern (`dense` may be
-    sparse itself: a gradient of sampled_addmm is)."""
-    if tuple(dense.shape) != tuple(mask.shape):
-        raise RuntimeError("sparse_mask(): operands have incompatible sizes")
-    if isinstance(dense, RemoteSparse):
-        dense = dense.to_dense()
-    return RemoteSparseCSR(mask._crow, mask._col, mask.at_entries(dense), mask.shape)
-
-
 def _sampled_addmm(s, mat1, mat2, beta=1, alpha=1):
     """beta * s + alpha * (mat1 @ mat2), computed only where s has entries (a CSR matrix of s's
     pattern): each entry is one row of mat1 times one column of mat2."""
@@ -210,7 +200,7 @@ _HANDLERS = {
     _aten.t.default: lambda s: s.to_coo().t(),
     _aten.transpose.int: lambda s, dim0, dim1: s.to_coo().transpose(dim0, dim1),
     _aten.sum.default: lambda s, dtype=None: s._values_.sum(dtype=dtype),
-    _aten.sparse_mask.default: _sparse_mask,
+    _aten.sparse_mask.default: sparse_mask,
     _aten.sparse_sampled_addmm.default: _sampled_addmm,
     _aten._sparse_mm_reduce_impl.default: _mm_reduce,
     _aten._sparse_mm_reduce_impl_backward.default: _mm_reduce_backward,
