@@ -160,6 +160,11 @@ def summary() -> None:
         rows.append((f"RTT {r['rtt_ms']:g} ms (proxy): training step / decode token, op by op",
                      f"{t[0] * 1e3:.1f} ms, {t[1]:.0f} round trip for {t[2]:.0f} ops / {d[0] * 1e3:.2f} ms, "
                      f"{d[1]:.1f} for {d[2]:.0f} ops"))
+        if "model_cpu" in r:
+            ms = lambda key: r[key][0] * 1e3  # noqa: E731
+            rows.append((f"RTT {r['rtt_ms']:g} ms (proxy): GPT model.cpu() / torch.save(state_dict)",
+                         f"{ms('model_cpu'):.1f} ms ({ms('model_cpu_one_by_one'):.1f} a tensor at a time) / "
+                         f"{ms('save_state_dict'):.1f} ms ({ms('save_state_dict_one_by_one'):.1f})"))
     op = load("opinfo_sweep")
     if op:
         rows.append(("OpInfo float32 samples equal to CPU", f"{op['pass_rate'] * 100:.1f}%"))

@@ -8,6 +8,8 @@ no bandwidth limit), at several round-trip times, and reports for each:
 - a training step of the demo GPT (AdamW), reading its loss each step, op by op;
 - greedy decoding op by op (`torch.cat` cache) and with the step replayed (`genie.graph`), the
   latter also reading its tokens 8 at a time (`read_every=8`: one round trip per 8 tokens);
+- `model.cpu()` and `torch.save(model.state_dict())` of the demo GPT, each also as it was before
+  they fetched a model's tensors together (one round trip per tensor, two for torch.save);
 - the round trips each needed (`transport_stats()[...]["blocking_waits"]`), and the ops each
   captured, so the cost of a design that waits on every op (ops x RTT) can be set beside it.
 One daemon (tcp, `--no-bulk-lane`); the client's direct lane is off (GENIE_DIRECT_LANE=0), so
@@ -85,7 +87,51 @@ def measure(repeats: int, tokens: int) -> dict:
         batched = _timed(lambda: generate_static(decoder, prompt, tokens, read_every=READ_EVERY), repeats)
     per_token = lambda r: (r[0] / tokens, r[1] / tokens, r[2] / tokens)  # noqa: E731
     return {"tiny_round_trip": tiny, "train_step": train, "decode_per_token": per_token(decode),
-            "replayed_decode_per_token": per_token(replay), "replayed_read_every_per_token": per_token(batched)}
+            "replayed_decode_per_token": per_token(replay), "replayed_read_every_per_token": per_token(batched),
+            **_reading_a_model(model, repeats)}
+
+
+def _reading_a_model(model, repeats: int) -> dict:
+    """model.cpu() and torch.save(state_dict) of a remote model, together and one tensor at a time
+    (the read-ahead's byte budget at 0 reads each tensor alone; torch.save unwrapped, as torch has it)."""
+    import io
+
+    import genie
+    from genie.frontend import read_ahead
+
+    def to_cpu():
+        model.to(DEV)
+        genie.synchronize()  # the upload is not what is timed
+        t0 = time.perf_counter()
+        model.cpu()
+        return time.perf_counter() - t0
+
+    def timed(fn) -> tuple[float, float, int]:
+        fn()
+        w0 = blocking_waits()
+        times = [fn() for _ in range(repeats)]
+        waits = blocking_waits() - w0 - (repeats if fn is to_cpu else 0)  # less each synchronize
+        return median(times), waits / repeats, 0
+
+    def save(saver):
+        def run():
+            t0 = time.perf_counter()
+            saver(state, io.BytesIO())
+            return time.perf_counter() - t0
+        return run
+
+    moved = sum(1 + (p.grad is not None) for p in model.parameters()) + len(list(model.buffers()))
+    together = timed(to_cpu)
+    budget, read_ahead.READ_AHEAD_BYTES = read_ahead.READ_AHEAD_BYTES, 0
+    try:
+        one_by_one = timed(to_cpu)
+    finally:
+        read_ahead.READ_AHEAD_BYTES = budget
+    model.to(DEV)
+    state = model.state_dict()
+    saved = timed(save(torch.save)), timed(save(torch.save._genie_wraps))
+    return {"model_tensors": moved, "state_tensors": len(state), "model_cpu": together, "model_cpu_one_by_one": one_by_one,
+            "save_state_dict": saved[0], "save_state_dict_one_by_one": saved[1]}
 
 
 def main(argv=None) -> int:
@@ -116,7 +162,11 @@ def main(argv=None) -> int:
         for name, label in (("tiny_round_trip", "(x + 1).item()"), ("train_step", "GPT training step, loss read"),
                             ("decode_per_token", "GPT decode, per token, op by op"),
                             ("replayed_decode_per_token", "GPT decode, per token, replayed"),
-                            ("replayed_read_every_per_token", f"same, tokens read {READ_EVERY} at a time")):
+                            ("replayed_read_every_per_token", f"same, tokens read {READ_EVERY} at a time"),
+                            ("model_cpu", f"GPT model.cpu() ({r['model_tensors']} tensors with grads)"),
+                            ("model_cpu_one_by_one", "same, a tensor per round trip (before)"),
+                            ("save_state_dict", f"torch.save(GPT state_dict) ({r['state_tensors']} tensors)"),
+                            ("save_state_dict_one_by_one", "same, two round trips per tensor (before)")):
             seconds, waits, ops = r[name]
             rows.append((f"{r['rtt_ms']:g}", label, f"{seconds * 1e3:.2f}", f"{waits:.2f}", f"{ops:.0f}",
                          f"{ops * r['rtt_ms']:.1f}"))

@@ -615,19 +615,25 @@ class Executor:
         return tensor
 
     def _storage_of(self, client: ClientState, call: OpCall):
-        """The whole storage of one of this client's tensors as a 1-D uint8 tensor, stored under
-        the first output handle, reported with the storage's name (the same for every tensor
-        sharing it; not its address), the tensor's storage offset and strides, and its conjugate
-        and negative bits: torch.save of remote tensors writes each storage once and the tensors
-        as views of it, as for CPU tensors."""
+        """For each of the client's tensors named: its whole storage as a 1-D uint8 tensor, stored
+        under the output handle given for it, reported with the storage's name (the same for every
+        tensor sharing it; not its address), the tensor's storage offset and strides, and its
+        conjugate and negative bits: torch.save of remote tensors writes each storage once and the
+        tensors as views of it, as for CPU tensors. Several tensors in one call: one round trip
+        for a whole state_dict."""
         outs = call.outs
-        if (len(call.args) != 1 or not isinstance(call.args[0], HandleRef) or type(outs) is not list
-                or len(outs) != 5 or type(outs[0]) is not int or any(o is not None for o in outs[1:])):
-            raise ProtocolError(f"{STORAGE_OF_OP} takes one handle and outputs [handle, None, None, None, None]")
-        source = _held(client, call.args[0])
+        if (not call.args or not all(isinstance(a, HandleRef) for a in call.args) or type(outs) is not list
+                or len(outs) != len(call.args)
+                or any(type(o) is not list or len(o) != 5 or type(o[0]) is not int or any(x is not None for x in o[1:])
+                       for o in outs)):
+            raise ProtocolError(f"{STORAGE_OF_OP} takes handles and outputs [handle, None, None, None, None] for each")
+        return [self._one_storage(client, ref, out[0]) for ref, out in zip(call.args, outs)]
+
+    def _one_storage(self, client: ClientState, ref: HandleRef, out: int):
+        source = _held(client, ref)
         storage = source.untyped_storage()
         whole = torch.empty(0, dtype=torch.uint8, device=source.device).set_(storage, 0, (storage.nbytes(),), (1,))
-        client.put(outs[0], whole)
+        client.put(out, whole)
         name = hashlib.blake2b(f"{source.device}:{storage.data_ptr()}".encode(), key=self._storage_name_key,
                                digest_size=8).digest()
         # A conjugate or negative view's storage holds the unconjugated, unnegated values: its bits too.

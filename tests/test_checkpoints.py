@@ -1,6 +1,7 @@
 """Checkpoints: torch.save of remote tensors, and torch.load(map_location=...) straight onto the device."""
 from __future__ import annotations
 
+import copy
 import gc
 import io
 
@@ -158,3 +159,51 @@ def test_saved_remote_tensors_keep_their_attributes(dev):
     assert loaded["t"].tag == {"step": 3} and torch.equal(loaded["t"], torch.arange(3.0))
     assert isinstance(loaded["p"], torch.nn.Parameter) and loaded["p"].note == "frozen" and loaded["p"].requires_grad
     assert pickle.loads(pickle.dumps(t)).tag == {"step": 3}
+
+
+def _waits() -> int:
+    endpoint, = genie.transport_stats()
+    return genie.transport_stats()[endpoint]["blocking_waits"]
+
+
+@pytest.mark.parametrize("what", ["state_dict", "module"])
+def test_saving_many_remote_tensors_waits_twice(dev, what):
+    """torch.save waited for two round trips per remote tensor, one tensor after another as
+    pickling reached it (701 for a 350-tensor state_dict). Now every tensor it writes is fetched
+    before it starts: one round trip names their storages, one fetches them."""
+    torch.manual_seed(0)
+    local = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(8)], torch.nn.BatchNorm1d(4))
+    remote = copy.deepcopy(local).to(dev)
+    obj = remote.state_dict() if what == "state_dict" else remote
+    if what == "state_dict":
+        obj["view"] = obj["0.weight"][1:]  # shares 0.weight's storage: written once
+    genie.synchronize()
+    before = _waits()
+    buf = _saved(obj)
+    assert _waits() - before == 2
+    loaded = torch.load(buf, weights_only=what == "state_dict")
+    loaded = loaded if what == "state_dict" else loaded.state_dict()
+    for name, want in local.state_dict().items():
+        assert loaded[name].device.type == "cpu" and torch.equal(loaded[name], want), name
+    if what == "state_dict":
+        assert loaded["view"].untyped_storage().data_ptr() == loaded["0.weight"].untyped_storage().data_ptr()
+        assert torch.equal(loaded["view"], local.state_dict()["0.weight"][1:])
+
+
+class _WritesWhenPickled:
+    """Pickling it queues a write to a remote tensor (the way a custom __reduce__ might)."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def __reduce__(self):
+        self.t.add_(1)
+        return (int, (0,))
+
+
+def test_a_tensor_written_while_saving_is_saved_with_its_value_then(dev):
+    """A value fetched before torch.save began is used only while no op was queued on its device
+    since: here `b` is written while pickling reaches it, and saved as it is then."""
+    a, b = torch.zeros(3).to(dev), torch.zeros(3).to(dev)
+    loaded = torch.load(_saved({"a": a, "bump": _WritesWhenPickled(b), "b": b}), weights_only=False)
+    assert loaded["a"].tolist() == [0.0] * 3 and loaded["b"].tolist() == [1.0] * 3

@@ -147,17 +147,21 @@ def test_alias_storage_stays_inside_the_clients_own_storage(sock, offset, sizes,
 
 
 @pytest.mark.parametrize("args, outs, expected", [
-    ([protocol.encode_handle(1)], [2, None, None, None, None], None),
-    ([protocol.encode_handle(9)], [2, None, None, None, None], "9"),  # not this client's handle
-    ([protocol.encode_handle(1)], 2, "takes one handle"),
-    ([protocol.encode_handle(1)], [2, 3, None, None, None], "takes one handle"),
-    ([protocol.encode_handle(1)], [2, None, None, None], "takes one handle"),
-    ([1], [2, None, None, None, None], "takes one handle"),
-    ([], [2, None, None, None, None], "takes one handle"),
+    ([protocol.encode_handle(1)], [[2, None, None, None, None]], None),
+    ([protocol.encode_handle(1), protocol.encode_handle(0)], [[2, None, None, None, None], [3, None, None, None, None]], None),
+    ([protocol.encode_handle(9)], [[2, None, None, None, None]], "9"),  # not this client's handle
+    ([protocol.encode_handle(1)], [2, None, None, None, None], "outputs \\[handle, None, None, None, None\\] for each"),
+    ([protocol.encode_handle(1)], 2, "for each"),
+    ([protocol.encode_handle(1)], [[2, 3, None, None, None]], "for each"),
+    ([protocol.encode_handle(1)], [[2, None, None, None]], "for each"),
+    ([protocol.encode_handle(1), protocol.encode_handle(0)], [[2, None, None, None, None]], "for each"),
+    ([1], [[2, None, None, None, None]], "for each"),
+    ([], [], "takes handles"),
 ])
-def test_storage_of_reports_a_tensors_storage_and_place_in_it(sock, args, outs, expected):
-    """genie::storage_of (torch.save of remote tensors) names the whole storage of one of the
-    client's own tensors; anything else is refused and the daemon carries on."""
+def test_storage_of_reports_tensors_storages_and_places_in_them(sock, args, outs, expected):
+    """genie::storage_of (torch.save of remote tensors) names the whole storage of each of the
+    client's own tensors it is given, in one call; anything else is refused and the daemon
+    carries on."""
     import re
 
     ops = [op("aten::arange", [12], 0, {"dtype": protocol.encode_dtype(torch.float32)}),
@@ -166,11 +170,15 @@ def test_storage_of_reports_a_tensors_storage_and_place_in_it(sock, args, outs, 
     (rid, ok, body), _ = call(sock, [protocol.pack(["exec", 11, {"ops": ops, "report": True}])])
     if expected is None:
         assert ok, body
-        whole, name, offset, strides, bits = body["report"]
+        assert len(body["report"]) == len(args)
+        whole, name, offset, strides, bits = body["report"][0]
         assert whole["tensor"][1:] == ["uint8", [48], [1], 0, 48] and name != 0
         assert (offset, strides, bits) == (1, [1, 4], [False, False])
-        (_, ok, body), _ = call(sock, [protocol.pack(["exec", 12, {"fetch": [2]}])])
-        assert ok and body["fetched"][0][2] == [48]
+        (_, ok, body2), _ = call(sock, [protocol.pack(["exec", 12, {"fetch": [2]}])])
+        assert ok and body2["fetched"][0][2] == [48]
+        if len(args) == 2:  # the arange itself: the same storage, its own place in it
+            whole, name2, offset, strides, bits = body["report"][1]
+            assert (name2, offset, strides) == (name, 0, [1]) and whole["tensor"][0] == 3
     else:
         assert re.search(expected, error_text(ok, body)), body
     (rid, ok, body), _ = call(sock, [protocol.pack(["ping", 79, {}])])

@@ -22,7 +22,7 @@ from genie.transport import cuda_ipc, protocol
 from genie.transport.hostmem import snapshot
 from genie.transport.tensors import DTYPE_NAMES, is_dense, parse_dtype, tensor_to_frames
 
-from . import collectives, generators, meta, padded_sequences, shape_rules, sparse_coo, sparse_csr, sync_debug
+from . import collectives, generators, meta, padded_sequences, read_ahead, shape_rules, sparse_coo, sparse_csr, sync_debug
 from .lazy_tensor import LazyTensor, OtherSubclassDecides
 
 log = logging.getLogger("genie.capture")
@@ -712,7 +712,9 @@ def _to_copy(func, args, kwargs):
         local = _fetch_by_cuda_ipc(src, target)
         if local is not None:
             return torch.ops.aten._to_copy.default(local, **rest) if rest else local
-    cpu = to_cpu(src)  # already a fresh tensor: no second copy unless something changes
+    cpu = read_ahead.take(src)  # fetched with its module's other tensors (model.cpu())
+    if cpu is None:
+        cpu = to_cpu(src)  # already a fresh tensor: no second copy unless something changes
     local = torch.ops.aten._to_copy.default(cpu, **rest) if rest else cpu
     if target.type == "cpu":
         return local
@@ -742,15 +744,22 @@ def _fetch_by_cuda_ipc(src: LazyTensor, target: torch.device) -> torch.Tensor | 
 STORAGE_OF_OP = protocol.STORAGE_OF_OP
 
 
-def storage_of(t: LazyTensor) -> tuple[LazyTensor, tuple, int, tuple[int, ...], tuple[bool, bool]]:
-    """t's whole storage on its daemon as a 1-D uint8 remote tensor, with that storage's identity
-    (equal for every tensor sharing it), t's place in it (storage offset and strides in elements)
-    and whether t is a conjugate / negative view of it, as the daemon holds them. One round trip."""
-    stream = t._genie.stream
+def storages_of(tensors: list[LazyTensor]) -> list[tuple[LazyTensor, tuple, int, tuple[int, ...], tuple[bool, bool]]]:
+    """For each of `tensors` (all on one device): its whole storage on its daemon as a 1-D uint8
+    remote tensor, with that storage's identity (equal for every tensor sharing it), the tensor's
+    place in it (storage offset and strides in elements) and whether it is a conjugate / negative
+    view of it, as the daemon holds them. One round trip for all of them."""
+    stream = tensors[0]._genie.stream
     with stream.lock:
-        entry = [STORAGE_OF_OP, [t._genie.wire], {}, [stream.new_handle(), None, None, None, None]]
-    whole, name, offset, strides, (conj, neg) = _from_report(stream.run_reported(entry), stream)
-    return whole, (stream.link, name), offset, tuple(strides), (bool(conj), bool(neg))
+        entry = [STORAGE_OF_OP, [t._genie.wire for t in tensors], {},
+                 [[stream.new_handle(), None, None, None, None] for _ in tensors]]
+    return [(whole, (stream.link, name), offset, tuple(strides), (bool(conj), bool(neg)))
+            for whole, name, offset, strides, (conj, neg) in _from_report(stream.run_reported(entry), stream)]
+
+
+def storage_of(t: LazyTensor) -> tuple[LazyTensor, tuple, int, tuple[int, ...], tuple[bool, bool]]:
+    """`storages_of([t])[0]`."""
+    return storages_of([t])[0]
 
 
 COPY_STORAGE_OP = protocol.COPY_STORAGE_OP

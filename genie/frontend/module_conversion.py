@@ -39,7 +39,7 @@ import threading
 
 import torch
 
-from . import subclasses
+from . import read_ahead, subclasses
 from .lazy_tensor import OWN_STATE, LazyTensor
 
 _state = threading.local()  # .swap: this thread is converting a module that holds remote parameters
@@ -95,7 +95,8 @@ def _wrap_apply(original):
         # Children set and restore their own mode; the module's own parameters convert after them.
         _state.swap = _holds_remote(self)
         try:
-            return original(self, fn, recurse)
+            with read_ahead.reading_module(self):
+                return original(self, fn, recurse)
         finally:
             _state.swap = before
             for table, key, t in deferred:

@@ -73,7 +73,8 @@ from .tensors import check_frames, check_shape, parse_dtype
 # Clients and daemons of different versions refuse each other at hello with a clear error,
 # instead of misreading ops, lanes or replies later. 2: hello carries the client's version.
 # 3: WRITING records on shared-memory bulk lanes. 4: an op may carry its outputs' planned strides.
-VERSION = 4
+# 5: genie::storage_of names several tensors.
+VERSION = 5
 
 # The longest ping period a client may state in hello (it then promises no pings: 0).
 MAX_HEARTBEAT_S = 3600
@@ -94,7 +95,7 @@ RECORD_STREAM_OP = "genie::record_stream"  # [handle]: t.record_stream(the reque
 RESIZE_STORAGE_OP = "genie::resize_storage"  # [handle, nbytes]: t.untyped_storage().resize_(nbytes)
 SHARE_CUDA_OP = "genie::share_cuda"  # a resident GPU tensor for a client on this host, by CUDA IPC
 ALIAS_STORAGE_OP = "genie::alias_storage"  # a tensor over one of the client's tensors' storage (torch.load)
-STORAGE_OF_OP = "genie::storage_of"  # a tensor's whole storage as uint8, its name, the tensor's place (torch.save)
+STORAGE_OF_OP = "genie::storage_of"  # [handles]: each one's whole storage as uint8, its name, its place (torch.save)
 COPY_STORAGE_OP = "genie::copy_storage"  # a tensor in a copy of its storage, one copy per storage per memo (deepcopy)
 KV_APPEND_OP, KV_GET_OP, KV_CLOSE_OP = "genie::kv_append", "genie::kv_get", "genie::kv_close"
 # The error type of an answer saying the daemon's GPU context was lost and the daemon restarts
