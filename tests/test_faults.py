@@ -219,3 +219,20 @@ def test_losing_one_of_two_daemons_keeps_the_other_and_its_tensors(refused_fast)
         genie.shutdown()
         for d in (a, b, again):
             d.stop()
+
+
+def test_a_tensor_from_before_shutdown_says_so_when_used():
+    """After genie.shutdown(), using a remote tensor made before it said only "connection ... is
+    closed"; it now says that shutdown closed it and what to do. New tensors connect again."""
+    with DaemonProcess() as d:
+        genie.init(d.endpoint)
+        try:
+            x = torch.ones(3, device=DEV)
+            assert x.sum().item() == 3.0
+            genie.shutdown()
+            with pytest.raises(GenieConnectionError, match=r"genie.shutdown\(\) closed the connection.*make them again"):
+                (x + 1).cpu()
+            genie.init(d.endpoint)
+            assert torch.ones(2, device=DEV).sum().item() == 2.0
+        finally:
+            genie.shutdown()

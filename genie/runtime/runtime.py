@@ -928,6 +928,10 @@ class Runtime:
                         f.result(3.0)
                     except Exception:
                         pass
+                for link in self.links:  # what a remote tensor from before says when used after
+                    link.lost = link.lost or (
+                        f"genie.shutdown() closed the connection to {link.endpoint}: remote tensors made before "
+                        "it are gone with it (the daemon freed them); make them again")
             self.links, self.streams = [], []
             self._started = False
             if self.local_daemon is not None:
