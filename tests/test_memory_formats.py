@@ -95,7 +95,7 @@ def _batch_of_one_with_stride_c():
 
 
 def test_size_one_dimensions_have_the_planned_strides_on_the_daemon(dev):
-    from genie.frontend.capture import storage_of
+    from genie.frontend.transfers import storage_of
 
     x = _batch_of_one_with_stride_c()
     assert x.stride() == (32, 1, 256, 32)

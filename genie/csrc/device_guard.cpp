@@ -352,7 +352,7 @@ struct RemoteGeneratorImpl final : public c10::GeneratorImpl {
 // Pinned host memory where this process has no GPU: ordinary memory, page-locking would help
 // no copy to a remote device, kept in a registry so that is_pinned() is true for it and for views
 // into it, as for any backend's pinned memory (PyTorch's own test backend does the same). It is
-// what a non_blocking copy may lend without a snapshot (genie.frontend.capture._copy_), and what
+// what a non_blocking copy may lend without a snapshot (genie.frontend.transfers._copy_), and what
 // DDP's reducer asserts of its staging buffer for a PrivateUse1 device.
 struct PinnedHostMemory final : public c10::Allocator {
   c10::DataPtr allocate(size_t n) override {

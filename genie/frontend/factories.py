@@ -54,7 +54,7 @@ def _new_empty(op: str, size, stride, dtype, device, memory_format=None):
         handle = stream.new_handle()
         t = LazyTensor(stream, handle, shape, strides, 0, dtype, nbytes)
         if dense:  # plain ints and known constants: their wire form directly (a .to() upload replaces
-            # this op with an adopt right after, see capture._try_adopt)
+            # this op with an adopt right after, see transfers._try_adopt)
             wire_kwargs = {"dtype": protocol.encode_dtype(dtype),
                            "device": protocol.encode_device("remote", stream.local_index)}
             if stride is None:

@@ -254,7 +254,7 @@ class LazyTensor(torch.Tensor):
         if self._genie.storage_nbytes == 0:
             return 0
         from . import sync_debug
-        from .capture import storage_of
+        from .transfers import storage_of
 
         sync_debug.note("t.data_ptr()")
         _whole, (_link, name), offset, _strides, _bits = storage_of(self)
@@ -304,7 +304,7 @@ class LazyTensor(torch.Tensor):
                 "Only Tensors created explicitly by the user (graph leaves) support the deepcopy protocol at the "
                 "moment.  If you were attempting to deepcopy a module, this may be because of a "
                 "torch.nn.utils.weight_norm usage, see https://github.com/pytorch/pytorch/pull/103001")
-        from .capture import copy_in_storage_copy
+        from .transfers import copy_in_storage_copy
 
         new = copy_in_storage_copy(self, memo)
         if new.is_conj() or new.is_neg():  # as torch: a plain tensor of the view's values

@@ -71,7 +71,7 @@ def cpu_for_saving(t) -> torch.Tensor:
 def _fetch_storage(t) -> tuple:
     """t's CPU storage (fetched, or shared with a tensor of the same storage saved before it in
     this torch.save), its place in it and its conjugate / negative bits. Two round trips."""
-    from .capture import storage_of
+    from .transfers import storage_of
     from .materialize import to_cpu
 
     with _fetch_lock:
@@ -122,7 +122,7 @@ def _remote_tensors_in(obj) -> list:
 def _fetch_all(tensors: list) -> dict:
     """The places of `tensors` in their storages, and those storages' values, fetched together:
     one round trip per daemon to name the storages, then one fetch of each storage for all."""
-    from .capture import storages_of
+    from .transfers import storages_of
     from .materialize import to_cpu_many
 
     by_stream: dict = {}

@@ -1,0 +1,328 @@
+"""Ops that move values across devices or point tensors at storages, captured apart from the rest.
+
+- `.to()` / `_to_copy`: a cast on the device (its own plan key, without the general walk),
+  remote to remote (daemon to daemon, never through this process), remote to the CPU (a fetch,
+  or a value read ahead with its module: `read_ahead`) or to local CUDA (by CUDA IPC from a
+  daemon on this host, else through the CPU).
+- `copy_`: host to device as an upload the daemon may adopt, device to host as a fetch.
+- `set_` on a storage or a tensor: torch.load's rebuild of checkpoint tensors onto the device
+  (`serialization`), and views of a remote tensor's own storage.
+- The storages behind torch.save (`storages_of`) and copy.deepcopy (`copy_in_storage_copy`).
+
+Their handlers are entered in capture's table of special ops when this module loads (capture
+imports it last; it imports capture's core).
+"""
+from __future__ import annotations
+
+import torch
+
+from genie.errors import UnsupportedOperationError
+from genie.runtime import get_runtime
+from genie.runtime.stream import HandleRef
+from genie.transport import cuda_ipc, protocol
+
+from . import meta, read_ahead
+from .capture import (SPECIAL, _borrowing, _NewTensor, _apply_mutations, _capture_general, _from_report, _planned, _plans_get,
+                      capture, contiguous_strides, encode_call, meta_cache, op_name)
+from .lazy_tensor import LazyTensor
+
+REMOTE = "remote_accelerator"
+
+
+_CAST = object()  # first element of _cast's plan keys, apart from every other key's
+
+
+def _cast(func, src: LazyTensor, dtype: torch.dtype):
+    """`_to_copy(src, dtype=...)` (.to(dtype), .float(), .half(), .bfloat16(): several per layer of a
+    half-precision model, around its norms and softmax) without the general walk of its keyword
+    argument: 35 -> 19 us per cast here. Planned as the general path plans it, kept under a key of
+    its own."""
+    ref = src._genie
+    stream = ref.stream
+    key = (_CAST, ref.meta_key, dtype)
+    plan = _plans_get(key)
+    if plan is None:
+        plan = meta.plan_op(func, (src,), {"dtype": dtype}, [src], [ref.storage_nbytes])
+        meta_cache.put(key, plan)
+    else:
+        meta_cache.hits += 1
+    if type(plan.outputs) is not _NewTensor or plan.mutations:
+        return _capture_general(func, (src,), {"dtype": dtype})
+    with stream.lock:
+        outs = next(stream.link.handle_ids)
+        outputs = _planned(stream, outs, plan.outputs)
+        stream.append([op_name(func), [ref.wire], {"dtype": protocol.encode_dtype(dtype)}, outs])
+    return outputs
+
+
+def _same_as_source(name: str, value, src) -> bool:
+    """A `_to_copy` keyword that asks for nothing the fetched CPU tensor does not already have."""
+    if value is None or name == "non_blocking":
+        return True
+    if name == "dtype":
+        return value == src.dtype
+    if name == "layout":
+        return value == torch.strided
+    if name == "memory_format":
+        return value in (torch.preserve_format, torch.contiguous_format) and src.is_contiguous()
+    if name == "pin_memory":
+        return value is False
+    return False
+
+
+def _to_copy(func, args, kwargs):
+    src = args[0]
+    target = kwargs.get("device")
+    if target is None or (target.type == REMOTE and (target.index is None or target.index == src.device.index)):
+        if len(kwargs) == 1 and "dtype" in kwargs and len(args) == 1 and type(src) is LazyTensor:
+            return _cast(func, src, kwargs["dtype"])
+        return capture(func, args, kwargs)
+    if target.type == REMOTE:
+        # Remote to remote: directly between daemons, never through this process.
+        rest = {k: v for k, v in kwargs.items() if k != "device"}
+        moved = move_between_devices(src, get_runtime().stream(target.index))
+        return capture(func, (moved,), rest) if rest else moved
+    from .materialize import to_cpu
+
+    rest = {k: v for k, v in kwargs.items() if k != "device" and not _same_as_source(k, v, src)}
+    if target.type == "cuda":
+        local = _fetch_by_cuda_ipc(src, target)
+        if local is not None:
+            return torch.ops.aten._to_copy.default(local, **rest) if rest else local
+    cpu = read_ahead.take(src)  # fetched with its module's other tensors (model.cpu())
+    if cpu is None:
+        cpu = to_cpu(src)  # already a fresh tensor: no second copy unless something changes
+    local = torch.ops.aten._to_copy.default(cpu, **rest) if rest else cpu
+    if target.type == "cpu":
+        return local
+    return torch.ops.aten._to_copy.default(local, device=target)
+
+
+SHARE_CUDA_OP = protocol.SHARE_CUDA_OP
+
+
+def _fetch_by_cuda_ipc(src: LazyTensor, target: torch.device) -> torch.Tensor | None:
+    """`.to("cuda")` from a daemon on this host: the daemon shares a snapshot of the tensor by CUDA
+    IPC and this process copies it on its GPU (no host memory, no bytes on the wire). None where
+    that path is not open (another host, a CPU daemon, GENIE_CUDA_IPC=0): fetch bytes instead."""
+    stream = src._genie.stream
+    device = torch.device("cuda", target.index if target.index is not None else torch.cuda.current_device())
+    if not stream.link.cuda_ipc_for(device):
+        return None
+    # Replies are decoded with protocol.decode_ext: a descriptor arrives checked and parsed.
+    shared = stream.run_reported([SHARE_CUDA_OP, [protocol.encode_handle(src._genie.id)], {}, None])
+    if type(shared) is not cuda_ipc.SharedCudaTensor:
+        return None  # the daemon could not share it (e.g. it lives on its CPU)
+    # Waits for the copy (a blocking read anyway), so the daemon's snapshot is freed at once.
+    # The daemon is trusted like its results are: its counter file may belong to another user.
+    return cuda_ipc.client_importer().copy_in(shared, device, wait=True, check_owner=False)
+
+
+STORAGE_OF_OP = protocol.STORAGE_OF_OP
+
+
+def storages_of(tensors: list[LazyTensor]) -> list[tuple[LazyTensor, tuple, int, tuple[int, ...], tuple[bool, bool]]]:
+    """For each of `tensors` (all on one device): its whole storage on its daemon as a 1-D uint8
+    remote tensor, with that storage's identity (equal for every tensor sharing it), the tensor's
+    place in it (storage offset and strides in elements) and whether it is a conjugate / negative
+    view of it, as the daemon holds them. One round trip for all of them."""
+    stream = tensors[0]._genie.stream
+    with stream.lock:
+        entry = [STORAGE_OF_OP, [t._genie.wire for t in tensors], {},
+                 [[stream.new_handle(), None, None, None, None] for _ in tensors]]
+    return [(whole, (stream.link, name), offset, tuple(strides), (bool(conj), bool(neg)))
+            for whole, name, offset, strides, (conj, neg) in _from_report(stream.run_reported(entry), stream)]
+
+
+def storage_of(t: LazyTensor) -> tuple[LazyTensor, tuple, int, tuple[int, ...], tuple[bool, bool]]:
+    """`storages_of([t])[0]`."""
+    return storages_of([t])[0]
+
+
+COPY_STORAGE_OP = protocol.COPY_STORAGE_OP
+_COPY_MEMOS = "genie copy memos"  # the key of this module's entry in a copy.deepcopy memo (its keys are ints)
+
+
+def copy_in_storage_copy(t: LazyTensor, memo: dict) -> LazyTensor:
+    """The copy of `t` copy.deepcopy makes of a CPU tensor: the same view of a copy of t's whole
+    storage, which the daemon makes once per storage for the deepcopy whose `memo` this is, so
+    copied views of one storage stay views of one another. Queued, no round trip; the memo's
+    handle on the daemon goes when the memo does (the end of the deepcopy)."""
+    stream = t._genie.stream
+    memos = memo.get(_COPY_MEMOS)
+    if memos is None:
+        memos = memo[_COPY_MEMOS] = {}
+    with stream.lock:
+        stream._not_while_recording("copy.deepcopy")
+        memo_ref = memos.get(stream)
+        if memo_ref is None:
+            memo_ref = memos[stream] = HandleRef(stream, stream.new_handle(), 0)
+        h = stream.new_handle()
+        out = LazyTensor(stream, h, t.shape, t.stride(), t.storage_offset(), t.dtype, t._genie.storage_nbytes)
+        bits = meta.view_bits(t)
+        if bits:  # the daemon's copy is the same conjugate / negative view
+            meta.set_view_bits(out, bits)
+            out._refresh_meta_key()
+        stream.append([COPY_STORAGE_OP, [t._genie.wire, memo_ref.wire], {}, h])
+    return out
+
+
+ADOPT_OP = protocol.ADOPT_OP
+
+
+def _try_adopt(dst: LazyTensor, src: torch.Tensor) -> bool:
+    """`.to(device)` of a CPU (or CUDA) tensor is empty() then copy_(): when the empty is the last queued op
+    and shapes, dtypes and layouts agree, let the daemon keep the received frame as the tensor
+    instead (no allocation, no copy on the daemon)."""
+    stream = dst._genie.stream
+    if (src.device.type not in ("cpu", "cuda") or src.dtype != dst.dtype or src.shape != dst.shape or not dst.is_contiguous()
+            or dst.storage_offset() != 0):
+        return False
+    with stream.lock:
+        last = stream.ops[-1] if stream.ops else None
+        if last is None or last[3] != dst._genie.id or last[0] not in ("aten::empty.memory_format", "aten::empty_strided"):
+            return False
+        stream.ops.pop()
+        stream.append([ADOPT_OP, encode_call([src], {}, stream)[0], {}, dst._genie.id])
+    return True
+
+
+def _copy_(func, args, kwargs):
+    dst, src = args[0], args[1]
+    if type(dst) is LazyTensor and type(src) is not LazyTensor and isinstance(src, torch.Tensor):
+        # non_blocking=True from pinned memory: the program promises, as with CUDA, not to write the
+        # source until the copy is done (synchronize), so its memory goes out without a copy. From
+        # pageable memory CUDA's copy has taken the bytes when it returns (the program may write
+        # the source at once, and does: a refilled host buffer), so it is copied here too.
+        _borrowing.source = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False)) \
+            and src.is_pinned()
+        try:
+            if _try_adopt(dst, src):
+                return dst
+            return capture(func, args, kwargs)
+        finally:
+            _borrowing.source = False
+    if type(dst) is not LazyTensor:
+        from .materialize import to_cpu
+
+        return dst.copy_(to_cpu(src), *args[2:], **kwargs)
+    if type(src) is LazyTensor and src._genie.stream is not dst._genie.stream:
+        src = move_between_devices(src, dst._genie.stream)
+        return capture(func, (dst, src, *args[2:]), kwargs)
+    return capture(func, args, kwargs)
+
+
+SEND_OP, RECV_OP = protocol.SEND_OP, protocol.RECV_OP
+
+
+def move_between_devices(src: LazyTensor, dst_stream) -> LazyTensor:
+    """A copy of `src` on dst_stream's device. Different daemons: daemon to daemon (genie::send on the
+    source, genie::recv on the destination); the same daemon: a device-to-device copy there."""
+    import secrets
+
+    src_stream = src._genie.stream
+    if src_stream.link is dst_stream.link:
+        # One daemon, one handle table: copy there. Flushing around the op keeps the source's
+        # handle alive until the copy has run (frees of the source travel after it).
+        src_stream.flush()
+        with dst_stream.lock:
+            h = dst_stream.new_handle()
+            out = LazyTensor(dst_stream, h, src.shape, contiguous_strides(src.shape), 0, src.dtype,
+                             src.numel() * src.element_size())
+            dst_stream.append(["aten::_to_copy", [protocol.encode_handle(src._genie.id)],
+                               {"device": protocol.encode_device("remote", dst_stream.local_index),
+                                "memory_format": protocol.encode_memory_format(torch.contiguous_format)}, h])
+        dst_stream.flush()
+        return out
+    tid = secrets.token_hex(16)
+    with src_stream.lock:
+        src_stream.append([SEND_OP, [protocol.encode_handle(src._genie.id), dst_stream.link.endpoint, tid], {}, None])
+    src_stream.flush()
+    with dst_stream.lock:
+        h = dst_stream.new_handle()
+        out = LazyTensor(dst_stream, h, src.shape, contiguous_strides(src.shape), 0, src.dtype,
+                         src.numel() * src.element_size())
+        dst_stream.append([RECV_OP, [tid], {}, h])
+    return out
+
+
+ALIAS_STORAGE_OP = protocol.ALIAS_STORAGE_OP
+
+
+def _set_storage(func, args, kwargs):
+    """`t.set_(storage[, offset, size, stride])` for a storage of this device: one torch.load placed
+    there (see serialization), or a remote tensor's (handed out by its untyped_storage() /
+    storage(); storage reads like `storage.tolist()` go this way). t becomes a view of the
+    storage of the tensor holding it on the daemon."""
+    from .lazy_tensor import storage_owner
+    from .serialization import uploaded
+
+    bound = _bound_set_args(args, kwargs)
+    dst, storage = bound["self"], bound["source"]
+    source = None
+    if isinstance(storage, torch.UntypedStorage):
+        loaded = uploaded(storage, dst.device)
+        source = loaded._genie if loaded is not None else storage_owner(storage)
+    if type(dst) is not LazyTensor or source is None or source.stream is not dst._genie.stream:
+        raise UnsupportedOperationError(op_name(func), "a remote tensor can be pointed only at a storage of its "
+                                        "device whose tensor is alive (or that torch.load placed there); "
+                                        "t.set_(source_tensor) also works")
+    if func is torch.ops.aten.set_.source_Storage:
+        return _point_at(dst, source, 0, (storage.nbytes() // dst.element_size(),), (1,))
+    return _point_at(dst, source, *_requested_geometry(bound))
+
+
+def _set_to_tensor(func, args, kwargs):
+    """`t.set_(source)`, `t.set_(source, offset, size, stride)`: t becomes a view of the storage
+    of `source`, a tensor on the same remote device."""
+    bound = _bound_set_args(args, kwargs)
+    dst, source = bound["self"], bound["source"]
+    if type(dst) is not LazyTensor or type(source) is not LazyTensor or source.device != dst.device:
+        raise RuntimeError(f'Attempted to set the storage of a tensor on device "{dst.device}" to a storage on '
+                           f'different device "{source.device}".  This is no longer allowed; the devices must match.')
+    if source.dtype != dst.dtype:  # PyTorch's refusal, in its words (its meta kernel checks the dtypes)
+        torch.empty(0, dtype=dst.dtype, device="meta").set_(torch.empty(0, dtype=source.dtype, device="meta"))
+    if func is torch.ops.aten.set_.source_Tensor:
+        return _point_at(dst, source._genie, source.storage_offset(), tuple(source.shape), tuple(source.stride()))
+    return _point_at(dst, source._genie, *_requested_geometry(bound))
+
+
+def _bound_set_args(args, kwargs) -> dict:
+    """The arguments of any `set_` overload by name."""
+    return dict(zip(("self", "source", "storage_offset", "size", "stride"), args), **kwargs)
+
+
+def _requested_geometry(bound: dict) -> tuple:
+    """(offset, size, stride) that a `set_` overload taking them was given (strides row-major when absent)."""
+    size = tuple(bound["size"])
+    return bound["storage_offset"], size, tuple(bound.get("stride") or contiguous_strides(size))
+
+
+def _point_at(dst: LazyTensor, source: HandleRef, offset: int, size: tuple, stride: tuple) -> LazyTensor:
+    """dst becomes the view (offset, size, stride, in dst's dtype) of source's storage on the
+    daemon (genie::alias_storage, which checks it lies inside; so does this side, with PyTorch's
+    message, which its meta kernel does not give). The wrapper takes the new metadata as after
+    any in-place view op."""
+    nbytes, itemsize = source.storage_nbytes, dst.element_size()
+    needed = meta.elements_spanned(offset, size, stride) * itemsize
+    if offset < 0 or needed > nbytes:
+        raise RuntimeError(f"setStorage: sizes {list(size)}, strides {list(stride)}, storage offset {offset}, and "
+                           f"itemsize {itemsize} requiring a storage size of {needed} are out of bounds for "
+                           f"storage of size {nbytes}")
+    stream = dst._genie.stream
+    with stream.lock:
+        stream.append([ALIAS_STORAGE_OP, [source.wire, protocol.encode_dtype(dst.dtype), offset, list(size),
+                                          list(stride)], {}, dst._genie.id])
+        _apply_mutations([(0, size, stride, offset, nbytes)], [dst])
+    return dst
+
+
+# Entered in capture's table of ops with handlers of their own.
+SPECIAL.update({
+    id(torch.ops.aten._to_copy.default): _to_copy,
+    id(torch.ops.aten.copy_.default): _copy_,
+    id(torch.ops.aten.set_.source_Storage_storage_offset): _set_storage,
+    id(torch.ops.aten.set_.source_Storage): _set_storage,
+    id(torch.ops.aten.set_.source_Tensor): _set_to_tensor,
+    id(torch.ops.aten.set_.source_Tensor_storage_offset): _set_to_tensor,
+})
