@@ -151,12 +151,12 @@ def test_a_client_gone_before_its_answer_does_not_disturb_the_daemon(dev):
 def test_full_batches_go_ahead_on_the_direct_lane_and_are_read_in_order(dev, monkeypatch):
     # A batch that fills up is posted on the direct socket (the daemon runs it while the client
     # captures the next), answers read later in order, at most MAX_OPS_AHEAD ops of them unread.
-    from genie.runtime import runtime
+    from genie.runtime import link as link_module
 
     link, stream = _link(), genie.get_runtime().stream(0)
     torch.remote_accelerator.synchronize()
     monkeypatch.setattr(stream, "batch_ops", 4)
-    monkeypatch.setattr(runtime, "MAX_OPS_AHEAD", 16)
+    monkeypatch.setattr(link_module, "MAX_OPS_AHEAD", 16)
     sent, unread_seen = [], []
     send_direct, post_threadsafe = link.channel.send_direct, link.channel.post_threadsafe
 
@@ -210,11 +210,11 @@ def test_a_failed_posted_batch_is_reported_once_by_the_next_sync(dev, monkeypatc
     # The daemon refuses a malformed batch at once, ahead of the answers to batches posted before
     # it: the client keeps that answer until it reads its turn.
     from genie.errors import RemoteExecutionError
-    from genie.runtime import runtime
+    from genie.runtime import link as link_module
 
     link, stream = _link(), genie.get_runtime().stream(0)
     torch.remote_accelerator.synchronize()
-    monkeypatch.setattr(runtime, "MAX_OPS_AHEAD", 4)
+    monkeypatch.setattr(link_module, "MAX_OPS_AHEAD", 4)
     good = {"dev": 0, "stream": 0, "ops": [], "frees": [], "fetch": [], "report": False}
     bad = dict(good, stream=-1)  # a bad stream id: the daemon refuses the batch
     for body in [good, good, bad] + [good] * 6:

@@ -26,7 +26,7 @@ from genie.transport.errors import ProtocolError
 from genie.transport.tensors import bytes_as_tensor, check_frames, check_shape, frames_to_tensor, parse_dtype
 
 if TYPE_CHECKING:
-    from .runtime import DaemonLink
+    from .link import DaemonLink
 
 log = logging.getLogger("genie.runtime")
 
