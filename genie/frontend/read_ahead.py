@@ -100,13 +100,16 @@ def _visit_order(module: torch.nn.Module) -> list[LazyTensor]:
 
 @contextlib.contextmanager
 def reading_module(module: torch.nn.Module):
-    """While `module` converts: its remote tensors are read together (a nested call adds nothing)."""
-    if getattr(_current, "group", None) is not None:
+    """While `module` converts: its remote tensors are read together. _apply calls itself for each
+    child: those calls add nothing (the outermost listed the whole tree once)."""
+    if getattr(_current, "inside", False):
         yield
         return
     tensors = _visit_order(module)
     _current.group = _Group(tensors) if len(tensors) > 1 else None
+    _current.inside = True
     try:
         yield
     finally:
         _current.group = None
+        _current.inside = False
