@@ -137,3 +137,34 @@ def test_group_norm_of_a_result_with_a_size_one_dimension_replays(dev):
     rx.copy_(x + 1)
     g.replay()
     torch.testing.assert_close(out.cpu(), F.group_norm((x + 1) * 2.0, 8), atol=1e-5, rtol=1e-5)
+
+
+_LAYOUTS = {  # each made on a device from the same CPU values
+    "channels-last": lambda v, d: v.to(d).view(2, 4, 4, 8).contiguous(memory_format=CL),
+    "transposed": lambda v, d: v.to(d).view(16, 16).t(),
+    "expanded": lambda v, d: v.to(d)[:4].view(4, 1).expand(4, 3),
+    "strided": lambda v, d: v.to(d).view(16, 16)[:, ::2],
+    "permuted view": lambda v, d: v.to(d).view(4, 8, 8).permute(2, 0, 1)[1:],
+}
+_MOVES = {
+    "cpu": lambda t, d: t.cpu() if d == "cpu" else t.to(d),
+    "to": lambda t, d: t.to(d),
+    "to-dtype": lambda t, d: t.to(d, torch.float64),
+    "preserve": lambda t, d: t.to(d, memory_format=torch.preserve_format),
+    "contiguous": lambda t, d: t.to(d, memory_format=torch.contiguous_format),
+}
+
+
+@pytest.mark.parametrize("layout", _LAYOUTS)
+@pytest.mark.parametrize("move", _MOVES)
+def test_moving_to_the_cpu_lays_out_the_copy_as_pytorch_does(dev, layout, move):
+    """`.cpu()` / `.to("cpu")` of a remote tensor came back row-major whatever its layout; PyTorch
+    copies across devices with preserve_format (a channels-last tensor stays channels-last on the
+    CPU, as from CUDA). PyTorch's own layout for such a copy: the same move to the meta device."""
+    values = torch.randn(2, 4, 4, 8).flatten()
+    make, to = _LAYOUTS[layout], _MOVES[move]
+    got = to(make(values, dev), "cpu")
+    want = to(make(values, "cpu"), "meta")
+    assert got.device.type == "cpu" and got.dtype == want.dtype
+    assert (got.shape, got.stride()) == (want.shape, want.stride())
+    assert torch.equal(got, to(make(values, "cpu").clone(), "cpu").to(want.dtype))

@@ -92,10 +92,23 @@ def _to_copy(func, args, kwargs):
     cpu = read_ahead.take(src)  # fetched with its module's other tensors (model.cpu())
     if cpu is None:
         cpu = to_cpu(src)  # already a fresh tensor: no second copy unless something changes
+    if rest.get("memory_format", torch.preserve_format) is torch.preserve_format and not src.is_contiguous():
+        cpu = _in_layout_of(src, cpu)
+        rest.pop("memory_format", None)
     local = torch.ops.aten._to_copy.default(cpu, **rest) if rest else cpu
     if target.type == "cpu":
         return local
     return torch.ops.aten._to_copy.default(local, device=target)
+
+
+def _in_layout_of(src: LazyTensor, values: torch.Tensor) -> torch.Tensor:
+    """`values` (a fetch: row-major) laid out as PyTorch's `.cpu()` / `.to()` lays out a copy of
+    `src` (memory_format=torch.preserve_format, the default): a channels-last or transposed tensor
+    keeps its strides, one with gaps or overlaps gets dense strides in the same order. It came
+    back row-major: `y.cpu().is_contiguous(memory_format=torch.channels_last)` was False for a
+    channels-last `y`, where CUDA keeps it True. Costs one copy on this side, for such tensors only."""
+    planned = torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device="meta")
+    return torch.empty_like(planned, device="cpu").copy_(values)
 
 
 SHARE_CUDA_OP = protocol.SHARE_CUDA_OP
