@@ -24,8 +24,8 @@ from genie.transport.protocol import (ADOPT_OP, ALIAS_STORAGE_OP, COPY_STORAGE_O
                                       RNG_STATE_OP, SEED_OP, SEND_OP, SET_RNG_STATE_OP, SHARE_CUDA_OP, STORAGE_OF_OP,
                                       BulkTensor, DeviceRef, Exec, GeneratorRef, HandleRef, InlineTensor, OpCall)
 from genie.transport.hostmem import snapshot
-from genie.transport.tensors import (as_marked_view, bytes_as_tensor, check_shape, dense, dense_bytes, dtype_name, elements_spanned,
-                                     frames_to_tensor, is_dense, tensor_to_buffer, tensor_to_frames)
+from genie.transport.tensors import (as_marked_view, bytes_as_tensor, check_shape, dense, dense_bytes, dense_span, dtype_name,
+                                     elements_spanned, frames_to_tensor, is_dense, tensor_to_buffer, tensor_to_frames)
 
 from . import attention
 from . import ops as op_table
@@ -851,6 +851,10 @@ class Executor:
         if isinstance(found, Poison):
             return {"error": found.describe()}
         nbytes = found.numel() * found.element_size()
+        # A channels-last or transposed CPU tensor goes as its memory lies, with its strides (the
+        # client lays it out so): no permuting copy here, none there.
+        span = dense_span(found.detach()) if found.device.type == "cpu" else None
+        layout = {"strides": list(found.stride())} if span is not None else {}
         if bulk_min and nbytes >= bulk_min and self.bulk is not None:
             try:
                 if found.device.type == "cuda" and self.bulk.moves_gpu_memory(client.identity, found.device):
@@ -865,13 +869,14 @@ class Executor:
                     with self._uploader(found.device).download(found) as staged:
                         xfer = self.bulk.send_download(client.identity, staged)
                 else:
-                    payload = tensor_to_buffer(found.detach())
+                    payload = tensor_to_buffer(span if span is not None else found.detach())
                     if nbytes <= NAMED_DOWNLOAD_BYTES:
                         # Copied into the client's mapping of one of our segments now and named
                         # in the answer: no lane record after it, no wake-up of its lane thread.
                         named = self.bulk.named_download(client.identity, payload)
                         if named is not None:
-                            return {"segment": named, "dtype": dtype_name(found.dtype), "shape": list(found.shape)}
+                            return {"segment": named, "dtype": dtype_name(found.dtype), "shape": list(found.shape),
+                                    **layout}
                     if later is not None:
                         download = self.bulk.later_download(client.identity, payload)
                         if download is not None:
@@ -882,18 +887,20 @@ class Executor:
             except ConnectionError as e:
                 return {"error": protocol.error_body(e)}
             if xfer is not None:
-                return {"bulk": xfer, "dtype": dtype_name(found.dtype), "shape": list(found.shape)}
+                return {"bulk": xfer, "dtype": dtype_name(found.dtype), "shape": list(found.shape), **layout}
         # A copy: the answer's frames may still be leaving (a zmq send without copy, a partial send
         # queued on the direct lane) when a later request writes the tensor in place (measured:
         # 8-10 of 40 async reads of 0.25-0.5 MiB then got values written after them).
         # (A GPU tensor's bytes are copied to the host on the way anyway.)
-        src = found.detach()
+        src = found.detach() if span is None else span
         if src.device.type == "cpu":
             src = snapshot(src) if is_dense(src) else dense(src)  # dense() of another layout is a copy already
         chunks = tensor_to_frames(src)
         first = len(out_frames)
         out_frames.extend(chunks)
         ref = first if len(chunks) == 1 else list(range(first, first + len(chunks)))
+        if span is not None:
+            return [ref, dtype_name(found.dtype), list(found.shape), layout["strides"]]
         return [ref, dtype_name(found.dtype), list(found.shape)]
 
 

@@ -106,8 +106,12 @@ def _in_layout_of(src: LazyTensor, values: torch.Tensor) -> torch.Tensor:
     `src` (memory_format=torch.preserve_format, the default): a channels-last or transposed tensor
     keeps its strides, one with gaps or overlaps gets dense strides in the same order. It came
     back row-major: `y.cpu().is_contiguous(memory_format=torch.channels_last)` was False for a
-    channels-last `y`, where CUDA keeps it True. Costs one copy on this side, for such tensors only."""
-    planned = torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device="meta")
+    channels-last `y`, where CUDA keeps it True. A CPU daemon sends channels-last and transposed
+    tensors as they lie, with their strides; others (a GPU daemon's, strided views) cost one copy
+    here."""
+    planned = torch.empty_like(torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device="meta"))
+    if values.stride() == planned.stride():  # a daemon sends a dense run as it lies: already so
+        return values
     return torch.empty_like(planned, device="cpu").copy_(values)
 
 

@@ -51,7 +51,9 @@ everything computed from them is poisoned in turn. Fetching a poisoned handle
 returns that error, naming the op that failed. `fetch` returns each handle as a
 C-contiguous descriptor ``[frame, dtype, shape]`` (frame: an index or a list), or, when
 the request set `bulk_min` and the tensor has at least that many bytes, ``{bulk: transfer id,
-dtype, shape}`` with the bytes sent on the client's bulk lane before the reply. `report` asks for the last
+dtype, shape}`` with the bytes sent on the client's bulk lane before the reply. A tensor whose
+elements fill one run of memory in another order (channels-last, transposed) is sent as it lies,
+its strides added (``[frame, dtype, shape, strides]``, ``{..., strides}``). `report` asks for the last
 op's outputs described as values: tensors as ``[handle, dtype, shape, stride,
 offset, storage_nbytes]`` (for ops whose output shape depends on data).
 """

@@ -69,6 +69,34 @@ def dense(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def dense_span(t: torch.Tensor) -> torch.Tensor | None:
+    """For a tensor that is not row-major but whose elements fill one run of memory in another
+    order (channels-last, transposed, permuted: non-overlapping and dense), that run as a 1-D
+    contiguous view, whose bytes with `t`'s strides give `t` (sent as they lie instead of
+    permuted into row-major order); None for any other tensor."""
+    if t.is_contiguous() or t.is_conj() or t.is_neg() or t.numel() == 0:
+        return None
+    expected = 1
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1):
+        if stride != expected:
+            return None
+        expected *= size
+    return t.as_strided((t.numel(),), (1,))
+
+
+def check_strides(strides: object, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Strides received for a tensor of `shape` whose bytes are a dense run: one per dimension,
+    non-negative, and reaching no element past the run (checked, as every received field is)."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    if (not isinstance(strides, (list, tuple)) or len(strides) != len(shape)
+            or any(type(st) is not int or st < 0 for st in strides)
+            or elements_spanned(0, shape, strides) > numel):
+        raise ProtocolError(f"bad strides {strides!r} for shape {list(shape)}")
+    return tuple(strides)
+
+
 def dense_bytes(t: torch.Tensor) -> torch.Tensor:
     """The bytes of `t` as a flat uint8 tensor on its device (a view when `t` is dense)."""
     return dense(t).reshape(-1).view(torch.uint8)

@@ -163,3 +163,31 @@ def test_quantized_dtypes_are_refused_saying_why():
     with pytest.raises(ProtocolError, match="quantized tensors are not supported on remote_accelerator"):
         tensors.dtype_name(torch.qint8)
     assert tensors.dtype_name(torch.float32)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(2, 3, 4, 5).contiguous(memory_format=torch.channels_last),
+    lambda: torch.randn(3, 4).t(),
+    lambda: torch.randn(5, 3, 4)[1:].permute(2, 0, 1),  # at a storage offset
+    lambda: torch.randn(3, 1, 4).transpose(0, 2),  # a size-1 dimension's stride is free
+], ids=["channels-last", "transposed", "permuted view", "size-1"])
+def test_a_dense_run_in_another_order_is_sent_as_it_lies(make):
+    t = make()
+    span = tensors.dense_span(t)
+    assert span is not None and span.is_contiguous() and span.shape == (t.numel(),)
+    assert span.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()  # a view, not a copy
+    assert torch.equal(span.clone().as_strided(t.shape, tensors.check_strides(list(t.stride()), tuple(t.shape))), t)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(3, 4), lambda: torch.randn(4, 6)[:, ::2], lambda: torch.randn(4, 1).expand(4, 3),
+    lambda: torch.randn(3, 4, dtype=torch.complex64).t().conj(), lambda: torch.empty(0, 3).t(),
+], ids=["row-major", "gaps", "expanded", "conjugate", "empty"])
+def test_other_tensors_have_no_dense_run_to_send(make):
+    assert tensors.dense_span(make()) is None
+
+
+@pytest.mark.parametrize("strides", [[1], [1, 5], [1, -4], [1.0, 4], "14", None])
+def test_received_strides_must_fit_the_bytes_sent(strides):
+    with pytest.raises(ProtocolError, match="bad strides"):
+        tensors.check_strides(strides, (4, 3))
