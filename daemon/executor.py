@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
 import secrets
 import time
 
@@ -24,7 +25,8 @@ from genie.transport.protocol import (ADOPT_OP, ALIAS_STORAGE_OP, COPY_STORAGE_O
                                       RNG_STATE_OP, SEED_OP, SEND_OP, SET_RNG_STATE_OP, SHARE_CUDA_OP, STORAGE_OF_OP,
                                       BulkTensor, DeviceRef, Exec, GeneratorRef, HandleRef, InlineTensor, OpCall)
 from genie.transport.hostmem import snapshot
-from genie.transport.tensors import (as_marked_view, bytes_as_tensor, check_shape, dense, dense_bytes, dense_span, dtype_name,
+from genie.transport.tensors import (as_marked_view, bytes_as_tensor, check_shape, check_strides, dense, dense_bytes,
+                                     dense_span, dtype_name,
                                      elements_spanned, frames_to_tensor, is_dense, tensor_to_buffer, tensor_to_frames)
 
 from . import attention
@@ -440,11 +442,12 @@ class Executor:
         if request.device >= len(self.devices) or self.devices[request.device].type != "cpu" or request.shared:
             return False
         for call in request.ops:
-            if call.name != ADOPT_OP or len(call.args) != 1 or not isinstance(call.args[0], BulkTensor):
+            if call.name != ADOPT_OP or len(call.args) not in (1, 3) or not isinstance(call.args[0], BulkTensor):
                 return False
         for handle in request.fetch:
             found = client.tensors.get(handle)
-            if isinstance(found, torch.Tensor) and (found.device.type != "cpu" or not is_dense(found)):
+            if isinstance(found, torch.Tensor) and (found.device.type != "cpu"
+                                                    or not is_dense(found) and dense_span(found) is None):
                 return False  # made dense (a copy kernel) or read back from a GPU first
         return True
 
@@ -577,16 +580,24 @@ class Executor:
         return result
 
     def _adopt(self, client: ClientState, call: OpCall, frames: list, device: torch.device):
-        """Keep an uploaded tensor as received (on the CPU: the frame itself, no copy)."""
-        if (len(call.args) != 1 or not isinstance(call.args[0], (InlineTensor, BulkTensor, SharedCudaTensor))
+        """Keep an uploaded tensor as received (on the CPU: the frame itself, no copy). With a shape
+        and strides after it, the upload is the dense run of a channels-last or transposed tensor
+        (transport.tensors.dense_span), kept with those strides."""
+        args = call.args
+        if (len(args) not in (1, 3) or not isinstance(args[0], (InlineTensor, BulkTensor, SharedCudaTensor))
                 or type(call.outs) is not int):
-            raise ProtocolError(f"{ADOPT_OP} takes one inline tensor and one output handle")
-        if isinstance(call.args[0], BulkTensor) and device.type == "cpu":
+            raise ProtocolError(f"{ADOPT_OP} takes one inline tensor, [shape, strides], and one output handle")
+        if isinstance(args[0], BulkTensor) and device.type == "cpu":
             # Kept as received, read only by later requests: the client may still be copying
             # the bytes into their shared segment (see bulk.Lane.send's write_behind).
-            tensor = self._bulk_upload(client, call.args[0], being_written_ok=True)
+            tensor = self._bulk_upload(client, args[0], being_written_ok=True)
         else:
-            tensor = self._resolve(client, call.args[0], frames, device, 0)
+            tensor = self._resolve(client, args[0], frames, device, 0)
+        if len(args) == 3:
+            shape = check_shape(args[1])
+            if tensor.dim() != 1 or tensor.numel() != math.prod(shape):
+                raise ProtocolError(f"{ADOPT_OP}: a run of {tensor.numel()} elements for shape {list(shape)}")
+            tensor = tensor.as_strided(shape, check_strides(args[2], shape))
         client.put(call.outs, tensor)
         self._enforce_limit(client, call)
         return tensor

@@ -120,6 +120,39 @@ def test_a_daemon_without_a_gpu_refuses_cuda_ipc_handles_and_carries_on(sock):
     assert rid == 42 and ok
 
 
+@pytest.mark.parametrize("extra, expected", [
+    ([], [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]),  # as sent: a 1-D run
+    ([[2, 3], [1, 2]], [[0.0, 2.0, 4.0], [1.0, 3.0, 5.0]]),  # the run of a transposed tensor, kept so
+    ([[2, 3], [1, 3]], "bad strides"),  # reaching past the run
+    ([[2, 2], [1, 2]], "a run of 6 elements for shape"),
+    ([[2, 3]], "takes one inline tensor"),
+    ([[2, -3], [1, 2]], "bad shape"),
+])
+def test_adopt_keeps_an_upload_as_a_run_with_strides(sock, extra, expected):
+    """genie::adopt of a channels-last or transposed upload: [run, shape, strides], checked like
+    any field; anything malformed is refused and the daemon carries on."""
+    import re
+
+    run = torch.arange(6.0)
+    args = [protocol.encode_inline(0, "float32", [6])] + extra
+    ops = [op("genie::adopt", args, 1)]
+    if not extra:
+        ops.append(op("aten::view", [protocol.encode_handle(1), [2, 3]], 2))
+    (rid, ok, body), frames = call(sock, [protocol.pack(["exec", 43, {"ops": ops, "fetch": [2 if not extra else 1]}]),
+                                          run.numpy().tobytes()])
+    if isinstance(expected, str):
+        assert re.search(expected, error_text(ok, body)), body
+    else:
+        assert ok and "error" not in str(body["fetched"][0]), body
+        desc = body["fetched"][0]
+        got = torch.frombuffer(bytearray(frames[0]), dtype=torch.float32)
+        if len(desc) == 4:  # sent as it lies, with its strides
+            got = got.as_strided(desc[2], desc[3])
+        assert got.reshape(desc[2]).tolist() == expected
+    (rid, ok, _), _ = call(sock, [protocol.pack(["ping", 44, {}])])
+    assert rid == 44 and ok
+
+
 @pytest.mark.parametrize("offset, sizes, strides, expected", [
     (0, [2, 2], [2, 1], None),                 # 16 of the 16 bytes
     (1, [2, 2], [2, 1], "outside the 16-byte storage"),

@@ -82,7 +82,7 @@ VERSION = 5
 MAX_HEARTBEAT_S = 3600
 
 # Genie's own ops, which clients queue beside ATen's and daemons run (daemon/executor.py).
-ADOPT_OP = "genie::adopt"  # keep an uploaded tensor as received (`.to(device)` of a host tensor)
+ADOPT_OP = "genie::adopt"  # [tensor] or [dense run, shape, strides]: keep an upload as received (`.to(device)`)
 DROP_PROGRAM_OP = "genie::drop_program"  # let a recorded program (genie.graph) go: its Graph died
 DEFINE_PROGRAM_OP = "genie::define_program"  # [id, [[ops, frees], ...], settings?]: record a program
 REPLAY_OP = "genie::replay"  # [id, ...]: run a recorded program
