@@ -862,14 +862,16 @@ class Executor:
         if isinstance(found, Poison):
             return {"error": found.describe()}
         nbytes = found.numel() * found.element_size()
-        # A channels-last or transposed CPU tensor goes as its memory lies, with its strides (the
-        # client lays it out so): no permuting copy here, none there.
-        span = dense_span(found.detach()) if found.device.type == "cpu" else None
+        # A channels-last or transposed tensor goes as its memory lies, with its strides (the
+        # client lays it out so): no permuting copy here, none there. (On a GPU the run is staged
+        # or sent like any contiguous tensor.)
+        span = dense_span(found.detach())
         layout = {"strides": list(found.stride())} if span is not None else {}
+        source = span if span is not None else found.detach()
         if bulk_min and nbytes >= bulk_min and self.bulk is not None:
             try:
                 if found.device.type == "cuda" and self.bulk.moves_gpu_memory(client.identity, found.device):
-                    src = dense_bytes(found.detach())
+                    src = dense_bytes(source)
                     # UCX reads the memory with no stream of ours: whatever stream wrote it must be done.
                     torch.cuda.synchronize(found.device)
                     xfer = self.bulk.send_download(client.identity, src)
@@ -877,10 +879,10 @@ class Executor:
                     self.gpu_memory_download_bytes += nbytes
                 elif found.device.type == "cuda":
                     # The lane sends synchronously: the pinned buffer is free again right after.
-                    with self._uploader(found.device).download(found) as staged:
+                    with self._uploader(found.device).download(source) as staged:
                         xfer = self.bulk.send_download(client.identity, staged)
                 else:
-                    payload = tensor_to_buffer(span if span is not None else found.detach())
+                    payload = tensor_to_buffer(source)
                     if nbytes <= NAMED_DOWNLOAD_BYTES:
                         # Copied into the client's mapping of one of our segments now and named
                         # in the answer: no lane record after it, no wake-up of its lane thread.
@@ -903,7 +905,7 @@ class Executor:
         # queued on the direct lane) when a later request writes the tensor in place (measured:
         # 8-10 of 40 async reads of 0.25-0.5 MiB then got values written after them).
         # (A GPU tensor's bytes are copied to the host on the way anyway.)
-        src = found.detach() if span is None else span
+        src = source
         if src.device.type == "cpu":
             src = snapshot(src) if is_dense(src) else dense(src)  # dense() of another layout is a copy already
         chunks = tensor_to_frames(src)
