@@ -102,21 +102,34 @@ def _fetched_ahead(t) -> tuple | None:
 
 def _remote_tensors_in(obj) -> list:
     """The remote tensors torch.save(obj) will write: those in nested dicts, lists and tuples (a
-    state_dict, an optimizer's) and the parameters and buffers of modules among them."""
-    from torch.utils._pytree import tree_leaves
+    state_dict, an optimizer's) and the parameters and buffers of modules among them. Nothing is
+    walked while no daemon is connected (no remote tensor can exist): torch.save of a large
+    Python structure pays for this walk (~0.05 s per million items) only in a program using Genie."""
+    from genie.runtime import runtime as runtime_module
 
     from .lazy_tensor import LazyTensor
 
-    found, seen = [], set()
-    for leaf in tree_leaves(obj):
-        tensors = (leaf,)
-        if isinstance(leaf, torch.nn.Module):
-            tensors = (*leaf.parameters(), *leaf.buffers())
-        for t in tensors:
-            if isinstance(t, LazyTensor) and t._genie.storage_nbytes and id(t) not in seen:
-                seen.add(id(t))
-                found.append(t)
+    rt = runtime_module._runtime
+    if rt is None or not rt.started:
+        return []
+    found, seen, stack = [], set(), [obj]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, LazyTensor):
+            if value._genie.storage_nbytes and id(value) not in seen:
+                seen.add(id(value))
+                found.append(value)
+        elif isinstance(value, (dict, list, tuple)):
+            if id(value) not in seen:  # a structure met twice (or holding itself) is walked once
+                seen.add(id(value))
+                items = value.values() if isinstance(value, dict) else value
+                stack.extend([v for v in items if type(v) not in _PLAIN])
+        elif isinstance(value, torch.nn.Module):
+            stack.extend((*value.parameters(), *value.buffers()))
     return found
+
+
+_PLAIN = frozenset({int, float, bool, str, bytes, type(None)})  # values holding no tensor, skipped at once
 
 
 def _fetch_all(tensors: list) -> dict:

@@ -116,8 +116,9 @@ def test_requests_that_only_move_memory_may_run_on_the_loop_whatever_the_threads
     executor = Executor([torch.device("cpu")])
     client = ClientState(b"unit", MemoryAccount())
     client.put(1, torch.ones(4, 4))
-    client.put(2, torch.ones(4, 4).t())
+    client.put(2, torch.ones(4, 8)[:, ::2])
     client.put(3, torch.ones(4, dtype=torch.complex64).conj())
+    client.put(4, torch.ones(4, 4).t())
 
     def request(ops=(), fetch=(), device=0):
         return Exec(device=device, ops=[OpCall(n, list(a), {}, 9) for n, a in ops], frees=[5], fetch=list(fetch),
@@ -128,6 +129,8 @@ def test_requests_that_only_move_memory_may_run_on_the_loop_whatever_the_threads
     assert executor.moves_memory_only(client, request(fetch=[1]))
     assert executor.moves_memory_only(client, request(fetch=[77]))  # unknown: answered with an error
     assert not executor.moves_memory_only(client, request(fetch=[2]))  # made dense first: a copy kernel
+    assert executor.moves_memory_only(client, request(fetch=[4]))  # a dense run in another order: sent as it lies
+    assert executor.moves_memory_only(client, request([(ADOPT_OP, [BulkTensor(1, torch.float32, (4,)), [2, 2], [1, 2]])]))
     assert not executor.moves_memory_only(client, request(fetch=[3]))  # conjugation resolved first
     assert not executor.moves_memory_only(client, request([adopt, ("aten::relu", [])]))
     assert not executor.moves_memory_only(client, request([(ADOPT_OP, [InlineTensor((0,), torch.float32, (4,))])]))
