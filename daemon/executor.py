@@ -7,7 +7,6 @@ A failing op poisons its outputs and the tensors it writes (see `handles`).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import math
 import secrets
@@ -25,19 +24,19 @@ from genie.transport.protocol import (ADOPT_OP, ALIAS_STORAGE_OP, COPY_STORAGE_O
                                       RNG_STATE_OP, SEED_OP, SEND_OP, SET_RNG_STATE_OP, SHARE_CUDA_OP, STORAGE_OF_OP,
                                       BulkTensor, DeviceRef, Exec, GeneratorRef, HandleRef, InlineTensor, OpCall)
 from genie.transport.hostmem import snapshot
-from genie.transport.tensors import (as_marked_view, bytes_as_tensor, check_shape, check_strides, dense, dense_bytes,
-                                     dense_span, dtype_name,
-                                     elements_spanned, frames_to_tensor, is_dense, tensor_to_buffer, tensor_to_frames)
+from genie.transport.tensors import (bytes_as_tensor, check_shape, check_strides, dense, dense_bytes, dense_span,
+                                     dtype_name, elements_spanned, frames_to_tensor, is_dense, tensor_to_buffer,
+                                     tensor_to_frames)
 
 from . import attention
 from . import ops as op_table
 from . import device_faults, layouts, programs, rnn_cells, sync_batch_norm
-from .handles import MAX_COPY_MEMOS, ClientState, Poison
+from .handles import ClientState, Poison, Poisoned, held
 from .memory_guard import is_allocation_failure
+from .storage_ops import StorageOps
 
 log = logging.getLogger("genie.daemon")
 
-_MAX_STORAGE_BYTES = 1 << 62  # a resize beyond any memory is refused as malformed, before allocating
 
 
 # torch.inference_mode() builds a Python context object around this guard each time; entered
@@ -110,24 +109,11 @@ def _refuse_unstrided(result: torch.Tensor) -> None:
                         "remote_accelerator: convert with .to_dense() first")
 
 
-class _Poisoned(Exception):
-    def __init__(self, poison: Poison) -> None:
-        self.poison = poison
-
-
-def _held(client: ClientState, ref: HandleRef) -> torch.Tensor:
-    """The tensor the client holds under `ref`; raises if that handle is poisoned (KeyError if unknown)."""
-    found = client.get(ref.id)
-    if isinstance(found, Poison):
-        raise _Poisoned(found)
-    return found
-
-
 class OutOfMemoryError(RuntimeError):
     """An op would take the daemon past its memory limit."""
 
 
-class Executor:
+class Executor(StorageOps):
     """Executes requests for all clients on this daemon's devices (one thread calls it)."""
 
     def __init__(self, devices: list[torch.device], account=None, memory_limit: int = 0, kv_store=None,
@@ -302,7 +288,7 @@ class Executor:
             if self.memory_limit and self.account.allocated > self.memory_limit:
                 self._enforce_limit(client, call)
             return result
-        except _Poisoned as p:
+        except Poisoned as p:
             # An input already failed: carry the original error forward.
             self._poison(client, call, p.poison)
             if raise_errors:
@@ -602,55 +588,6 @@ class Executor:
         self._enforce_limit(client, call)
         return tensor
 
-    def _alias_storage(self, client: ClientState, call: OpCall):
-        """A tensor of `dtype`, `sizes`, `strides` at `offset` (elements) in the storage of one of
-        this client's tensors, stored under the output handle: how torch.load's rebuild of a tensor
-        from a storage it placed on the device (`t.set_(storage, offset, size, stride)`) runs here.
-        aten::set_ itself stays refused (it can point at any storage); this names the client's own
-        tensor and checks that the view lies inside its storage."""
-        args = call.args
-        if (len(args) != 5 or not isinstance(args[0], HandleRef) or not isinstance(args[1], torch.dtype)
-                or type(args[2]) is not int or not _dims(args[3]) or not _dims(args[4])
-                or len(args[3]) != len(args[4]) or type(call.outs) is not int):
-            raise ProtocolError(f"{ALIAS_STORAGE_OP} takes [handle, dtype, offset, sizes, strides] and one output handle")
-        source = _held(client, args[0])
-        dtype, offset, sizes, strides = args[1:]
-        storage = source.untyped_storage()
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        extent = elements_spanned(offset, sizes, strides)
-        if offset < 0 or extent * itemsize > storage.nbytes():
-            raise ProtocolError(f"{ALIAS_STORAGE_OP}: a view reaching element {extent} of {dtype} lies outside the "
-                                f"{storage.nbytes()}-byte storage")
-        tensor = torch.empty(0, dtype=dtype, device=source.device).set_(storage, offset, sizes, strides)
-        client.put(call.outs, tensor)
-        return tensor
-
-    def _storage_of(self, client: ClientState, call: OpCall):
-        """For each of the client's tensors named: its whole storage as a 1-D uint8 tensor, stored
-        under the output handle given for it, reported with the storage's name (the same for every
-        tensor sharing it; not its address), the tensor's storage offset and strides, and its
-        conjugate and negative bits: torch.save of remote tensors writes each storage once and the
-        tensors as views of it, as for CPU tensors. Several tensors in one call: one round trip
-        for a whole state_dict."""
-        outs = call.outs
-        if (not call.args or not all(isinstance(a, HandleRef) for a in call.args) or type(outs) is not list
-                or len(outs) != len(call.args)
-                or any(type(o) is not list or len(o) != 5 or type(o[0]) is not int or any(x is not None for x in o[1:])
-                       for o in outs)):
-            raise ProtocolError(f"{STORAGE_OF_OP} takes handles and outputs [handle, None, None, None, None] for each")
-        return [self._one_storage(client, ref, out[0]) for ref, out in zip(call.args, outs)]
-
-    def _one_storage(self, client: ClientState, ref: HandleRef, out: int):
-        source = _held(client, ref)
-        storage = source.untyped_storage()
-        whole = torch.empty(0, dtype=torch.uint8, device=source.device).set_(storage, 0, (storage.nbytes(),), (1,))
-        client.put(out, whole)
-        name = hashlib.blake2b(f"{source.device}:{storage.data_ptr()}".encode(), key=self._storage_name_key,
-                               digest_size=8).digest()
-        # A conjugate or negative view's storage holds the unconjugated, unnegated values: its bits too.
-        bits = [source.is_conj(), source.is_neg()]
-        return whole, int.from_bytes(name, "little") >> 1, source.storage_offset(), list(source.stride()), bits
-
     @staticmethod
     def _record_stream(client: ClientState, call: OpCall) -> None:
         """The client's `t.record_stream(s)`, run on s: on a GPU the caching allocator keeps the
@@ -658,60 +595,16 @@ class Executor:
         every stream's work in order, so its memory can never be reused early: nothing to do."""
         if len(call.args) != 1 or not isinstance(call.args[0], HandleRef) or call.outs is not None:
             raise ProtocolError(f"{RECORD_STREAM_OP} takes [handle] and no output")
-        tensor = _held(client, call.args[0])
+        tensor = held(client, call.args[0])
         if tensor.is_cuda:
             tensor.record_stream(torch.cuda.current_stream(tensor.device))
-
-    def _resize_storage(self, client: ClientState, call: OpCall) -> None:
-        """The client's `t.untyped_storage().resize_(n)`: its storage (shared with its views) gets n
-        bytes, freed to 0 and allocated again as FSDP2 does with unsharded parameters; what it
-        held is kept up to the smaller size, as PyTorch's resize keeps it."""
-        args = call.args
-        if (len(args) != 2 or not isinstance(args[0], HandleRef) or type(args[1]) is not int
-                or not 0 <= args[1] <= _MAX_STORAGE_BYTES or call.outs is not None):
-            raise ProtocolError(f"{RESIZE_STORAGE_OP} takes [handle, 0 <= nbytes <= {_MAX_STORAGE_BYTES}] and no output")
-        _held(client, args[0]).untyped_storage().resize_(args[1])
-        client.recount(args[0].id)
-
-    def _copy_storage(self, client: ClientState, call: OpCall, frames: list, device: torch.device):
-        """copy.deepcopy of one of this client's tensors, as PyTorch copies a CPU one: the same
-        view (offset, sizes, strides) of a copy of its whole storage, stored under the output
-        handle. The second argument names the copy's memo (a handle the client frees when its
-        deepcopy is over): tensors sharing a storage share one copy of it within one memo, so
-        views of one another stay views of one another in the copy."""
-        args = call.args
-        if (len(args) != 2 or not isinstance(args[0], HandleRef) or not isinstance(args[1], HandleRef)
-                or type(call.outs) is not int):
-            raise ProtocolError(f"{COPY_STORAGE_OP} takes [handle, memo handle] and one output handle")
-        source = _held(client, args[0])
-        memo = client.copy_memos.get(args[1].id)
-        if memo is None:
-            if args[1].id in client.tensors:
-                raise ProtocolError(f"{COPY_STORAGE_OP}: handle {args[1].id} names a tensor, not a copy memo")
-            if len(client.copy_memos) >= MAX_COPY_MEMOS:
-                raise ProtocolError(f"a client may keep at most {MAX_COPY_MEMOS} copy memos at once; free some")
-            memo = client.copy_memos[args[1].id] = {}
-        storage = source.untyped_storage()
-        key = (storage.data_ptr(), storage.nbytes())
-        copied = memo.get(key)
-        if copied is None:
-            # The source storage is kept with its copy: its address names it while the memo lives.
-            copied = memo[key] = (storage, storage.clone())
-        copy = torch.empty(0, dtype=source.dtype, device=source.device).set_(
-            copied[1], source.storage_offset(), source.shape, source.stride())
-        # The copy is the same conjugate / negative view of the copy (the client then makes it a
-        # plain tensor, as torch).
-        copy = as_marked_view(copy, source.is_conj(), source.is_neg())
-        client.put(call.outs, copy)
-        self._enforce_limit(client, call)
-        return copy
 
     def _share_cuda(self, client: ClientState, call: OpCall):
         """A snapshot of a resident GPU tensor as a CUDA IPC descriptor (reported), or None when
         it cannot go that way (the client then fetches its bytes)."""
         if len(call.args) != 1 or not isinstance(call.args[0], HandleRef):
             raise ProtocolError(f"{SHARE_CUDA_OP} takes one handle")
-        found = _held(client, call.args[0])
+        found = held(client, call.args[0])
         if not self.cuda_ipc_offered or found.device.type != "cuda":
             return None
         return protocol.encode_cuda_ipc(cuda_ipc.describe(found))
@@ -722,7 +615,7 @@ class Executor:
 
         if len(call.args) != 3 or not isinstance(call.args[0], HandleRef) or not isinstance(call.args[1], str):
             raise ProtocolError(f"{SEND_OP} takes [handle, peer endpoint, transfer id]")
-        found = _held(client, call.args[0])
+        found = held(client, call.args[0])
         self.send_to_peer(call.args[1], check_transfer_id(call.args[2]), found)
         return None
 
@@ -750,7 +643,7 @@ class Executor:
         if type(value) in _PLAIN:
             return value
         if isinstance(value, HandleRef):
-            return _held(client, value)
+            return held(client, value)
         if isinstance(value, list):
             if depth >= protocol.MAX_NESTING:
                 raise ProtocolError("arguments nested too deeply")
@@ -984,15 +877,6 @@ def _drawing_from(generator: torch.Generator, device: torch.device):
         _drawing.discard(id(generator))
         generator.set_state(default.get_state())
         default.set_state(saved)
-
-
-def _dims(value) -> bool:
-    """A list of sizes or strides, within the bounds of any shape on the wire (tensors.check_shape)."""
-    try:
-        check_shape(value)
-    except ProtocolError:
-        return False
-    return isinstance(value, list)
 
 
 def _int_arg(call: OpCall, i: int) -> int:

@@ -28,6 +28,22 @@ class Poison:
         return {"type": self.type, "message": self.message, "op": self.op}
 
 
+class Poisoned(Exception):
+    """An op's input holds a Poison: the op fails with that input's original error."""
+
+    def __init__(self, poison: Poison) -> None:
+        self.poison = poison
+
+
+def held(client: "ClientState", ref) -> torch.Tensor:
+    """The tensor the client holds under `ref` (a HandleRef); raises Poisoned if that handle is
+    poisoned (KeyError if unknown)."""
+    found = client.get(ref.id)
+    if isinstance(found, Poison):
+        raise Poisoned(found)
+    return found
+
+
 class MemoryAccount:
     """Bytes of distinct storages held through handles, with the peak."""
 

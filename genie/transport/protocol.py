@@ -75,7 +75,7 @@ from .tensors import check_frames, check_shape, parse_dtype
 # Clients and daemons of different versions refuse each other at hello with a clear error,
 # instead of misreading ops, lanes or replies later. 2: hello carries the client's version.
 # 3: WRITING records on shared-memory bulk lanes. 4: an op may carry its outputs' planned strides.
-# 5: genie::storage_of names several tensors.
+# 5: genie::storage_of names several tensors; a fetched tensor and genie::adopt may carry strides.
 VERSION = 5
 
 # The longest ping period a client may state in hello (it then promises no pings: 0).
