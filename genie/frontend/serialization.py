@@ -5,7 +5,7 @@ torch.load restores each storage through the deserializers registered with
 `torch.empty(0, device=storage.device).set_(storage, offset, size, stride)`. This
 process holds no storage for remote tensors, so Genie's deserializer returns a
 stand-in: a storage object on the device carrying the checkpoint's bytes. The
-first `set_` on it (see capture) uploads
+first `set_` on it (see transfers) uploads
 those bytes once as a uint8 tensor, and each rebuilt tensor becomes a view of
 that tensor's storage on the daemon (genie::alias_storage): tensors that shared
 a storage in the checkpoint share it on the daemon. The stand-in, and with it
