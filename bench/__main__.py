@@ -32,6 +32,7 @@ SUITE = {
     "gpu_paths": (["--repeats", "5"], ["--repeats", "2", "--max-mb", "64"]),
     "rpc_peer": (["--repeats", "3"], ["--repeats", "2", "--tokens", "16"]),
     "network_latency": (["--repeats", "5"], ["--repeats", "2", "--rtt-ms", "0,2", "--tokens", "8"]),
+    "layouts": (["--repeats", "5"], ["--repeats", "2", "--mb", "16"]),
     "opinfo_sweep": (["--json", os.path.join(RESULTS, "opinfo_sweep.json")],
                      ["--json", os.path.join(RESULTS, "opinfo_sweep.json"), "--max-samples", "2"]),
 }
@@ -165,6 +166,11 @@ def summary() -> None:
             rows.append((f"RTT {r['rtt_ms']:g} ms (proxy): GPT model.cpu() / torch.save(state_dict)",
                          f"{ms('model_cpu'):.1f} ms ({ms('model_cpu_one_by_one'):.1f} a tensor at a time) / "
                          f"{ms('save_state_dict'):.1f} ms ({ms('save_state_dict_one_by_one'):.1f})"))
+    lay = load("layouts").get("layouts", {})
+    if lay:
+        rows.append(("channels-last / transposed vs row-major (upload, .cpu())",
+                     ", ".join(f"{name} {r['up_vs_row_major']:.2f}x / {r['down_vs_row_major']:.2f}x"
+                               for name, r in lay.items() if name != "row-major")))
     op = load("opinfo_sweep")
     if op:
         rows.append(("OpInfo float32 samples equal to CPU", f"{op['pass_rate'] * 100:.1f}%"))

@@ -5,9 +5,10 @@ embedding + 12 `nn.TransformerEncoderLayer` of width 768, ~124M parameters in 14
 ~472 MiB of float32) moved to a genie-daemon process and back, over tcp and over ipc (shared
 memory, the default for a daemon of the same user on this host). The baseline is the same
 number of bytes sent as one payload over a raw socket (`bench.transport_throughput`'s): the best
-a byte stream does here, without the per-tensor round trips a module's `.to()` makes (PyTorch
-moves its tensors one at a time, and a download must have its bytes before `.to("cpu")`
-returns, so each tensor is one round trip). Raw, upload and download take turns in rounds; the
+a byte stream does here, without the per-tensor work a module's `.to()` makes (PyTorch moves
+its tensors one at a time; a download, which must have its bytes before `.to("cpu")` returns,
+was a round trip per tensor until a module's tensors were read together, up to 64 MiB per
+round trip: genie/frontend/read_ahead.py). Raw, upload and download take turns in rounds; the
 ratios are medians over rounds of the ratio within a round. After the last round the model's
 values are checked against the original.
 

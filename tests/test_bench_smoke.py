@@ -25,6 +25,7 @@ RUNS = {
     "hf_decode": ["--tokens", "4", "--repeats", "1"],
     "model_transfer": ["--layers", "1", "--width", "64", "--vocab", "100", "--repeats", "1"],
     "network_latency": ["--rtt-ms", "0,1", "--repeats", "1", "--tokens", "2"],
+    "layouts": ["--mb", "0.5", "--repeats", "1"],
 }
 
 
