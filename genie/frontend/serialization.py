@@ -107,29 +107,17 @@ def _remote_tensors_in(obj) -> list:
     Python structure pays for this walk (~0.05 s per million items) only in a program using Genie."""
     from genie.runtime import runtime as runtime_module
 
-    from .lazy_tensor import LazyTensor
+    from .lazy_tensor import LazyTensor, tensors_in
 
     rt = runtime_module._runtime
     if rt is None or not rt.started:
         return []
-    found, seen, stack = [], set(), [obj]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, LazyTensor):
-            if value._genie.storage_nbytes and id(value) not in seen:
-                seen.add(id(value))
-                found.append(value)
-        elif isinstance(value, (dict, list, tuple)):
-            if id(value) not in seen:  # a structure met twice (or holding itself) is walked once
-                seen.add(id(value))
-                items = value.values() if isinstance(value, dict) else value
-                stack.extend([v for v in items if type(v) not in _PLAIN])
-        elif isinstance(value, torch.nn.Module):
-            stack.extend((*value.parameters(), *value.buffers()))
+    found, seen = [], set()
+    for t in tensors_in(obj):
+        if isinstance(t, LazyTensor) and t._genie.storage_nbytes and id(t) not in seen:
+            seen.add(id(t))
+            found.append(t)
     return found
-
-
-_PLAIN = frozenset({int, float, bool, str, bytes, type(None)})  # values holding no tensor, skipped at once
 
 
 def _fetch_all(tensors: list) -> dict:

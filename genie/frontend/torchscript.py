@@ -23,9 +23,8 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.utils._pytree import tree_leaves
 
-from .lazy_tensor import LazyTensor, register_storage
+from .lazy_tensor import LazyTensor, register_storage, tensors_in
 
 REMOTE = "remote_accelerator"
 
@@ -127,11 +126,7 @@ _TRACE_REFUSED = (
 
 def _holds_remote(value) -> bool:
     """Whether `value` (modules, tensors, and lists, tuples and dicts of them) holds a remote tensor."""
-    for leaf in tree_leaves(value):
-        tensors = (*leaf.parameters(), *leaf.buffers()) if isinstance(leaf, torch.nn.Module) else (leaf,)
-        if any(isinstance(t, torch.Tensor) and t.device.type == REMOTE for t in tensors):
-            return True
-    return False
+    return any(t.device.type == REMOTE for t in tensors_in(value))
 
 
 def _refuse_remote_trace(original):
