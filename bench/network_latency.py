@@ -99,26 +99,24 @@ def _reading_a_model(model, repeats: int) -> dict:
     import genie
     from genie.frontend import read_ahead
 
+    def measured(fn) -> tuple[float, int]:
+        """Seconds and round trips of one call of `fn`."""
+        w0, t0 = blocking_waits(), time.perf_counter()
+        fn()
+        return time.perf_counter() - t0, blocking_waits() - w0
+
     def to_cpu():
         model.to(DEV)
-        genie.synchronize()  # the upload is not what is timed
-        t0 = time.perf_counter()
-        model.cpu()
-        return time.perf_counter() - t0
+        genie.synchronize()  # the upload is not what is measured
+        return measured(model.cpu)
+
+    def save(saver):
+        return lambda: measured(lambda: saver(state, io.BytesIO()))
 
     def timed(fn) -> tuple[float, float, int]:
         fn()
-        w0 = blocking_waits()
-        times = [fn() for _ in range(repeats)]
-        waits = blocking_waits() - w0 - (repeats if fn is to_cpu else 0)  # less each synchronize
-        return median(times), waits / repeats, 0
-
-    def save(saver):
-        def run():
-            t0 = time.perf_counter()
-            saver(state, io.BytesIO())
-            return time.perf_counter() - t0
-        return run
+        runs = [fn() for _ in range(repeats)]
+        return median([s for s, _ in runs]), median([w for _, w in runs]), 0
 
     moved = sum(1 + (p.grad is not None) for p in model.parameters()) + len(list(model.buffers()))
     together = timed(to_cpu)
