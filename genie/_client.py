@@ -50,22 +50,36 @@ def shutdown() -> None:
     get_runtime().shutdown()
 
 
-async def materialize(tensor_or_tensors):
-    """The async form of ``.cpu()``: a tensor gives a CPU tensor; a list or tuple gives a list."""
-    from .frontend.materialize import materialize_many
+async def materialize(value):
+    """The async form of ``.cpu()``. A remote tensor gives its CPU tensor. A list, tuple or dict
+    (nested, e.g. a state_dict or an optimizer's) gives the same structure with every remote
+    tensor in it on the CPU, fetched together: one round trip per daemon. Other values stay."""
+    from .frontend.materialize import materialize_tree
 
-    if isinstance(tensor_or_tensors, (list, tuple)):
-        return await materialize_many(list(tensor_or_tensors))
-    return (await materialize_many([tensor_or_tensors]))[0]
+    return await materialize_tree(_remote_or_structure(value))
 
 
-def materialize_sync(tensor_or_tensors):
-    """Blocking batch form: fetch several remote tensors in one round trip per daemon."""
-    from .frontend.materialize import to_cpu_many
+def materialize_sync(value):
+    """Blocking form of `materialize`: `genie.materialize_sync(model.state_dict())` reads all
+    the values in one round trip per daemon, where `{k: v.cpu() ...}` waits once per tensor."""
+    from .frontend.materialize import to_cpu_tree
 
-    if isinstance(tensor_or_tensors, (list, tuple)):
-        return to_cpu_many(list(tensor_or_tensors))
-    return to_cpu_many([tensor_or_tensors])[0]
+    return to_cpu_tree(_remote_or_structure(value))
+
+
+def _remote_or_structure(value):
+    import collections
+
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        if value.device.type != _device.NAME:
+            raise TypeError(f"expected a remote_accelerator tensor, got a tensor on {value.device}")
+    elif not isinstance(value, (list, tuple, dict, collections.deque)):
+        hint = " (a module's values: model.state_dict())" if isinstance(value, torch.nn.Module) else ""
+        raise TypeError(f"expected a remote_accelerator tensor, or lists, tuples or dicts holding some; got "
+                        f"{type(value).__name__}{hint}")
+    return value
 
 
 def flush() -> None:

@@ -101,6 +101,50 @@ def test_batch_materialize_sync(dev):
     assert [v[0].item() for v in vals] == [0, 1, 2, 3, 4]
 
 
+def _waits():
+    return sum(s["blocking_waits"] for s in genie.transport_stats().values())
+
+
+def test_materialize_sync_of_a_state_dict_reads_it_in_one_wait(dev):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+                                  for _ in range(5)])
+    remote = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+                                   for _ in range(5)]).to(dev)
+    remote.load_state_dict(model.state_dict())
+    sd = remote.state_dict()
+    torch.remote_accelerator.synchronize()
+    before = _waits()
+    got = genie.materialize_sync(sd)
+    assert _waits() == before + 1  # 35 tensors; `{k: v.cpu() ...}` waits 35 times
+    assert type(got) is type(sd) and list(got) == list(sd) and got._metadata == sd._metadata
+    for name, value in model.state_dict().items():
+        assert got[name].device.type == "cpu"
+        torch.testing.assert_close(got[name], value, rtol=0, atol=0)
+    fresh = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+                                  for _ in range(5)])
+    fresh.load_state_dict(got)
+
+
+async def test_materialize_keeps_the_structure_and_other_values(dev):
+    import collections
+
+    pair = collections.namedtuple("pair", "first second")
+    x = torch.arange(3.0, device=dev)
+    tree = {"a": [x, (x + 1, "text")], "b": pair(x * 2, None), "n": 7, "cpu": torch.ones(2)}
+    for got in (genie.materialize_sync(tree), await genie.materialize(tree)):
+        assert set(got) == {"a", "b", "n", "cpu"} and got["n"] == 7 and got["a"][1][1] == "text"
+        assert isinstance(got["a"], list) and isinstance(got["a"][1], tuple) and type(got["b"]) is pair
+        assert got["a"][0].tolist() == [0, 1, 2] and got["a"][1][0].tolist() == [1, 2, 3]
+        assert got["b"].first.tolist() == [0, 2, 4] and got["b"].second is None
+        assert got["cpu"] is tree["cpu"]
+    assert isinstance(genie.materialize_sync((x, x + 1)), tuple)
+    with pytest.raises(TypeError, match="state_dict"):
+        genie.materialize_sync(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="on cpu"):
+        genie.materialize_sync(torch.ones(2))
+
+
 def test_threads_share_the_runtime(dev):
     import concurrent.futures
 

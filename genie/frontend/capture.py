@@ -652,9 +652,9 @@ def _from_report(value, stream):
 
 def run_locally(func, args, kwargs):
     """Materialize every remote argument and run the op on the CPU (explicit device='cpu' and the like)."""
-    from .materialize import replace_lazy
+    from .materialize import to_cpu_tree
 
-    cpu_args, cpu_kwargs = replace_lazy((args, kwargs))
+    cpu_args, cpu_kwargs = to_cpu_tree((args, kwargs))
     return func(*cpu_args, **cpu_kwargs)
 
 
