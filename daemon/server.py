@@ -22,63 +22,26 @@ import torch
 import zmq
 import zmq.asyncio
 
-from genie.transport import calibration, cuda_ipc, protocol, stream_framing, tensors, ucx_lane
+from genie.transport import cuda_ipc, protocol, ucx_lane
 from genie.transport.busy_poll import BusyPoll
 from genie.transport.errors import ProtocolError
 from genie.transport.protocol import BulkTensor
 
 
-from . import device_faults, fused
+from . import device_faults
 from .bulk_server import BulkListener
+from .direct_lanes import DIRECT_SUFFIX, DirectLane, DirectLanes, client_key, max_frame_bytes
 from .executor import Executor, RemoteOpError
 from .handles import ClientState, MemoryAccount
+from .hardware import describe_device, host_ram
 from .kv_store import KVDisk, KVStore
+from .memory_queries import MemoryQueries
 from .peers import Mailbox, PeerLinks, check_transfer_id
 
 log = logging.getLogger("genie.daemon")
 
 
-def describe_device(device: torch.device) -> dict:
-    info = _describe_hardware(device)
-    info["flops"] = _measured_flops(device)
-    return info
-
-
-_FLOPS: dict[str, float] = {}
-
-
-def _measured_flops(device: torch.device) -> float:
-    # Measured once per device, so the client's scheduler weighs real throughput.
-    if str(device) not in _FLOPS:
-        _FLOPS[str(device)] = calibration.matmul_flops(device)
-    return _FLOPS[str(device)]
-
-
-def _describe_hardware(device: torch.device) -> dict:
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        with torch.cuda.device(device):
-            bf16 = torch.cuda.is_bf16_supported()
-        return {"name": props.name, "type": "cuda", "total_memory": props.total_memory,
-                "capability": [props.major, props.minor], "bf16": bf16}
-    import platform
-
-    return {"name": f"cpu ({platform.machine() or 'unknown'})", "type": "cpu", "total_memory": _host_ram()[0],
-            "capability": None, "bf16": True}
-
-
-def _host_ram() -> tuple[int, int]:
-    """(total, available) bytes of this host's RAM; zeros where the platform does not say."""
-    import os
-
-    try:
-        page = os.sysconf("SC_PAGE_SIZE")
-        return page * os.sysconf("SC_PHYS_PAGES"), page * os.sysconf("SC_AVPHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0, 0
-
-
-class DaemonServer:
+class DaemonServer(DirectLanes, MemoryQueries):
     def __init__(self, endpoint: str, devices: list[torch.device], client_lease_s: float = 60.0,
                  memory_limit: int = 0, bulk_lanes: bool = True, curve=None, transfer_timeout: float = 120.0,
                  kv_dir: str | None = None, spin_s: float = 0.0, cuda_ipc_allowed: bool = True,
@@ -116,7 +79,7 @@ class DaemonServer:
         self._sync_ctx = zmq.Context.shadow(self._ctx.underlying)
         self._socket: zmq.Socket | None = None
         self._socket_file: tuple[str, int] | None = None  # an ipc:// socket's path and inode, removed at stop
-        self._direct: dict[bytes, _DirectLane] = {}  # identity -> a client's direct-lane connection
+        self._direct: dict[bytes, DirectLane] = {}  # identity -> a client's direct-lane connection
         self._drain_scheduled = False
         self._stopping = asyncio.Event()
         self.device_lost: device_faults.DeviceLost | None = None  # set: stop, and cli restarts the process
@@ -144,7 +107,7 @@ class DaemonServer:
             self.curve.apply(sock)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         # A frame bigger than any valid one (header or payload chunk) drops that peer, unallocated.
-        sock.setsockopt(zmq.MAXMSGSIZE, _max_frame_bytes())
+        sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes())
         sock.bind(self.endpoint)
         self._socket = sock
         self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -169,7 +132,7 @@ class DaemonServer:
         log.info("CURVE on: accepting the public keys in %s", self.curve.allow_dir)
 
     def _open_lanes(self) -> None:
-        total = _host_ram()[0] or (1 << 40)
+        total = host_ram()[0] or (1 << 40)
         try:
             self.bulk = BulkListener(self.bound_endpoint, lambda token: token in self.clients,
                                      max_transfer=self.memory_limit or total, shared_memory=self.shared_memory,
@@ -304,77 +267,6 @@ class DaemonServer:
             if s in direct:  # its reader runs next, not nested in this one
                 self._loop.call_soon(self._on_direct_readable, direct[s])
         return any(s is sock for s, _ in ready or ())
-
-    # ------------------------------------------------------------ direct lanes
-
-    def _direct_threadsafe(self, conn, token: bytes) -> None:
-        loop = self._loop
-        if loop is None or self._stopping.is_set():
-            conn.close()
-            return
-        loop.call_soon_threadsafe(self._adopt_direct, conn, token)
-
-    def _adopt_direct(self, conn, token: bytes) -> None:
-        """A client's direct lane: its blocking requests and their answers, read and written here."""
-        conn.setblocking(False)
-        identity = token + DIRECT_SUFFIX  # client_key() maps it to the client, like its ZeroMQ sockets
-        lane = _DirectLane(conn, identity, stream_framing.MessageReader(
-            conn, protocol.MAX_FRAMES + 1, _max_frame_bytes(),
-            self.bulk.max_transfer if self.bulk is not None else 1 << 40), stream_framing.MessageWriter(conn))
-        old = self._direct.pop(identity, None)
-        if old is not None:
-            self._close_direct(old, "replaced")
-        self._direct[identity] = lane
-        self._loop.add_reader(conn.fileno(), self._on_direct_readable, lane)
-
-    def _on_direct_readable(self, lane: "_DirectLane") -> None:
-        if self._direct.get(lane.identity) is not lane:
-            return  # closed meanwhile
-        try:
-            messages = lane.reader.read()
-        except (ConnectionError, OSError) as e:  # the client closed it: most often, its process ended
-            self._close_direct(lane, e)
-            client = self.clients.get(client_key(lane.identity))
-            if client is not None:
-                client.lane_closed_at = time.monotonic()
-            return
-        except ProtocolError as e:  # framing is lost: no way to find the next message
-            log.warning("closing the direct lane of %s: %s", lane.identity.hex(), e)
-            self._close_direct(lane, e)
-            return
-        for parts in messages:
-            self._handle_safely([lane.identity_frame, *parts])
-        if messages and self._direct.get(lane.identity) is lane and self._spin(self._socket):
-            self._schedule_drain()
-
-    def _send_direct(self, lane: "_DirectLane", parts: list) -> None:
-        try:
-            lane.writer.write(parts)
-        except ConnectionError as e:
-            self._close_direct(lane, e)
-            return
-        if lane.writer.pending:  # the client is slow to read: the rest goes when it can take it
-            self._loop.add_writer(lane.sock.fileno(), self._flush_direct, lane)
-
-    def _flush_direct(self, lane: "_DirectLane") -> None:
-        try:
-            lane.writer.flush()
-        except ConnectionError as e:
-            self._close_direct(lane, e)
-            return
-        if not lane.writer.pending:
-            self._loop.remove_writer(lane.sock.fileno())
-
-    def _close_direct(self, lane: "_DirectLane", why) -> None:
-        if self._direct.get(lane.identity) is lane:
-            del self._direct[lane.identity]
-        try:
-            self._loop.remove_reader(lane.sock.fileno())
-            self._loop.remove_writer(lane.sock.fileno())
-        except (ValueError, OSError):
-            pass
-        lane.sock.close()
-        log.info("direct lane of %s closed: %s", lane.identity.hex(), why)
 
     def _schedule_drain(self) -> None:
         if not self._drain_scheduled and self._loop is not None:
@@ -653,65 +545,6 @@ class DaemonServer:
                                   check_shape(body.get("shape")))
         self.mailbox.put(check_transfer_id(body.get("tid")), tensor)
 
-    # ------------------------------------------------------------ worker-side requests
-
-    def _stats(self, body: dict) -> dict:
-        dev = body.get("dev", 0)
-        if type(dev) is not int or not 0 <= dev < len(self.devices):
-            raise ProtocolError(f"bad device index {dev!r}")
-        device = self.devices[dev]
-        stats = {
-            "resident": self.account.allocated,
-            "resident_peak": self.account.peak,
-            "handles": sum(len(c.tensors) for c in self.clients.values()),
-            "persistent_handles": sum(len(c.persistent) for c in self.clients.values()),
-            "generators": sum(len(c.own_generators) for c in self.clients.values()),
-            "copy_memos": sum(len(c.copy_memos) for c in self.clients.values()),
-            "clients": len(self.clients),
-            "mailbox_bytes": self.mailbox.bytes,
-            "parked_requests": sum(len(q) for q in self._parked.values()),
-            "limit": self.memory_limit,
-            "process_cap": self.process_cap or 0,
-            "program_segments": dict(fused.counts),
-            **self.executor.gpu_path_stats(),
-            **self.kv_store.stats(),
-        }
-        if device.type == "cuda":
-            from .cuda_staging import memory_figures
-
-            stats.update(memory_figures(device))
-            stats["free"], stats["total"] = torch.cuda.mem_get_info(device)
-        else:
-            # The CPU path has no pooled allocator (tensors come from the system allocator), so
-            # reserved equals allocated and there is no pool fragmentation to report.
-            stats.update(allocated=self.account.allocated, reserved=self.account.allocated, peak=self.account.peak,
-                         reserved_peak=self.account.peak, fragmentation=0.0, **self._host_memory())
-        return stats
-
-    def _host_memory(self) -> dict:
-        """free/total for a CPU device: the memory limit when one is set, else the host's RAM."""
-        total, available = _host_ram()
-        if self.memory_limit:
-            headroom = max(0, self.memory_limit - self.account.allocated)
-            total, available = self.memory_limit, min(available, headroom) if available else headroom
-        return {"free": available, "total": total}
-
-    def _reset_peak(self) -> dict:
-        """Peaks start again from what is allocated now (all clients, like CUDA's per process)."""
-        self.account.peak = self.account.allocated
-        for device in self.devices:
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-        return {}
-
-    def _empty_cache(self) -> dict:
-        """Memory kept for reuse goes back to the system (the executor's caches, and idle receive
-        buffers of the bulk lanes); in order with the asking client's requests, like a CUDA call."""
-        released = self.executor.release_cached()
-        if self.bulk is not None:
-            released += self.bulk.pool.release_idle()
-        return {"released": released}
-
     def _drop_client(self, identity: bytes, close_direct_lane: bool = True) -> dict:
         client = self.clients.pop(identity, None)
         if client is not None:
@@ -722,11 +555,6 @@ class DaemonServer:
         if close_direct_lane and self._loop is not None:
             self._loop.call_soon_threadsafe(self._drop_direct, identity + DIRECT_SUFFIX)
         return {}
-
-    def _drop_direct(self, identity: bytes) -> None:
-        lane = self._direct.get(identity)
-        if lane is not None:
-            self._close_direct(lane, "client left")
 
     async def _sweep_idle_clients(self) -> None:
         while True:
@@ -809,16 +637,6 @@ def _remove_socket_file(bound: tuple[str, int] | None) -> None:
         pass
 
 
-def _max_frame_bytes() -> int:
-    """The largest frame a valid message has (a header or a payload chunk), with some slack."""
-    return max(tensors.MAX_FRAME_BYTES, protocol.MAX_HEADER_BYTES) + 4096
-
-
-def client_key(routing_id: bytes) -> bytes:
-    """The client a routing id belongs to: a client's direct socket uses its 16-byte id plus one byte."""
-    return routing_id[:16] if len(routing_id) == 17 else routing_id
-
-
 # A client whose direct lane closed is gone once this many of its ping periods (at least
 # GONE_MIN_S seconds) pass without a message from it; clients are checked every SWEEP_S.
 GONE_AFTER_PINGS = 4
@@ -827,7 +645,6 @@ SWEEP_S = 0.5
 
 # No idle polling for this long after a bulk-lane transfer (see DaemonServer._spin).
 BULK_QUIET_S = 0.1
-DIRECT_SUFFIX = b"\x02"  # appended to a client's token: the identity of its direct lane
 # Requests taken per reader callback before other callbacks get a turn.
 DRAIN_BATCH = 4
 # On shutdown, how long queued replies may take to leave before the socket closes.
@@ -877,14 +694,3 @@ FIRST_SEND_BYTES = 1 << 20
 
 # Below this size a copying send is cheaper than pinning the buffer for zero-copy.
 COPY_THRESHOLD = 64 * 1024
-
-
-@dataclasses.dataclass(eq=False)
-class _DirectLane:
-    sock: object
-    identity: bytes
-    reader: stream_framing.MessageReader
-    writer: stream_framing.MessageWriter
-
-    def __post_init__(self) -> None:
-        self.identity_frame = stream_framing.Frame(self.identity)  # heads each request, as a ZeroMQ routing id would

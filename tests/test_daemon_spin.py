@@ -66,14 +66,14 @@ def test_no_polling_while_an_answer_waits_to_be_written():
     # which the event loop itself services: a spin then only delayed it (a 1 MiB .cpu() by ~0.9 ms).
     import socket
 
-    from daemon.server import _DirectLane
+    from daemon.direct_lanes import DirectLane
     from genie.transport import stream_framing
 
     srv = _server(spin_s=0.05)
     ours, peer = socket.socketpair()
     try:
         ours.setblocking(False)
-        lane = _DirectLane(ours, b"lane", stream_framing.MessageReader(ours, 8, 1 << 20, 1 << 20),
+        lane = DirectLane(ours, b"lane", stream_framing.MessageReader(ours, 8, 1 << 20, 1 << 20),
                            stream_framing.MessageWriter(ours))
         srv._direct[lane.identity] = lane
         lane.writer.write([b"x" * (16 << 20)])  # more than the socket buffers take; the peer reads nothing
