@@ -6,7 +6,6 @@ A failing op poisons its outputs and the tensors it writes (see `handles`).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import secrets
@@ -31,8 +30,11 @@ from genie.transport.tensors import (bytes_as_tensor, check_shape, check_strides
 from . import attention
 from . import ops as op_table
 from . import device_faults, layouts, programs, rnn_cells, sync_batch_norm
-from .handles import ClientState, Poison, Poisoned, held
+from .handles import ClientState, Poison, Poisoned, handles_in, held
 from .memory_guard import is_allocation_failure
+from .ops import int_arg
+from .program_ops import ProgramOps
+from .random_ops import RandomOps, drawing_from
 from .storage_ops import StorageOps
 
 log = logging.getLogger("genie.daemon")
@@ -113,7 +115,7 @@ class OutOfMemoryError(RuntimeError):
     """An op would take the daemon past its memory limit."""
 
 
-class Executor(StorageOps):
+class Executor(StorageOps, ProgramOps, RandomOps):
     """Executes requests for all clients on this daemon's devices (one thread calls it)."""
 
     def __init__(self, devices: list[torch.device], account=None, memory_limit: int = 0, kv_store=None,
@@ -158,8 +160,8 @@ class Executor(StorageOps):
             SET_RNG_STATE_OP: self._rng_state,
             PERSIST_OP: lambda c, call, f, d: self._persist(c, call),
             EVENT_RECORD_OP: lambda c, call, f, d: c.streams.record(
-                _int_arg(call, 0), bool(call.args[1:2] and call.args[1]), d),
-            EVENT_WAIT_OP: lambda c, call, f, d: c.streams.wait(_int_arg(call, 0), d),
+                int_arg(call, 0), bool(call.args[1:2] and call.args[1]), d),
+            EVENT_WAIT_OP: lambda c, call, f, d: c.streams.wait(int_arg(call, 0), d),
             RECORD_STREAM_OP: lambda c, call, f, d: self._record_stream(c, call),
             RESIZE_STORAGE_OP: lambda c, call, f, d: self._resize_storage(c, call),
             ADOPT_OP: self._adopt,
@@ -268,7 +270,7 @@ class Executor(StorageOps):
             if takes_generator and kwargs.get("generator") is None:
                 kwargs["generator"] = client.generator(device)
             if seeded_without_generator:
-                with _drawing_from(client.generator(device), device):
+                with drawing_from(client.generator(device), device):
                     result = kernel(*args, **kwargs)
             else:
                 result = kernel(*args, **kwargs)
@@ -310,77 +312,6 @@ class Executor(StorageOps):
         if raise_errors:
             raise _RemoteOpError(poison) from None
         return None
-
-    # ------------------------------------------------------------ programs (genie.graph)
-
-    def _define(self, client: ClientState, call: OpCall):
-        if (len(call.args) not in (2, 3) or type(call.args[0]) is not int or not isinstance(call.args[1], list)
-                or call.args[0] in client.programs):
-            raise ProtocolError(f"{DEFINE_PROGRAM_OP} takes [new program id, [[ops, frees], ...], settings?]")
-        program_id, raw = call.args[:2]
-        # The numerics settings its ops were recorded under (absent: PyTorch's defaults), which
-        # every replay runs under, as a CUDA graph keeps the kernels chosen at capture.
-        recorded = numerics.parse(call.args[2]) if len(call.args) == 3 else None
-        if len(client.programs) >= programs.MAX_PROGRAMS:
-            raise ProtocolError(f"a client may keep at most {programs.MAX_PROGRAMS} programs; drop some "
-                                "(del the genie.Graph)")
-        batches, writes, total, seeded = [], set(), 0, False
-        for entry in raw:
-            if not isinstance(entry, list) or len(entry) != 2:
-                raise ProtocolError(f"{DEFINE_PROGRAM_OP}: each batch is [ops, frees]")
-            parsed = protocol.parse_exec({"ops": entry[0], "frees": entry[1]})
-            for op_call in parsed.ops:
-                op = op_table.resolve(op_call.name)  # aten only: transfers, KV and control ops are not replayable
-                op_table.check_call(op, op_call.args, op_call.kwargs)
-                # Replayed, random ops draw from the default generator, with or without a generator argument.
-                seeded = seeded or op_table.seeded(op)
-                writes.update(_handles_in(op_call.outs))
-            total += len(parsed.ops)
-            batches.append((parsed.ops, parsed.frees))
-        if total > protocol.MAX_OPS_PER_EXEC:
-            raise ProtocolError(f"a program of {total} ops exceeds {protocol.MAX_OPS_PER_EXEC}")
-        program = programs.Program(batches, writes, seeded, recorded)
-        program.compiled = programs.compile_program(batches, self.devices)
-        client.programs[program_id] = program
-        for handle in writes:
-            client.program_handles.setdefault(handle, []).append(program)
-        return None
-
-    def _replay(self, client: ClientState, call: OpCall, device: torch.device):
-        program = client.programs.get(_int_arg(call, 0)) if len(call.args) == 1 else None
-        if program is None:
-            raise ProtocolError(f"{REPLAY_OP}: no such program")
-        self._replayed.append(program)
-        with self._numerics_of(program):
-            if program.seeded:  # dropout in a replayed step draws from this client's generator, as when run op by op
-                with _drawing_from(client.generator(device), device):
-                    programs.replay(self, client, program, device)
-            else:
-                programs.replay(self, client, program, device)
-        return None
-
-    def _use_numerics(self, wanted: list) -> None:
-        """Put these numerics settings in force (wire form, checked), unless they already are."""
-        if wanted != self._numerics:
-            try:
-                numerics.apply(wanted)
-            except BaseException:  # PyTorch refused one: the request fails with its reason
-                self._numerics = numerics.read()  # what is in force now, part-applied or not
-                raise
-            self._numerics = wanted
-
-    @contextlib.contextmanager
-    def _numerics_of(self, program):
-        """The program's recorded settings in force while it replays, the request's again after."""
-        if self._numerics is None:
-            yield
-            return
-        before = self._numerics
-        try:
-            self._use_numerics(program.numerics or numerics.DEFAULT)
-            yield
-        finally:
-            self._use_numerics(before)
 
     def _import_shared(self, shared: tuple, device: torch.device) -> None:
         """Copy every CUDA IPC tensor of the request in before any op runs, so each opened handle is
@@ -474,17 +405,6 @@ class Executor(StorageOps):
                 return False
         return True
 
-    def _drop_program(self, client: ClientState, call: OpCall):
-        program = client.programs.pop(_int_arg(call, 0), None)
-        if program is not None:
-            for handle in program.writes:
-                users = client.program_handles.get(handle)
-                if users is not None:
-                    users[:] = [p for p in users if p is not program]
-                    if not users:
-                        del client.program_handles[handle]
-        return None
-
     def _uploader(self, device: torch.device):
         uploader = self._uploaders.get(device)
         if uploader is None:
@@ -501,48 +421,12 @@ class Executor(StorageOps):
         if self.account.allocated <= self.memory_limit:
             return
         over = self.account.allocated
-        for handle in _handles_in(call.outs):
+        for handle in handles_in(call.outs):
             client.free(handle)
         raise OutOfMemoryError(
             f"genie-daemon memory limit of {self.memory_limit / 2**30:.3g} GiB ({self.memory_limit} bytes) exceeded: "
             f"{call.name} would hold {over} bytes in total; free tensors or raise --memory-limit"
         )
-
-    def _seed(self, client: ClientState, call: OpCall, device: torch.device):
-        if len(call.args) != 1 or type(call.args[0]) is not int:
-            raise ProtocolError(f"{SEED_OP} takes one integer")
-        client.generator(device).manual_seed(call.args[0] & ((1 << 64) - 1))
-        return None
-
-    def _free_generators(self, client: ClientState, call: OpCall):
-        if call.outs is not None or not all(type(a) is int for a in call.args):
-            raise ProtocolError(f"{FREE_GENERATORS_OP} takes generator ids and no output")
-        for uid in call.args:
-            client.own_generators.pop(uid, None)
-        return None
-
-    def _rng_state(self, client: ClientState, call: OpCall, frames: list, device: torch.device):
-        """get_rng_state / set_rng_state of this client's generator on `device`, or of the twin of
-        one of its torch.Generators (a last argument), in program order (activation checkpointing
-        replays dropout with the state saved in the forward)."""
-        args = call.args
-        if args and type(args[-1]) is GeneratorRef:
-            generator, args = client.drawing_generator(args[-1], device), args[:-1]
-        else:
-            generator = client.generator(device)
-        if call.name == RNG_STATE_OP:
-            if args or type(call.outs) is not int:
-                raise ProtocolError(f"{RNG_STATE_OP} takes [generator] and one output handle")
-            state = generator.get_state()
-            client.put(call.outs, state)
-            return state
-        if len(args) != 1 or call.outs is not None:
-            raise ProtocolError(f"{SET_RNG_STATE_OP} takes one state tensor, [generator], and no output")
-        state = self._resolve(client, args[0], frames, device, 0)
-        if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.dim() != 1:
-            raise ProtocolError(f"{SET_RNG_STATE_OP}: a state is a 1-D uint8 tensor")
-        generator.set_state(state.cpu())  # raises on a state of the wrong size for this generator
-        return None
 
     def _kv(self, client: ClientState, call: OpCall, frames: list, device: torch.device):
         store = self.kv_store
@@ -701,7 +585,7 @@ class Executor(StorageOps):
     def _poison(self, client: ClientState, call: OpCall, poison: Poison) -> None:
         """Poison what the op writes; if that is nothing, the request's answer reports the failure."""
         landed = False
-        for handle in _handles_in(call.outs):
+        for handle in handles_in(call.outs):
             client.put(handle, poison)
             landed = True
         try:
@@ -853,44 +737,6 @@ class _RemoteOpError(Exception):
 
 
 RemoteOpError = _RemoteOpError
-
-
-_drawing: set[int] = set()  # ids of client generators installed as the default right now (one executor thread)
-
-
-@contextlib.contextmanager
-def _drawing_from(generator: torch.Generator, device: torch.device):
-    """Run a random op that has no `generator` argument (it draws from the device's default
-    generator) as if it drew from `generator`, the client's: its seed (torch.manual_seed) and its
-    saved states (activation checkpointing replays dropout with them) then hold for dropout too,
-    and clients do not move each other's streams."""
-    if id(generator) in _drawing:  # already installed (a replay running ops one by one): nothing to swap
-        yield
-        return
-    default = torch.cuda.default_generators[device.index or 0] if device.type == "cuda" else torch.default_generator
-    _drawing.add(id(generator))
-    saved = default.get_state()
-    default.set_state(generator.get_state())
-    try:
-        yield
-    finally:
-        _drawing.discard(id(generator))
-        generator.set_state(default.get_state())
-        default.set_state(saved)
-
-
-def _int_arg(call: OpCall, i: int) -> int:
-    if len(call.args) <= i or type(call.args[i]) is not int:
-        raise ProtocolError(f"{call.name} takes an integer id")
-    return call.args[i]
-
-
-def _handles_in(outs):
-    if isinstance(outs, int):
-        yield outs
-    elif isinstance(outs, list):
-        for o in outs:
-            yield from _handles_in(o)
 
 
 def _refs_in(value):

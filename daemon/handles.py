@@ -200,3 +200,12 @@ class ClientState:
             gen.seed()
             self.generators[key] = gen
         return gen
+
+
+def handles_in(outs):
+    """The handles an op call's `outs` names (an int, or nested lists of them)."""
+    if isinstance(outs, int):
+        yield outs
+    elif isinstance(outs, list):
+        for o in outs:
+            yield from handles_in(o)

@@ -107,3 +107,10 @@ def seeded_without_generator(op: torch._ops.OpOverload) -> bool:
     """Random ops that draw from the device's default generator, having no `generator` argument
     (native_dropout, rand.default, randperm.default, ...)."""
     return seeded(op) and not takes_generator(op)
+
+
+def int_arg(call, i: int) -> int:
+    """Argument i of a genie op call, which must be an integer (a program, event or stream id)."""
+    if len(call.args) <= i or type(call.args[i]) is not int:
+        raise ProtocolError(f"{call.name} takes an integer id")
+    return call.args[i]
