@@ -385,14 +385,14 @@ def register() -> types.ModuleType:
     if _registered:
         return module
     from . import (data_parallel, device_mesh, factories, flex_attention, graphs, lazy_tensor, module_conversion,
-                   native_guard, process_sharing, safetensors_loading, serialization, settings_barrier, streams,
+                   native_guard, process_sharing, safetensors_support, serialization, settings_barrier, streams,
                    torch_compile, torchscript)
 
     if torch._C._get_privateuse1_backend_name() != NAME:
         _setup_backend(module)
     factories.register()
     serialization.register()
-    safetensors_loading.install()
+    safetensors_support.install()
     process_sharing.register()
     generators.register_copying()
     torchscript.install()

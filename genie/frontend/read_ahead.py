@@ -1,4 +1,5 @@
-"""Read ahead: fetch a module's remote tensors together when it is moved off the device.
+"""Read ahead: fetch a module's remote tensors together when it is moved off the device (and
+any list of tensors a caller is about to read one by one: `reading_together`).
 
 `model.cpu()` / `model.to("cpu")` (nn.Module._apply) moves each parameter, buffer and gradient
 with its own `.cpu()`, and each `.cpu()` of a remote tensor waits for its own round trip: 350
@@ -105,7 +106,18 @@ def reading_module(module: torch.nn.Module):
     if getattr(_current, "inside", False):
         yield
         return
-    tensors = _visit_order(module)
+    with reading_together(_visit_order(module)):
+        yield
+
+
+@contextlib.contextmanager
+def reading_together(tensors: list[LazyTensor]):
+    """While the block runs on this thread, `.cpu()` of any of `tensors` fetches it and those listed
+    after it together (up to READ_AHEAD_BYTES per round trip). Inside another such block: nothing
+    more (the outer one's tensors are read together already)."""
+    if getattr(_current, "inside", False):
+        yield
+        return
     _current.group = _Group(tensors) if len(tensors) > 1 else None
     _current.inside = True
     try:

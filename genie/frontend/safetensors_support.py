@@ -1,5 +1,7 @@
-"""safetensors onto a remote device: `safetensors.torch.load_file(f, device="remote_accelerator:0")`
-and `safe_open(f, framework="pt", device="remote_accelerator:0")`, as with device="cuda".
+"""safetensors and remote tensors: loading onto a remote device, and saving with one wait.
+
+Loading: `safetensors.torch.load_file(f, device="remote_accelerator:0")` and
+`safe_open(f, framework="pt", device="remote_accelerator:0")`, as with device="cuda".
 
 safetensors checks a device name against its own list and refuses this one ("device
 remote_accelerator:0 is invalid"). For a remote device the file is opened on the CPU
@@ -9,13 +11,24 @@ an upload queued without waiting, the same as `load_file(f)` followed by `.to(de
 Installed by replacing `safe_open` in `safetensors` and `safetensors.torch` (where `load_file`
 looks it up at each call). A program that bound `from safetensors import safe_open` before
 `import genie` keeps safetensors' own, which still refuses the name; `load_file` works either way.
+
+Saving: `save_file` / `save` / `save_model` (and Hugging Face's `save_pretrained`, which calls
+`save_file`) move each tensor to the CPU with its own `.to("cpu")`, one wait per tensor. The
+function that does so for all of them (`_flatten_as_ptr`, or `_flatten` in older safetensors; a
+module global, looked up at each call, so this holds however the program imported `save_file`)
+runs with the dict's remote tensors read together (read_ahead: one round trip per daemon for up
+to 64 MiB of values). Where a safetensors version has neither, saving works as before.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 
 import torch
+
+from . import read_ahead
+from .lazy_tensor import LazyTensor
 
 NAME = "remote_accelerator"
 _TORCH_FRAMEWORKS = ("pt", "torch", "pytorch")
@@ -89,8 +102,24 @@ def _opening_anywhere(safe_open):
     return opening
 
 
+def _reading_together(flatten):
+    """safetensors' flatten step (tensors dict first) with the dict's remote tensors read together."""
+    @functools.wraps(flatten)
+    def flattening(tensors, *args, **kwargs):
+        remote = [t for t in tensors.values() if isinstance(t, LazyTensor)] if isinstance(tensors, dict) else []
+        with read_ahead.reading_together(remote):
+            return flatten(tensors, *args, **kwargs)
+
+    flattening._genie_wraps = flatten
+    return flattening
+
+
+_FLATTENERS = ("_flatten_as_ptr", "_flatten")  # safetensors >= 0.6 / before: save_file's and save's step
+
+
 def install() -> bool:
-    """Let safetensors open files onto remote devices, where it is installed. Idempotent."""
+    """Let safetensors open files onto remote devices and save remote tensors in one wait, where it
+    is installed. Idempotent."""
     if "safetensors" not in sys.modules and importlib.util.find_spec("safetensors") is None:
         return False
     import safetensors
@@ -102,4 +131,8 @@ def install() -> bool:
     for module in (safetensors, safetensors.torch):
         if getattr(module, "safe_open", None) is opening._genie_wraps:
             module.safe_open = opening
+    for name in _FLATTENERS:
+        flatten = getattr(safetensors.torch, name, None)
+        if callable(flatten):
+            setattr(safetensors.torch, name, _reading_together(flatten))
     return True

@@ -1,5 +1,5 @@
 """safetensors files opened straight onto remote_accelerator, as onto "cuda"
-(genie/frontend/safetensors_loading.py)."""
+(genie/frontend/safetensors_support.py)."""
 import pytest
 import torch
 
@@ -80,3 +80,31 @@ def test_refusals_say_why(dev, saved):
         safetensors.safe_open(path, framework="numpy", device=dev)
     with pytest.raises(RuntimeError):
         safetensors.torch.load_file(path, device="remote_accelerator:x")
+
+
+def test_saving_remote_tensors_reads_them_in_one_wait(dev, tmp_path):
+    g = torch.Generator().manual_seed(1)
+    values = {f"layer{i}.{kind}": torch.randn(8, 4, generator=g) for i in range(20) for kind in ("w", "b")}
+    remote = {name: v.to(dev) for name, v in values.items()}
+    torch.remote_accelerator.synchronize()
+    path = str(tmp_path / "saved.safetensors")
+    before = _waits()
+    safetensors.torch.save_file(remote, path)
+    assert _waits() == before + 1  # 40 tensors: one wait each before
+    loaded = safetensors.torch.load_file(path)
+    for name, expected in values.items():
+        torch.testing.assert_close(loaded[name], expected, rtol=0, atol=0)
+    before = _waits()
+    data = safetensors.torch.save(remote)
+    assert _waits() == before + 1
+    torch.testing.assert_close(safetensors.torch.load(data)["layer3.w"], values["layer3.w"], rtol=0, atol=0)
+
+
+def test_a_value_written_after_the_save_is_not_the_saved_one(dev, tmp_path):
+    x = torch.zeros(4, device=dev)
+    path = str(tmp_path / "x.safetensors")
+    safetensors.torch.save_file({"x": x, "y": x + 1}, path)
+    x.add_(5)
+    safetensors.torch.save_file({"x": x, "y": x + 1}, path)
+    loaded = safetensors.torch.load_file(path)
+    assert loaded["x"].tolist() == [5.0] * 4 and loaded["y"].tolist() == [6.0] * 4
