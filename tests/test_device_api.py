@@ -363,8 +363,7 @@ def test_sync_debug_mode_error_raises_before_anything_is_sent(dev, sync_debug_mo
         y.sum().item()
     with pytest.raises(RuntimeError, match="synchronizing remote_accelerator operation"):
         y.cpu()
-    with pytest.raises(RuntimeError, match=r"t.data_ptr\(\) waits"):
-        y.data_ptr()
+    assert y.data_ptr() != 0  # a stand-in known here: no wait since storages are tracked locally
     sync_debug_mode(0)
     assert y.cpu().tolist() == [5.0] * 4 and (y + 1).sum().item() == 24.0
     with pytest.raises(RuntimeError, match="expected one of"):

@@ -108,3 +108,34 @@ def test_a_value_written_after_the_save_is_not_the_saved_one(dev, tmp_path):
     safetensors.torch.save_file({"x": x, "y": x + 1}, path)
     loaded = safetensors.torch.load_file(path)
     assert loaded["x"].tolist() == [5.0] * 4 and loaded["y"].tolist() == [6.0] * 4
+
+
+def _tied():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
+    model[1].weight = model[0].weight  # tied, as language models tie embeddings and head
+    return model
+
+
+def test_save_model_of_a_remote_model_with_tied_weights(dev, tmp_path):
+    # save_model finds tensors sharing a storage and keeps one name; it needs a whole tensor's
+    # data_ptr() to equal its storage's (refused before: no name was "complete").
+    model = _tied()
+    remote = _tied().to(dev)
+    path = str(tmp_path / "tied.safetensors")
+    safetensors.torch.save_model(remote, path)
+    assert len(safetensors.torch.load_file(path)) == 1  # the tied weight written once, as from the CPU
+    fresh = _tied()
+    torch.nn.init.zeros_(fresh[0].weight)
+    missing, unexpected = safetensors.torch.load_model(fresh, path)
+    assert not unexpected
+    torch.testing.assert_close(fresh[1].weight, model[1].weight, rtol=0, atol=0)
+
+
+def test_save_file_refuses_shared_tensors_as_from_the_cpu(dev, tmp_path):
+    path = str(tmp_path / "shared.safetensors")
+    with pytest.raises(RuntimeError, match="share memory") as on_cpu:
+        safetensors.torch.save_file(_tied().state_dict(), path)
+    with pytest.raises(RuntimeError, match="share memory") as remote:
+        safetensors.torch.save_file(_tied().to(dev).state_dict(), path)
+    assert str(remote.value) == str(on_cpu.value)

@@ -195,6 +195,12 @@ def test_dtype_rules_checked_by_kernels_raise_at_the_call(dev):
         assert torch.equal(make(dev).cpu(), make("cpu"))
 
 
+def _waits():
+    import genie
+
+    return sum(v["blocking_waits"] for v in genie.transport_stats().values())
+
+
 def test_data_ptr_relations_are_the_cpus(dev):
     # Programs compare data_ptr() to tell a view from a copy; a remote tensor's is a stand-in with
     # the same relations as CPU addresses (before: its offset alone, so any two compared equal).
@@ -210,6 +216,45 @@ def test_data_ptr_relations_are_the_cpus(dev):
 
     cpu, remote = relations("cpu"), relations(dev)
     assert cpu == remote and all(all(x) if isinstance(x, list) else x for x in remote)
+
+
+def test_storage_identity_relations_are_the_cpus(dev):
+    # untyped_storage().data_ptr() names a storage (safetensors and Hugging Face find shared and
+    # tied tensors by it; safetensors' save_model wants data_ptr() == it for a whole tensor).
+    # Remote tensors answer from storages tracked here, with the CPU's relations and no wait.
+    import copy
+    import io
+
+    def relations(device):
+        t = torch.arange(12.0, device=device).reshape(3, 4)
+        p = torch.nn.Parameter(torch.zeros(4, device=device))
+        p.data = t[1]  # p now shares t's storage
+        target = torch.zeros(2, device=device)
+        target.set_(t)
+        copies = copy.deepcopy([t, t[1:], t.clone()])
+        buf = io.BytesIO()
+        values = t.cpu()
+        torch.save({"t": values, "row": values[2]}, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, map_location=device)
+        first, *parts = t.split(2, dim=1)
+        storage = t.untyped_storage().data_ptr
+        shared = [x.untyped_storage().data_ptr() == storage() for x in
+                  (t.view(-1), t[1:], t.detach(), t.t(), p, target, first, *parts, t.unbind(0)[2])]
+        apart = [x.untyped_storage().data_ptr() != storage() for x in
+                 (t.clone(), t + 0, torch.arange(12.0, device=device), *copies)]
+        whole = [x.data_ptr() == x.untyped_storage().data_ptr() for x in (t, t.view(-1), t.t())]
+        offset = [t[1:].data_ptr() - storage() == 4 * t.element_size(), p.data_ptr() - storage() == 16]
+        kept = [copies[0].untyped_storage().data_ptr() == copies[1].untyped_storage().data_ptr(),
+                copies[0].untyped_storage().data_ptr() != copies[2].untyped_storage().data_ptr(),
+                loaded["t"].untyped_storage().data_ptr() == loaded["row"].untyped_storage().data_ptr()]
+        return shared, apart, whole, offset, kept, torch.empty(0, device=device).untyped_storage().data_ptr() == 0
+
+    cpu = relations("cpu")
+    before = _waits()
+    remote = relations(dev)
+    assert cpu == remote and all(all(x) if isinstance(x, list) else x for x in remote)
+    assert _waits() == before + 1  # t.cpu() for torch.save; data_ptr() waits for nothing
 
 
 def test_resizing_a_storage_frees_and_allocates_it_on_the_daemon(dev):

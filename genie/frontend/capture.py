@@ -25,7 +25,7 @@ from genie.transport.hostmem import snapshot
 from genie.transport.tensors import DTYPE_NAMES, is_dense, parse_dtype, tensor_to_frames
 
 from . import collectives, generators, meta, padded_sequences, shape_rules, sparse_coo, sparse_csr, sync_debug
-from .lazy_tensor import LazyTensor, OtherSubclassDecides
+from .lazy_tensor import LazyTensor, OtherSubclassDecides, storage_identity
 
 log = logging.getLogger("genie.capture")
 _LOG_INTERCEPTS = config_module.load().log_intercepts
@@ -36,6 +36,7 @@ _plans_get = meta_cache._plans.get  # the hot path's lookup (MetaCache.get count
 _REMOTE, _NewTensor = meta.REMOTE, meta.NewTensor
 contiguous_strides = meta.contiguous_strides
 _planned = LazyTensor.planned
+_storage_identity = storage_identity
 
 _INT64_MIN, _UINT64_MAX = -(1 << 63), (1 << 64) - 1
 _names: dict = {}
@@ -250,6 +251,15 @@ def _build_outputs(plan_out, stream, inputs):
     return type(plan_out)(p[0] for p in pairs), [p[1] for p in pairs]
 
 
+def _share_storage(outputs, identity) -> None:
+    """Views made by one op (`split`, `unbind` make several) share their base's storage identity."""
+    if isinstance(outputs, LazyTensor):
+        outputs._genie.storage = identity
+    elif isinstance(outputs, (list, tuple)):
+        for o in outputs:
+            _share_storage(o, identity)
+
+
 def _stride_hints(plan_out):
     """protocol.OpCall.strides for outputs planned as `plan_out` (the structure of its `outs`), or
     None when no output has one (meta.NewTensor.stride_hint)."""
@@ -367,9 +377,13 @@ def _capture_hot(func, args: tuple):
     out_plan = plan.outputs
     with stream.lock:
         outs = next(stream.link.handle_ids)
-        if plan.view and args[0].is_inference() is not _inference_mode_enabled():
-            with torch.inference_mode(args[0].is_inference()):
+        if plan.view:
+            if args[0].is_inference() is not _inference_mode_enabled():
+                with torch.inference_mode(args[0].is_inference()):
+                    outputs = _planned(stream, outs, out_plan)
+            else:
                 outputs = _planned(stream, outs, out_plan)
+            outputs._genie.storage = _storage_identity(args[0]._genie)  # a view: the same storage
         else:
             outputs = _planned(stream, outs, out_plan)
         entry = [_names.get(id(func)) or op_name(func), wire, {}, outs]
@@ -469,6 +483,8 @@ def _capture_general(func, args: tuple, kwargs: dict, walked: tuple | None = Non
             outputs = _planned(stream, outs, out_plan)
         else:
             outputs, outs = _build_outputs(out_plan, stream, tensors)
+        if plan.view and isinstance(tensors[0], LazyTensor):
+            _share_storage(outputs, _storage_identity(tensors[0]._genie))
         if wire_args is not None:
             entry = [_names.get(id(func)) or op_name(func), wire_args, {}, outs]
         else:

@@ -44,6 +44,37 @@ def storage_owner(storage: torch.UntypedStorage) -> HandleRef | None:
     return storage.__dict__.get("_genie_ref") or _storage_owners.get(storage._cdata)
 
 
+class StorageIdentity:
+    """What the handles of one storage on the daemon share here: views of one another (made by
+    view ops, `t.set_(...)`, torch.load's tensors of one checkpoint storage, deepcopy's copies of
+    views of one storage). Its stand-in address is what `untyped_storage().data_ptr()` and
+    `data_ptr()` answer, with no round trip: equal exactly for tensors sharing a storage, as the
+    CPU's are. It lives as long as one of them, and a later storage may get the same address, as
+    freed memory is reused."""
+
+    __slots__ = ()
+
+
+# Each storage's stand-in addresses span this many bytes, so no two storages' ranges overlap.
+STORAGE_SPAN = 1 << 40
+
+
+def storage_identity(ref: HandleRef) -> StorageIdentity:
+    """The identity of the storage behind `ref`, made on first use."""
+    identity = ref.storage
+    if identity is None:
+        identity = ref.storage = StorageIdentity()
+    return identity
+
+
+def storage_address(ref: HandleRef) -> int:
+    """A stand-in for the address of the storage behind `ref`: 0 for an empty one, as on the CPU.
+    Nothing can read through it."""
+    if ref.storage_nbytes == 0:
+        return 0
+    return (id(storage_identity(ref)) >> 3) * STORAGE_SPAN  # ids of live objects differ by 16+ bytes
+
+
 def register_storage(t: "LazyTensor") -> None:
     """Make t's storage known to storage_owner (for C++ readers that get it without Python)."""
     _storage_owners[_UNTYPED_STORAGE(t)._cdata] = t._genie
@@ -268,32 +299,26 @@ class LazyTensor(torch.Tensor):
 
     def data_ptr(self) -> int:
         """A stand-in for the address, as programs compare them (same memory? a copy or a view?):
-        the daemon storage's name above bit 48 and this tensor's byte offset in it below, so views of
-        one storage differ by their offsets, as addresses do. Nothing can read through it. One round
-        trip. (Torch's answer for the wrapper was its offset alone: any two remote tensors at offset
-        0 had equal data_ptr().) An empty storage's is 0, as on the CPU."""
+        the stand-in address of its storage (`storage_address`) plus this tensor's byte offset in
+        it, so views of one storage differ by their offsets, as addresses do, and a tensor covering
+        its storage from the start has its storage's `data_ptr()`. Nothing can read through it; no
+        round trip. An empty storage's is 0, as on the CPU."""
         if self._genie.storage_nbytes == 0:
             return 0
-        from . import sync_debug
-        from .transfers import storage_of
-
-        sync_debug.note("t.data_ptr()")
-        _whole, (_link, name), offset, _strides, _bits = storage_of(self)
-        return (name << 48) + offset * self.element_size()
+        return storage_address(self._genie) + self.storage_offset() * self.element_size()
 
     def untyped_storage(self):
         # A wrapper's storage has no memory, and PyTorch refuses its data_ptr(). Libraries read it
-        # as the storage's identity: safetensors and Hugging Face's save_pretrained (finding tied
-        # weights) failed on remote models. This storage's address in this process stands in for
-        # it: stable while the tensor lives, distinct between storages; nothing can read through it.
+        # as the storage's identity: safetensors (shared tensors, save_model's `data_ptr() ==
+        # storage.data_ptr()`) and Hugging Face's save_pretrained (tied weights) failed on remote
+        # models. The daemon storage's stand-in address (storage_address) answers, as data_ptr()'s.
         storage = _UNTYPED_STORAGE(self)
         if "data_ptr" not in storage.__dict__:
-            identity = storage._cdata
-            storage.data_ptr = lambda: identity
+            ref = self._genie
+            storage.data_ptr = lambda: storage_address(ref)
             # resize_ (FSDP2 frees unsharded parameters with resize_(0) and allocates them again)
             # acts on the daemon's storage; the size read back is the one set. These hold the
             # handle, not the tensor: the storage object lives as long as the tensor does.
-            ref = self._genie
             storage.resize_ = functools.partial(resize_storage, ref)
             storage.nbytes = storage.size = lambda: ref.storage_nbytes
         storage._genie_ref = _storage_owners[storage._cdata] = self._genie

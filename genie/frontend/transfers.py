@@ -25,7 +25,7 @@ from genie.transport.tensors import dense_span
 from . import meta, read_ahead
 from .capture import (SPECIAL, _borrowing, _NewTensor, _apply_mutations, _capture_general, _from_report, _planned, _plans_get,
                       capture, contiguous_strides, encode_call, meta_cache, op_name)
-from .lazy_tensor import LazyTensor
+from .lazy_tensor import LazyTensor, StorageIdentity, storage_identity
 
 REMOTE = "remote_accelerator"
 
@@ -159,6 +159,7 @@ def storage_of(t: LazyTensor) -> tuple[LazyTensor, tuple, int, tuple[int, ...], 
 
 COPY_STORAGE_OP = protocol.COPY_STORAGE_OP
 _COPY_MEMOS = "genie copy memos"  # the key of this module's entry in a copy.deepcopy memo (its keys are ints)
+_COPIED_STORAGES = "storages"  # that entry's key of {id(source storage identity): (it, its copy's)}
 
 
 def copy_in_storage_copy(t: LazyTensor, memo: dict) -> LazyTensor:
@@ -177,6 +178,11 @@ def copy_in_storage_copy(t: LazyTensor, memo: dict) -> LazyTensor:
             memo_ref = memos[stream] = HandleRef(stream, stream.new_handle(), 0)
         h = stream.new_handle()
         out = LazyTensor(stream, h, t.shape, t.stride(), t.storage_offset(), t.dtype, t._genie.storage_nbytes)
+        # Copies of views of one storage are views of one copy: one identity per source storage
+        # (the source's kept in the memo, so that its id names no other storage meanwhile).
+        source = storage_identity(t._genie)
+        copies = memos.setdefault(_COPIED_STORAGES, {})
+        out._genie.storage = copies.setdefault(id(source), (source, StorageIdentity()))[1]
         bits = meta.view_bits(t)
         if bits:  # the daemon's copy is the same conjugate / negative view
             meta.set_view_bits(out, bits)
@@ -343,6 +349,7 @@ def _point_at(dst: LazyTensor, source: HandleRef, offset: int, size: tuple, stri
         stream.append([ALIAS_STORAGE_OP, [source.wire, protocol.encode_dtype(dst.dtype), offset, list(size),
                                           list(stride)], {}, dst._genie.id])
         _apply_mutations([(0, size, stride, offset, nbytes)], [dst])
+        dst._genie.storage = storage_identity(source)
     return dst
 
 

@@ -64,13 +64,16 @@ _ExtType, _EXT_HANDLE, _pack_handle = protocol.msgpack.ExtType, protocol.EXT_HAN
 class HandleRef:
     """Owns one remote handle; when the last Python reference dies, the handle is freed (batched)."""
 
-    __slots__ = ("stream", "id", "storage_nbytes", "meta_key", "wire", "__weakref__")
+    __slots__ = ("stream", "id", "storage_nbytes", "meta_key", "storage", "wire", "__weakref__")
 
     def __init__(self, stream: "DeviceStream", handle_id: int, storage_nbytes: int) -> None:
         self.stream = stream
         self.id = handle_id
         self.storage_nbytes = storage_nbytes
         self.meta_key = None  # the tensor's metadata as a cache-key part (set by the frontend)
+        # What the handles of one storage on the daemon share (views of one another), set by the
+        # frontend when a view is made or the identity is asked for; None: not shared so far.
+        self.storage = None
         # Encoded once, reused by every op that reads it (protocol.encode_handle, inlined: once per op).
         self.wire = tuple.__new__(_ExtType, (_EXT_HANDLE, _pack_handle(handle_id)))
 
