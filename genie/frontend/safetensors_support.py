@@ -122,9 +122,11 @@ def install() -> bool:
     is installed. Idempotent."""
     if "safetensors" not in sys.modules and importlib.util.find_spec("safetensors") is None:
         return False
-    import safetensors
-    import safetensors.torch
-
+    try:
+        import safetensors
+        import safetensors.torch
+    except Exception:  # noqa: BLE001 - a broken safetensors install must not stop `import genie`
+        return False
     if hasattr(safetensors.safe_open, "_genie_wraps"):
         return True
     opening = _opening_anywhere(safetensors.safe_open)
