@@ -30,7 +30,7 @@ from genie.transport.tensors import (bytes_as_tensor, check_shape, check_strides
 from . import attention
 from . import ops as op_table
 from . import device_faults, layouts, programs, rnn_cells, sync_batch_norm
-from .handles import ClientState, Poison, Poisoned, handles_in, held
+from .handles import ClientState, Poison, Poisoned, found_in, handles_in, held
 from .memory_guard import is_allocation_failure
 from .ops import int_arg
 from .program_ops import ProgramOps
@@ -285,7 +285,7 @@ class Executor(StorageOps, ProgramOps, RandomOps):
                 self._store(client, outs, result, call.name)
             for position, name in resized:  # the memory account follows storages the op resized
                 target = call.args[position] if position < len(call.args) else call.kwargs.get(name)
-                for ref in _refs_in(target):
+                for ref in found_in(target, HandleRef):
                     client.recount(ref.id)
             if self.memory_limit and self.account.allocated > self.memory_limit:
                 self._enforce_limit(client, call)
@@ -594,7 +594,7 @@ class Executor(StorageOps, ProgramOps, RandomOps):
             op = None
         for position, name in op_table.written_arguments(op) if op is not None else ():
             target = call.args[position] if position < len(call.args) else call.kwargs.get(name)
-            for ref in _refs_in(target):
+            for ref in found_in(target, HandleRef):
                 if ref.id in client.tensors:
                     client.put(ref.id, poison)
                     landed = True
@@ -737,11 +737,3 @@ class _RemoteOpError(Exception):
 
 
 RemoteOpError = _RemoteOpError
-
-
-def _refs_in(value):
-    if isinstance(value, HandleRef):
-        yield value
-    elif isinstance(value, list):
-        for v in value:
-            yield from _refs_in(v)

@@ -202,10 +202,15 @@ class ClientState:
         return gen
 
 
+def found_in(value, kind: type):
+    """Each `kind` in `value`: itself, or those in nested lists."""
+    if isinstance(value, kind):
+        yield value
+    elif isinstance(value, list):
+        for v in value:
+            yield from found_in(v, kind)
+
+
 def handles_in(outs):
     """The handles an op call's `outs` names (an int, or nested lists of them)."""
-    if isinstance(outs, int):
-        yield outs
-    elif isinstance(outs, list):
-        for o in outs:
-            yield from handles_in(o)
+    return found_in(outs, int)
