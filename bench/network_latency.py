@@ -10,6 +10,8 @@ no bandwidth limit), at several round-trip times, and reports for each:
   latter also reading its tokens 8 at a time (`read_every=8`: one round trip per 8 tokens);
 - `model.cpu()` and `torch.save(model.state_dict())` of the demo GPT, each also as it was before
   they fetched a model's tensors together (one round trip per tensor, two for torch.save);
+- reading its state_dict with `genie.materialize_sync` against a `{k: v.cpu()}` loop, and
+  safetensors' `save` of it (where installed) against a tensor per round trip as before;
 - the round trips each needed (`transport_stats()[...]["blocking_waits"]`), and the ops each
   captured, so the cost of a design that waits on every op (ops x RTT) can be set beside it.
 One daemon (tcp, `--no-bulk-lane`); the client's direct lane is off (GENIE_DIRECT_LANE=0), so
@@ -128,8 +130,22 @@ def _reading_a_model(model, repeats: int) -> dict:
     model.to(DEV)
     state = model.state_dict()
     saved = timed(save(torch.save)), timed(save(torch.save._genie_wraps))
-    return {"model_tensors": moved, "state_tensors": len(state), "model_cpu": together, "model_cpu_one_by_one": one_by_one,
-            "save_state_dict": saved[0], "save_state_dict_one_by_one": saved[1]}
+    read = (timed(lambda: measured(lambda: genie.materialize_sync(state))),
+            timed(lambda: measured(lambda: {k: v.cpu() for k, v in state.items()})))
+    out = {"model_tensors": moved, "state_tensors": len(state), "model_cpu": together, "model_cpu_one_by_one": one_by_one,
+           "save_state_dict": saved[0], "save_state_dict_one_by_one": saved[1],
+           "materialize_state_dict": read[0], "state_dict_cpu_loop": read[1]}
+    try:
+        import safetensors.torch
+    except ImportError:
+        return out
+    out["safetensors_save"] = timed(lambda: measured(lambda: safetensors.torch.save(state)))
+    read_ahead.READ_AHEAD_BYTES = 0  # as safetensors has it: each tensor moved with its own wait
+    try:
+        out["safetensors_save_one_by_one"] = timed(lambda: measured(lambda: safetensors.torch.save(state)))
+    finally:
+        read_ahead.READ_AHEAD_BYTES = budget
+    return out
 
 
 def main(argv=None) -> int:
@@ -164,7 +180,13 @@ def main(argv=None) -> int:
                             ("model_cpu", f"GPT model.cpu() ({r['model_tensors']} tensors with grads)"),
                             ("model_cpu_one_by_one", "same, a tensor per round trip (before)"),
                             ("save_state_dict", f"torch.save(GPT state_dict) ({r['state_tensors']} tensors)"),
-                            ("save_state_dict_one_by_one", "same, two round trips per tensor (before)")):
+                            ("save_state_dict_one_by_one", "same, two round trips per tensor (before)"),
+                            ("materialize_state_dict", "genie.materialize_sync(GPT state_dict)"),
+                            ("state_dict_cpu_loop", "{k: v.cpu() for k, v in state_dict.items()}"),
+                            ("safetensors_save", "safetensors.torch.save(GPT state_dict)"),
+                            ("safetensors_save_one_by_one", "same, a tensor per round trip (before)")):
+            if name not in r:  # safetensors not installed
+                continue
             seconds, waits, ops = r[name]
             rows.append((f"{r['rtt_ms']:g}", label, f"{seconds * 1e3:.2f}", f"{waits:.2f}", f"{ops:.0f}",
                          f"{ops * r['rtt_ms']:.1f}"))
