@@ -10,8 +10,9 @@ no bandwidth limit), at several round-trip times, and reports for each:
   latter also reading its tokens 8 at a time (`read_every=8`: one round trip per 8 tokens);
 - `model.cpu()` and `torch.save(model.state_dict())` of the demo GPT, each also as it was before
   they fetched a model's tensors together (one round trip per tensor, two for torch.save);
-- reading its state_dict with `genie.materialize_sync` against a `{k: v.cpu()}` loop, and
-  safetensors' `save` of it (where installed) against a tensor per round trip as before;
+- reading its state_dict with `genie.materialize_sync`, and with a `{k: v.cpu()}` loop of the
+  program's own, and safetensors' `save` of it (where installed), the last two also with a
+  tensor per round trip as before they were read ahead;
 - the round trips each needed (`transport_stats()[...]["blocking_waits"]`), and the ops each
   captured, so the cost of a design that waits on every op (ops x RTT) can be set beside it.
 One daemon (tcp, `--no-bulk-lane`); the client's direct lane is off (GENIE_DIRECT_LANE=0), so
@@ -130,19 +131,24 @@ def _reading_a_model(model, repeats: int) -> dict:
     model.to(DEV)
     state = model.state_dict()
     saved = timed(save(torch.save)), timed(save(torch.save._genie_wraps))
-    read = (timed(lambda: measured(lambda: genie.materialize_sync(state))),
-            timed(lambda: measured(lambda: {k: v.cpu() for k, v in state.items()})))
+    def loop():  # the program's own loop over a state_dict it has just taken
+        return measured(lambda: {k: v.cpu() for k, v in model.state_dict().items()})
+
     out = {"model_tensors": moved, "state_tensors": len(state), "model_cpu": together, "model_cpu_one_by_one": one_by_one,
            "save_state_dict": saved[0], "save_state_dict_one_by_one": saved[1],
-           "materialize_state_dict": read[0], "state_dict_cpu_loop": read[1]}
+           "materialize_state_dict": timed(lambda: measured(lambda: genie.materialize_sync(state))),
+           "state_dict_cpu_loop": timed(loop)}
     try:
         import safetensors.torch
     except ImportError:
-        return out
-    out["safetensors_save"] = timed(lambda: measured(lambda: safetensors.torch.save(state)))
-    read_ahead.READ_AHEAD_BYTES = 0  # as safetensors has it: each tensor moved with its own wait
+        safetensors = None
+    if safetensors is not None:
+        out["safetensors_save"] = timed(lambda: measured(lambda: safetensors.torch.save(state)))
+    read_ahead.READ_AHEAD_BYTES = 0  # each tensor read with its own wait, as before the read-ahead
     try:
-        out["safetensors_save_one_by_one"] = timed(lambda: measured(lambda: safetensors.torch.save(state)))
+        out["state_dict_cpu_loop_one_by_one"] = timed(loop)
+        if safetensors is not None:
+            out["safetensors_save_one_by_one"] = timed(lambda: measured(lambda: safetensors.torch.save(state)))
     finally:
         read_ahead.READ_AHEAD_BYTES = budget
     return out
@@ -182,7 +188,8 @@ def main(argv=None) -> int:
                             ("save_state_dict", f"torch.save(GPT state_dict) ({r['state_tensors']} tensors)"),
                             ("save_state_dict_one_by_one", "same, two round trips per tensor (before)"),
                             ("materialize_state_dict", "genie.materialize_sync(GPT state_dict)"),
-                            ("state_dict_cpu_loop", "{k: v.cpu() for k, v in state_dict.items()}"),
+                            ("state_dict_cpu_loop", "{k: v.cpu() for k, v in model.state_dict().items()}"),
+                            ("state_dict_cpu_loop_one_by_one", "same, a tensor per round trip (before)"),
                             ("safetensors_save", "safetensors.torch.save(GPT state_dict)"),
                             ("safetensors_save_one_by_one", "same, a tensor per round trip (before)")):
             if name not in r:  # safetensors not installed

@@ -620,6 +620,52 @@ def test_values_read_ahead_are_not_used_once_ops_were_queued_after_them(dev):
     assert m.a.tolist() == [0.0, 0.0] and m.b.tolist() == [2.0, 2.0]  # as on the CPU
 
 
+def _blocks(n):
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)) for _ in range(n)])
+
+
+def test_a_loop_reading_a_state_dict_waits_twice(dev):
+    """`{k: v.cpu() for k, v in model.state_dict().items()}` waited once per tensor (42 here).
+    From its second read in order, the rest comes in windows read ahead: two waits."""
+    local = _blocks(6)
+    remote = copy.deepcopy(local).to(dev)
+    genie.synchronize()
+    before = _waits()
+    got = {k: v.cpu() for k, v in remote.state_dict().items()}
+    assert _waits() - before == 2
+    for name, want in local.state_dict().items():
+        assert torch.equal(got[name], want), name
+    before = _waits()
+    got = {k: v.to("cpu") for k, v in remote.state_dict().items()}
+    assert _waits() - before == 2
+
+
+def test_reading_a_few_of_a_state_dicts_tensors_fetches_no_more(dev):
+    remote = _blocks(6).to(dev)
+    genie.synchronize()
+    sd = remote.state_dict()
+    before = genie.transport_stats()
+    sd["3.0.weight"].cpu()  # one read: nothing ahead
+    sd["2.0.weight"].cpu()  # an earlier one: still not in order
+    after = genie.transport_stats()
+    endpoint, = after
+    assert after[endpoint]["blocking_waits"] - before[endpoint]["blocking_waits"] == 2
+    assert after[endpoint]["bytes_received"] - before[endpoint]["bytes_received"] < 2048
+
+
+def test_a_state_dict_read_in_order_gets_the_values_of_its_moment(dev):
+    """Values read ahead are not used once an op was queued on the device after them."""
+    remote = _blocks(3).to(dev)
+    sd = remote.state_dict()
+    first = sd["0.0.weight"].cpu()
+    second = sd["0.0.bias"].cpu()  # in order: what follows is read ahead now
+    remote[2][0].weight.data.fill_(7.0)  # an op queued after that read
+    rest = {k: v.cpu() for k, v in list(sd.items())[2:]}
+    assert torch.equal(rest["2.0.weight"], torch.full((4, 4), 7.0))
+    assert first.shape == (4, 4) and second.shape == (4,)
+
+
 def test_moving_a_model_while_an_earlier_graph_is_alive(dev):
     """model.to(dev) failed ("_apply(): Couldn't swap ...") while the autograd graph of an earlier
     CPU forward was alive. Now it moves (the parameters keep their identity and the tie), and that

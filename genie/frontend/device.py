@@ -385,8 +385,8 @@ def register() -> types.ModuleType:
     if _registered:
         return module
     from . import (data_parallel, device_mesh, factories, flex_attention, graphs, lazy_tensor, module_conversion,
-                   native_guard, process_sharing, safetensors_support, serialization, settings_barrier, streams,
-                   torch_compile, torchscript)
+                   native_guard, process_sharing, read_ahead, safetensors_support, serialization, settings_barrier,
+                   streams, torch_compile, torchscript)
 
     if torch._C._get_privateuse1_backend_name() != NAME:
         _setup_backend(module)
@@ -397,6 +397,7 @@ def register() -> types.ModuleType:
     generators.register_copying()
     torchscript.install()
     module_conversion.install()
+    read_ahead.install()
     data_parallel.install()
     device_mesh.install()
     flex_attention.install()

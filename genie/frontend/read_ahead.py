@@ -1,5 +1,6 @@
-"""Read ahead: fetch a module's remote tensors together when it is moved off the device (and
-any list of tensors a caller is about to read one by one: `reading_together`).
+"""Read ahead: fetch a module's remote tensors together when it is moved off the device, any
+list of tensors a caller is about to read one by one (`reading_together`), and a state_dict's
+once the program goes through them (`_Sequence`).
 
 `model.cpu()` / `model.to("cpu")` (nn.Module._apply) moves each parameter, buffer and gradient
 with its own `.cpu()`, and each `.cpu()` of a remote tensor waits for its own round trip: 350
@@ -16,7 +17,9 @@ that `.cpu()` returns.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
+import weakref
 
 import torch
 
@@ -28,10 +31,16 @@ from .materialize import to_cpu_many
 READ_AHEAD_BYTES = 64 << 20
 
 
+# A state_dict's first read ahead (_Sequence) fetches this much, each next one twice as much up to
+# READ_AHEAD_BYTES: a program that reads a few of its tensors in order fetches little it never reads.
+FIRST_WINDOW_BYTES = 1 << 20
+
+
 class _Group:
-    def __init__(self, tensors: list[LazyTensor]) -> None:
+    def __init__(self, tensors: list[LazyTensor], window: int | None = None) -> None:
         self.waiting: dict[int, LazyTensor] = {id(t): t for t in tensors}  # in visiting order
         self.fetched: dict[int, tuple[LazyTensor, int, torch.Tensor]] = {}  # id -> (t, ops_captured, value)
+        self.window = window  # bytes per round trip, doubling each time; None: READ_AHEAD_BYTES throughout
 
     def take(self, t: LazyTensor) -> torch.Tensor | None:
         key = id(t)
@@ -46,11 +55,14 @@ class _Group:
         return self.fetched.pop(key)[2]
 
     def _fetch_from(self, first: LazyTensor) -> None:
+        budget = READ_AHEAD_BYTES
+        if self.window is not None:
+            budget, self.window = min(self.window, budget), self.window * 2
         chosen, total = [first], _nbytes(first)
         del self.waiting[id(first)]
         for key, t in list(self.waiting.items()):
             size = _nbytes(t)
-            if total + size > READ_AHEAD_BYTES:
+            if total + size > budget:
                 break
             chosen.append(t)
             total += size
@@ -70,7 +82,86 @@ _current = threading.local()
 def take(t: LazyTensor) -> torch.Tensor | None:
     """t's value, fetched ahead with others, when t is being read as one of a group; else None."""
     group = getattr(_current, "group", None)
-    return group.take(t) if group is not None else None
+    if group is not None:
+        return group.take(t)
+    sequence = getattr(_current, "sequence", None)
+    return sequence.take(t) if sequence is not None else None
+
+
+class _Sequence:
+    """The remote tensors of the state_dict this thread took last, in order. A program reading
+    them one by one (`{k: v.cpu() for k, v in sd.items()}`, a loop of its own) waited once per
+    tensor. The first read is a read of one tensor; when the next read is of a later tensor of
+    the same state_dict with no op queued on its device in between, the program is going
+    through them, and from there on they are read ahead as a module's are (_Group). A program
+    that reads only one or two of them fetches nothing more."""
+
+    def __init__(self, tensors: list[LazyTensor]) -> None:
+        self.tensors = [weakref.ref(t) for t in tensors]
+        self.position = {id(t): i for i, t in enumerate(tensors)}
+        self.last: tuple[int, object, int] | None = None  # (position, stream, its ops_captured) of the last read
+        self.group: _Group | None = None
+
+    def take(self, t: LazyTensor) -> torch.Tensor | None:
+        i = self.position.get(id(t))
+        if i is None or self.tensors[i]() is not t:
+            return None
+        group = self.group
+        if group is None:
+            stream = t._genie.stream
+            last, self.last = self.last, (i, stream, stream.ops_captured)
+            if last is None or last[0] >= i or last[1] is not stream or last[2] != stream.ops_captured:
+                return None  # not (yet) going through them in order
+            rest = [ref() for ref in self.tensors[i:]]
+            group = self.group = _Group([r for r in rest if r is not None], FIRST_WINDOW_BYTES)
+        return group.take(t)
+
+    def forget(self) -> None:
+        """The state_dict is gone: so are the values fetched ahead from it."""
+        self.position, self.group = {}, None
+
+
+def _remote_values(state: dict) -> list[LazyTensor]:
+    """The remote tensors among a state_dict's values, in its order; none while no daemon is
+    connected (then there is nothing remote to find, and nothing is walked)."""
+    from genie.runtime import runtime as runtime_module
+
+    rt = runtime_module._runtime
+    if rt is None or not rt.started:
+        return []
+    return [v for v in state.values() if isinstance(v, LazyTensor) and v._genie.storage_nbytes]
+
+
+def _noting_state_dicts(state_dict):
+    """Module.state_dict that notes its remote values for _Sequence (the outermost call only: it
+    calls itself for every child)."""
+    @functools.wraps(state_dict)
+    def noting(self, *args, **kwargs):
+        if getattr(_current, "in_state_dict", False):
+            return state_dict(self, *args, **kwargs)
+        _current.in_state_dict = True
+        try:
+            state = state_dict(self, *args, **kwargs)
+        finally:
+            _current.in_state_dict = False
+        if isinstance(state, dict):
+            tensors = _remote_values(state)
+            sequence = _current.sequence = _Sequence(tensors) if len(tensors) > 1 else None
+            if sequence is not None:
+                try:  # values fetched ahead go with the state_dict, not with the next one
+                    weakref.finalize(state, sequence.forget)
+                except TypeError:  # a dict type without weak references: they go with the next one
+                    pass
+        return state
+
+    noting._genie_wraps = state_dict
+    return noting
+
+
+def install() -> None:
+    """Read a state_dict's remote tensors ahead once a program goes through them (_Sequence). Idempotent."""
+    if not hasattr(torch.nn.Module.state_dict, "_genie_wraps"):
+        torch.nn.Module.state_dict = _noting_state_dicts(torch.nn.Module.state_dict)
 
 
 def _visit_order(module: torch.nn.Module) -> list[LazyTensor]:
