@@ -639,6 +639,11 @@ def test_a_loop_reading_a_state_dict_waits_twice(dev):
     before = _waits()
     got = {k: v.to("cpu") for k, v in remote.state_dict().items()}
     assert _waits() - before == 2
+    before = _waits()  # a detach between reads is a view: it writes nothing, and stands for its tensor
+    got = {k: v.detach().cpu() for k, v in remote.state_dict().items()}
+    assert _waits() - before == 2
+    for name, want in local.state_dict().items():
+        assert torch.equal(got[name], want), name
 
 
 def test_reading_a_few_of_a_state_dicts_tensors_fetches_no_more(dev):

@@ -384,6 +384,7 @@ def _capture_hot(func, args: tuple):
             else:
                 outputs = _planned(stream, outs, out_plan)
             outputs._genie.storage = _storage_identity(args[0]._genie)  # a view: the same storage
+            stream.views_captured += 1
         else:
             outputs = _planned(stream, outs, out_plan)
         entry = [_names.get(id(func)) or op_name(func), wire, {}, outs]
@@ -483,8 +484,10 @@ def _capture_general(func, args: tuple, kwargs: dict, walked: tuple | None = Non
             outputs = _planned(stream, outs, out_plan)
         else:
             outputs, outs = _build_outputs(out_plan, stream, tensors)
-        if plan.view and isinstance(tensors[0], LazyTensor):
-            _share_storage(outputs, _storage_identity(tensors[0]._genie))
+        if plan.view:
+            stream.views_captured += 1
+            if isinstance(tensors[0], LazyTensor):
+                _share_storage(outputs, _storage_identity(tensors[0]._genie))
         if wire_args is not None:
             entry = [_names.get(id(func)) or op_name(func), wire_args, {}, outs]
         else:

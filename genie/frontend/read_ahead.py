@@ -9,9 +9,9 @@ While a module converts, its remote tensors are listed here in the order _apply 
 the first one read fetches it and those after it together (one round trip per daemon, up to
 READ_AHEAD_BYTES of values), and the later `.cpu()` calls take their values.
 
-A value fetched ahead is handed out only while it is still current: if any op has been queued
-on its tensor's device since it was fetched (`DeviceStream.ops_captured` moved), it may be
-stale, and the tensor is read again. Each value is handed out once: it is the fresh CPU tensor
+A value fetched ahead is handed out only while it is still current: if any op other than a view
+(views write nothing) has been queued on its tensor's device since it was fetched (`_moment`
+moved), it may be stale, and the tensor is read again. Each value is handed out once: it is the fresh CPU tensor
 that `.cpu()` returns.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import weakref
 
 import torch
 
-from .lazy_tensor import LazyTensor
+from .lazy_tensor import LazyTensor, storage_identity
 from .materialize import to_cpu_many
 
 # Values fetched ahead at most per round trip: small tensors share one, large ones are
@@ -36,17 +36,22 @@ READ_AHEAD_BYTES = 64 << 20
 FIRST_WINDOW_BYTES = 1 << 20
 
 
+def _moment(stream) -> int:
+    """How many ops that may write were queued on `stream` so far (view ops write nothing)."""
+    return stream.ops_captured - stream.views_captured
+
+
 class _Group:
     def __init__(self, tensors: list[LazyTensor], window: int | None = None) -> None:
         self.waiting: dict[int, LazyTensor] = {id(t): t for t in tensors}  # in visiting order
-        self.fetched: dict[int, tuple[LazyTensor, int, torch.Tensor]] = {}  # id -> (t, ops_captured, value)
+        self.fetched: dict[int, tuple[LazyTensor, int, torch.Tensor]] = {}  # id -> (t, _moment, value)
         self.window = window  # bytes per round trip, doubling each time; None: READ_AHEAD_BYTES throughout
 
     def take(self, t: LazyTensor) -> torch.Tensor | None:
         key = id(t)
         held = self.fetched.pop(key, None)
         if held is not None and held[0] is t:
-            if t._genie.stream.ops_captured == held[1]:
+            if _moment(t._genie.stream) == held[1]:
                 return held[2]
             self.waiting[key] = t  # written to since (perhaps): read it again
         if self.waiting.get(key) is not t:
@@ -67,7 +72,7 @@ class _Group:
             chosen.append(t)
             total += size
             del self.waiting[key]
-        counts = [t._genie.stream.ops_captured for t in chosen]  # before the fetch: a later op marks it stale
+        counts = [_moment(t._genie.stream) for t in chosen]  # before the fetch: a later write marks it stale
         for t, count, value in zip(chosen, counts, to_cpu_many(chosen)):
             self.fetched[id(t)] = (t, count, value)
 
@@ -90,35 +95,53 @@ def take(t: LazyTensor) -> torch.Tensor | None:
 
 class _Sequence:
     """The remote tensors of the state_dict this thread took last, in order. A program reading
-    them one by one (`{k: v.cpu() for k, v in sd.items()}`, a loop of its own) waited once per
-    tensor. The first read is a read of one tensor; when the next read is of a later tensor of
-    the same state_dict with no op queued on its device in between, the program is going
-    through them, and from there on they are read ahead as a module's are (_Group). A program
-    that reads only one or two of them fetches nothing more."""
+    them one by one (`{k: v.cpu() for k, v in sd.items()}`, or `.detach().cpu()` of each: a
+    tensor sharing a noted one's storage and metadata stands for it) waited once per tensor. The
+    first read is a read of one tensor; when the next read is of a later tensor of the same
+    state_dict with nothing but views queued on its device in between, the program is going
+    through them, and from there on they are read ahead as a module's are (_Group), in windows
+    of FIRST_WINDOW_BYTES doubling up to READ_AHEAD_BYTES. A program that reads only one of
+    them fetches nothing more; one that reads two in order, at most a first window more."""
 
     def __init__(self, tensors: list[LazyTensor]) -> None:
         self.tensors = [weakref.ref(t) for t in tensors]
         self.position = {id(t): i for i, t in enumerate(tensors)}
-        self.last: tuple[int, object, int] | None = None  # (position, stream, its ops_captured) of the last read
+        # Held, so that no other storage's identity takes one of these ids while this lives.
+        self.identities = [storage_identity(t._genie) for t in tensors]
+        self.by_storage = {(id(s), t._genie.meta_key): i for i, (s, t) in enumerate(zip(self.identities, tensors))}
+        self.last: tuple[int, object, int] | None = None  # (position, stream, its _moment) of the last read
         self.group: _Group | None = None
 
-    def take(self, t: LazyTensor) -> torch.Tensor | None:
+    def _noted(self, t: LazyTensor) -> tuple[int, LazyTensor] | None:
+        """t's position among the noted tensors and the one it stands for (itself, or the noted
+        tensor whose storage and metadata it shares: a .detach() of it)."""
         i = self.position.get(id(t))
-        if i is None or self.tensors[i]() is not t:
+        if i is None:
+            ref = t._genie
+            i = self.by_storage.get((id(ref.storage), ref.meta_key)) if ref.storage is not None else None
+            if i is None:
+                return None
+        noted = self.tensors[i]()
+        return (i, noted) if noted is not None else None
+
+    def take(self, t: LazyTensor) -> torch.Tensor | None:
+        found = self._noted(t)
+        if found is None:
             return None
+        i, noted = found
         group = self.group
         if group is None:
-            stream = t._genie.stream
-            last, self.last = self.last, (i, stream, stream.ops_captured)
-            if last is None or last[0] >= i or last[1] is not stream or last[2] != stream.ops_captured:
+            stream = noted._genie.stream
+            last, self.last = self.last, (i, stream, _moment(stream))
+            if last is None or last[0] >= i or last[1] is not stream or last[2] != _moment(stream):
                 return None  # not (yet) going through them in order
             rest = [ref() for ref in self.tensors[i:]]
             group = self.group = _Group([r for r in rest if r is not None], FIRST_WINDOW_BYTES)
-        return group.take(t)
+        return group.take(noted)
 
     def forget(self) -> None:
         """The state_dict is gone: so are the values fetched ahead from it."""
-        self.position, self.group = {}, None
+        self.position, self.by_storage, self.group = {}, {}, None
 
 
 def _remote_values(state: dict) -> list[LazyTensor]:

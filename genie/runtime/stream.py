@@ -106,6 +106,7 @@ class DeviceStream:
         self.batch_bytes = batch_bytes
         self._async_error: BaseException | None = None
         self.ops_captured = 0
+        self.views_captured = 0  # of those, view ops (they write nothing: values read before stay current)
         # Per daemon-side stream id: ops_captured when its last batch was taken, and the frontend's
         # [ops covered, event, seen complete] for its last completion event (frontend/streams.py:
         # a stream's query needs no round trip once its work is known complete).
