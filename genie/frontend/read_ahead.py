@@ -147,10 +147,9 @@ class _Sequence:
 def _remote_values(state: dict) -> list[LazyTensor]:
     """The remote tensors among a state_dict's values, in its order; none while no daemon is
     connected (then there is nothing remote to find, and nothing is walked)."""
-    from genie.runtime import runtime as runtime_module
+    from genie.runtime import started_runtime
 
-    rt = runtime_module._runtime
-    if rt is None or not rt.started:
+    if started_runtime() is None:
         return []
     return [v for v in state.values() if isinstance(v, LazyTensor) and v._genie.storage_nbytes]
 

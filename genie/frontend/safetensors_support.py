@@ -28,9 +28,9 @@ import sys
 import torch
 
 from . import read_ahead
+from .device import NAME
 from .lazy_tensor import LazyTensor
 
-NAME = "remote_accelerator"
 _TORCH_FRAMEWORKS = ("pt", "torch", "pytorch")
 
 

@@ -105,12 +105,11 @@ def _remote_tensors_in(obj) -> list:
     state_dict, an optimizer's) and the parameters and buffers of modules among them. Nothing is
     walked while no daemon is connected (no remote tensor can exist): torch.save of a large
     Python structure pays for this walk (~0.05 s per million items) only in a program using Genie."""
-    from genie.runtime import runtime as runtime_module
+    from genie.runtime import started_runtime
 
     from .lazy_tensor import LazyTensor, tensors_in
 
-    rt = runtime_module._runtime
-    if rt is None or not rt.started:
+    if started_runtime() is None:
         return []
     found, seen = [], set()
     for t in tensors_in(obj):

@@ -33,12 +33,10 @@ _installed = False
 
 
 def _queued_streams() -> list:
-    from genie.runtime import runtime as runtime_module
+    from genie.runtime import started_runtime
 
-    rt = runtime_module._runtime  # never starts one: without a runtime nothing is queued
-    if rt is None or not rt.started:
-        return []
-    return [s for s in rt.streams if s.ops]
+    rt = started_runtime()  # never starts one: without a runtime nothing is queued
+    return [s for s in rt.streams if s.ops] if rt is not None else []
 
 
 def _barrier(setter):

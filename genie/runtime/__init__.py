@@ -4,6 +4,6 @@ the registry of connected daemons (starting an embedded one when none is set).
 
 Imports genie.transport below it; the frontend above calls into it.
 """
-from .runtime import Runtime, get_runtime
+from .runtime import Runtime, get_runtime, started_runtime
 
-__all__ = ["Runtime", "get_runtime"]
+__all__ = ["Runtime", "get_runtime", "started_runtime"]

@@ -364,6 +364,13 @@ def get_runtime() -> Runtime:
     return _runtime
 
 
+def started_runtime() -> Runtime | None:
+    """The runtime if one exists and is connected; None otherwise. Never starts one (callers that
+    only look for remote tensors or queued ops: without a runtime there are none)."""
+    rt = _runtime
+    return rt if rt is not None and rt.started else None
+
+
 def _after_fork_in_child() -> None:
     # Only the forking thread survives a fork: the runtime's loop and lane threads are gone and its
     # sockets are shared with the parent. Without this, a child's requests went out on the parent's
