@@ -144,14 +144,14 @@ class _Sequence:
         self.position, self.by_storage, self.group = {}, {}, None
 
 
-def _remote_values(state: dict) -> list[LazyTensor]:
-    """The remote tensors among a state_dict's values, in its order; none while no daemon is
-    connected (then there is nothing remote to find, and nothing is walked)."""
+def remote_values(tensors: dict) -> list[LazyTensor]:
+    """The remote tensors among a dict's values (a state_dict's), in its order; none while no
+    daemon is connected (then there is nothing remote to find, and nothing is walked)."""
     from genie.runtime import started_runtime
 
     if started_runtime() is None:
         return []
-    return [v for v in state.values() if isinstance(v, LazyTensor) and v._genie.storage_nbytes]
+    return [v for v in tensors.values() if isinstance(v, LazyTensor)]
 
 
 def _noting_state_dicts(state_dict):
@@ -167,7 +167,7 @@ def _noting_state_dicts(state_dict):
         finally:
             _current.in_state_dict = False
         if isinstance(state, dict):
-            tensors = _remote_values(state)
+            tensors = remote_values(state)
             sequence = _current.sequence = _Sequence(tensors) if len(tensors) > 1 else None
             if sequence is not None:
                 try:  # values fetched ahead go with the state_dict, not with the next one

@@ -29,7 +29,6 @@ import torch
 
 from . import read_ahead
 from .device import NAME
-from .lazy_tensor import LazyTensor
 
 _TORCH_FRAMEWORKS = ("pt", "torch", "pytorch")
 
@@ -106,8 +105,7 @@ def _reading_together(flatten):
     """safetensors' flatten step (tensors dict first) with the dict's remote tensors read together."""
     @functools.wraps(flatten)
     def flattening(tensors, *args, **kwargs):
-        remote = [t for t in tensors.values() if isinstance(t, LazyTensor)] if isinstance(tensors, dict) else []
-        with read_ahead.reading_together(remote):
+        with read_ahead.reading_together(read_ahead.remote_values(tensors) if isinstance(tensors, dict) else []):
             return flatten(tensors, *args, **kwargs)
 
     flattening._genie_wraps = flatten
