@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .frontend import device as _device
 from .runtime import get_runtime
+from .runtime.device_type import DEVICE_TYPE
 
 remote_accelerator = _device.register()
 
@@ -73,7 +74,7 @@ def _remote_or_structure(value):
     import torch
 
     if isinstance(value, torch.Tensor):
-        if value.device.type != _device.NAME:
+        if value.device.type != DEVICE_TYPE:
             raise TypeError(f"expected a remote_accelerator tensor, got a tensor on {value.device}")
     elif not isinstance(value, (list, tuple, dict, collections.deque)):
         hint = " (a module's values: model.state_dict())" if isinstance(value, torch.nn.Module) else ""

@@ -19,6 +19,7 @@ import torch
 from genie import config as config_module
 from genie.errors import GenieConnectionError, UnsupportedOperationError
 from genie.runtime import get_runtime
+from genie.runtime.device_type import DEVICE_TYPE
 from genie.runtime.stream import thread_streams
 from genie.transport import cuda_ipc, protocol
 from genie.transport.hostmem import snapshot
@@ -30,7 +31,6 @@ from .lazy_tensor import LazyTensor, OtherSubclassDecides, storage_identity
 log = logging.getLogger("genie.capture")
 _LOG_INTERCEPTS = config_module.load().log_intercepts
 
-REMOTE = "remote_accelerator"
 meta_cache = meta.MetaCache()
 _plans_get = meta_cache._plans.get  # the hot path's lookup (MetaCache.get counts the same way)
 _REMOTE, _NewTensor = meta.REMOTE, meta.NewTensor
@@ -138,7 +138,7 @@ def _walk(value, w: _Walk, seen: dict):
     if isinstance(value, (list, tuple)):
         return (type(value), *(_walk(v, w, seen) for v in value))
     if isinstance(value, torch.device):
-        if value.type != REMOTE:
+        if value.type != DEVICE_TYPE:
             w.foreign_device = True
         return value
     if isinstance(value, torch.Generator):  # plans do not depend on which one; the cache must not keep it alive
@@ -217,7 +217,7 @@ def _encode(value, stream):
     if isinstance(value, torch.dtype):
         return protocol.encode_dtype(value)
     if isinstance(value, torch.device):
-        if value.type != REMOTE:
+        if value.type != DEVICE_TYPE:
             return protocol.encode_device("cpu", 0)
         target = stream if value.index is None else get_runtime().stream(value.index)
         if target.link is not stream.link:

@@ -22,7 +22,8 @@ import torch
 from torch._utils import _get_device_index
 from torch.nn.parallel import comm
 
-from .device import NAME
+from genie.runtime.device_type import DEVICE_TYPE
+
 
 _originals: dict[str, object] = {}
 
@@ -30,18 +31,18 @@ _originals: dict[str, object] = {}
 def _remote(tensors, devices=()) -> bool:
     """Whether this call is about remote devices: a tensor is remote, or the indices name devices
     of the current accelerator and that is remote_accelerator (CUDA, where present, comes first)."""
-    if any(isinstance(t, torch.Tensor) and t.device.type == NAME for t in tensors):
+    if any(isinstance(t, torch.Tensor) and t.device.type == DEVICE_TYPE for t in tensors):
         return True
-    if any(isinstance(d, torch.device) and d.type == NAME for d in devices):
+    if any(isinstance(d, torch.device) and d.type == DEVICE_TYPE for d in devices):
         return True
     if any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in tensors):
         return False
     accelerator = torch.accelerator.current_accelerator()
-    return accelerator is not None and accelerator.type == NAME
+    return accelerator is not None and accelerator.type == DEVICE_TYPE
 
 
 def _device(index: int) -> torch.device:
-    return torch.device("cpu") if index == -1 else torch.device(NAME, index)
+    return torch.device("cpu") if index == -1 else torch.device(DEVICE_TYPE, index)
 
 
 def _indices(devices) -> list[int]:

@@ -14,6 +14,7 @@ import types
 import torch
 
 from genie.runtime import get_runtime
+from genie.runtime.device_type import DEVICE_TYPE
 from genie.transport.protocol import PERSIST_OP, RNG_STATE_OP, SEED_OP, SET_RNG_STATE_OP
 
 from . import capture, generators
@@ -25,7 +26,6 @@ from .streams import (Event, Stream, StreamContext, current_stream, default_stre
 # same class, which Genie's error for a daemon out of memory is (genie.errors.RemoteOutOfMemoryError).
 OutOfMemoryError = torch.OutOfMemoryError
 
-NAME = "remote_accelerator"
 
 _state = {"seed": None, "initial_seed": None}
 
@@ -36,8 +36,8 @@ def _index(device) -> int | None:
     if isinstance(device, int):
         return device
     d = torch.device(device)
-    if d.type != NAME:
-        raise ValueError(f"expected a {NAME} device, got {d}")
+    if d.type != DEVICE_TYPE:
+        raise ValueError(f"expected a {DEVICE_TYPE} device, got {d}")
     return d.index
 
 
@@ -388,7 +388,7 @@ def register() -> types.ModuleType:
                    native_guard, process_sharing, read_ahead, safetensors_support, serialization, settings_barrier,
                    streams, torch_compile, torchscript)
 
-    if torch._C._get_privateuse1_backend_name() != NAME:
+    if torch._C._get_privateuse1_backend_name() != DEVICE_TYPE:
         _setup_backend(module)
     factories.register()
     serialization.register()
@@ -431,9 +431,9 @@ def _setup_backend(module: types.ModuleType) -> None:
 
     from . import native_guard
 
-    torch.utils.rename_privateuse1_backend(NAME)
+    torch.utils.rename_privateuse1_backend(DEVICE_TYPE)
     torch.utils.generate_methods_for_privateuse1_backend()
-    torch._register_device_module(NAME, module)
+    torch._register_device_module(DEVICE_TYPE, module)
     torch._C._acc.register_python_privateuseone_device_guard(backend_registration._DummyDeviceGuard())
     if not (native_guard.load() and native_guard.install_hooks()):  # load() puts the C++ guard over it
         torch._C._acc.register_python_privateuseone_hook(backend_registration._DummyPrivateUse1Hook())

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import functools
 
-REMOTE = "remote_accelerator"
+from genie.runtime.device_type import DEVICE_TYPE
+
 
 
 class _LettersOnly(str):
@@ -24,11 +25,11 @@ class _LettersOnly(str):
 def _wrap(original):
     @functools.wraps(original)
     def init_device_mesh(device_type, mesh_shape, *args, **kwargs):
-        if device_type != REMOTE:
+        if device_type != DEVICE_TYPE:
             return original(device_type, mesh_shape, *args, **kwargs)
-        mesh = original(_LettersOnly(REMOTE), mesh_shape, *args, **kwargs)
+        mesh = original(_LettersOnly(DEVICE_TYPE), mesh_shape, *args, **kwargs)
         if isinstance(getattr(mesh, "_device_type", None), _LettersOnly):  # torch's attribute behind .device_type
-            mesh._device_type = REMOTE  # a plain str from here on (sub-meshes, pickling, printing)
+            mesh._device_type = DEVICE_TYPE  # a plain str from here on (sub-meshes, pickling, printing)
         return mesh
 
     init_device_mesh._genie_wraps = original

@@ -14,12 +14,12 @@ from __future__ import annotations
 import torch
 
 from genie.errors import GenieError, UnsupportedOperationError
+from genie.runtime.device_type import DEVICE_TYPE
 from genie.transport import protocol
 from genie.transport.protocol import FREE_GENERATORS_OP
 
 from . import native_guard
 
-REMOTE = "remote_accelerator"
 
 _homes: dict[int, object] = {}  # generator id -> the DeviceStream it last drew on (its daemon has a twin)
 _dropped: list[int] = []  # ids of generators gone from this process, not yet dropped on their daemon
@@ -27,8 +27,8 @@ _dropped: list[int] = []  # ids of generators gone from this process, not yet dr
 
 def encode(generator: torch.Generator, stream) -> protocol.msgpack.ExtType:
     """The wire form of `generator` for an op queued on `stream` (stream lock held)."""
-    if generator.device.type != REMOTE:
-        raise RuntimeError(f"Expected a '{REMOTE}' device type for generator but found '{generator.device.type}'")
+    if generator.device.type != DEVICE_TYPE:
+        raise RuntimeError(f"Expected a '{DEVICE_TYPE}' device type for generator but found '{generator.device.type}'")
     info = native_guard.generator_info(generator)
     if info is None:
         raise UnsupportedOperationError("generator", "remote_accelerator generators need Genie's C++ device "
@@ -83,7 +83,7 @@ def _reduce(generator: torch.Generator):
     own reduction asks every non-CPU generator for a Philox offset, which this one has not (its
     position lives on the daemon, in its state), and failed with "returned a result with an
     exception set". Every other generator keeps PyTorch's reduction."""
-    if generator.device.type != REMOTE:
+    if generator.device.type != DEVICE_TYPE:
         return generator.__reduce__()
     return _rebuild, (str(generator.device), generator.initial_seed(), generator.get_state())
 

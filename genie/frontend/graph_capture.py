@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from genie.runtime.device_type import DEVICE_TYPE
 from genie.semantic.graph import Graph, Node, NodeRef, TensorMeta
 
 # Scalar arguments the analysis reads, by name.
@@ -51,7 +52,7 @@ class GraphWriter:
         if entry is not None and entry[2]() is t:
             return entry[0], entry[1]
         kind = self.state.get(id(t)) or ("param" if isinstance(t, nn.Parameter) else "input")
-        resident = str(t.device) if t.device.type == "remote_accelerator" else None
+        resident = str(t.device) if t.device.type == DEVICE_TYPE else None
         node = self.graph.add(Node(len(self.graph), kind, (), (tensor_meta(t),), resident=resident))
         self.input_values[node.id] = t
         self._remember(t, node.id, 0)

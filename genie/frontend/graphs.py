@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_leaves
 
 from genie.errors import GenieError
 from genie.runtime import get_runtime
+from genie.runtime.device_type import DEVICE_TYPE
 from genie.runtime.stream import unreplayed_captures
 from genie.transport.protocol import DEFINE_PROGRAM_OP as DEFINE_OP, REPLAY_OP
 
@@ -184,7 +185,7 @@ def _accelerator_graph(action: str, state: list | None, path: str):
     """state: [genie.Graph, (stream, guard) while capturing, else None], made by "begin"."""
     if action == "begin":
         g = Graph()
-        return [g, _begin(g, torch.device("remote_accelerator", get_runtime().current_device), run=False)]
+        return [g, _begin(g, torch.device(DEVICE_TYPE, get_runtime().current_device), run=False)]
     if action == "end":
         g, capture = state
         state[1] = None

@@ -20,10 +20,10 @@ import torch
 from torch.autograd import forward_ad as _forward_ad
 
 from genie.errors import UnsupportedOperationError
+from genie.runtime.device_type import DEVICE_TYPE
 from genie.transport import layout_contract
 from genie.transport.tensors import elements_spanned
 
-_REMOTE_TYPE = "remote_accelerator"
 META = torch.device("meta")
 
 # Ops whose non-tensor results depend only on metadata, so meta execution answers them.
@@ -224,7 +224,7 @@ def _replaced(v, tensor, device):
         return tensor(v)
     if isinstance(v, (list, tuple)):
         return type(v)(_replaced(x, tensor, device) for x in v)
-    if isinstance(v, torch.device) and v.type == _REMOTE_TYPE:
+    if isinstance(v, torch.device) and v.type == DEVICE_TYPE:
         return device
     if isinstance(v, torch.Generator):
         return None

@@ -27,8 +27,9 @@ import sys
 
 import torch
 
+from genie.runtime.device_type import DEVICE_TYPE
+
 from . import read_ahead
-from .device import NAME
 
 _TORCH_FRAMEWORKS = ("pt", "torch", "pytorch")
 
@@ -37,8 +38,8 @@ def remote_device(device) -> torch.device | None:
     """`device` as a torch.device when it names a remote accelerator, else None (safetensors' own
     device names and its integer CUDA indices go to safetensors unchanged)."""
     if isinstance(device, torch.device):
-        return device if device.type == NAME else None
-    if isinstance(device, str) and device.split(":", 1)[0] == NAME:
+        return device if device.type == DEVICE_TYPE else None
+    if isinstance(device, str) and device.split(":", 1)[0] == DEVICE_TYPE:
         return torch.device(device)  # a malformed index raises torch's own error
     return None
 

@@ -19,14 +19,14 @@ import weakref
 
 import torch
 
+from genie.runtime.device_type import DEVICE_TYPE
 from genie.transport.tensors import as_marked_view
 
-NAME = "remote_accelerator"
 PRIORITY = 1  # before PyTorch's own (cpu 10 ... privateuse1 23), which would ask this device for storage
 
 
 def _deserialize(storage, location: str):
-    if not location.startswith(NAME):
+    if not location.startswith(DEVICE_TYPE):
         return None
     device = torch.device(location)
     if isinstance(storage, torch.TypedStorage):

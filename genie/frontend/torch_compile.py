@@ -22,7 +22,8 @@ import os
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .device import NAME
+from genie.runtime.device_type import DEVICE_TYPE
+
 
 _TRACED_BY_DYNAMO = {"genie.frontend.flex_attention_check"}
 _dynamo_kept_out = False
@@ -53,7 +54,7 @@ def keep_dynamo_out() -> None:
 
 
 def _on_remote_device(value) -> bool:
-    return any(isinstance(leaf, torch.Tensor) and leaf.device.type == NAME for leaf in tree_leaves(value))
+    return any(isinstance(leaf, torch.Tensor) and leaf.device.type == DEVICE_TYPE for leaf in tree_leaves(value))
 
 
 def _makes_remote_tensors(graph_module: torch.fx.GraphModule, example_inputs) -> bool:

@@ -24,17 +24,18 @@ import functools
 
 import torch
 
+from genie.runtime.device_type import DEVICE_TYPE
+
 from .lazy_tensor import LazyTensor, register_storage, tensors_in
 
-REMOTE = "remote_accelerator"
 
 _installed = False
 
 
 def _is_remote(location) -> bool:
     if isinstance(location, str):
-        return location.split(":")[0] == REMOTE
-    return isinstance(location, torch.device) and location.type == REMOTE
+        return location.split(":")[0] == DEVICE_TYPE
+    return isinstance(location, torch.device) and location.type == DEVICE_TYPE
 
 
 def _load(original):
@@ -126,7 +127,7 @@ _TRACE_REFUSED = (
 
 def _holds_remote(value) -> bool:
     """Whether `value` (modules, tensors, and lists, tuples and dicts of them) holds a remote tensor."""
-    return any(t.device.type == REMOTE for t in tensors_in(value))
+    return any(t.device.type == DEVICE_TYPE for t in tensors_in(value))
 
 
 def _refuse_remote_trace(original):

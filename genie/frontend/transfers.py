@@ -18,6 +18,7 @@ import torch
 
 from genie.errors import UnsupportedOperationError
 from genie.runtime import get_runtime
+from genie.runtime.device_type import DEVICE_TYPE
 from genie.runtime.stream import HandleRef
 from genie.transport import cuda_ipc, protocol
 from genie.transport.tensors import dense_span
@@ -27,7 +28,6 @@ from .capture import (SPECIAL, _borrowing, _NewTensor, _apply_mutations, _captur
                       capture, contiguous_strides, encode_call, meta_cache, op_name)
 from .lazy_tensor import LazyTensor, StorageIdentity, storage_identity
 
-REMOTE = "remote_accelerator"
 
 
 _CAST = object()  # first element of _cast's plan keys, apart from every other key's
@@ -74,11 +74,11 @@ def _same_as_source(name: str, value, src) -> bool:
 def _to_copy(func, args, kwargs):
     src = args[0]
     target = kwargs.get("device")
-    if target is None or (target.type == REMOTE and (target.index is None or target.index == src.device.index)):
+    if target is None or (target.type == DEVICE_TYPE and (target.index is None or target.index == src.device.index)):
         if len(kwargs) == 1 and "dtype" in kwargs and len(args) == 1 and type(src) is LazyTensor:
             return _cast(func, src, kwargs["dtype"])
         return capture(func, args, kwargs)
-    if target.type == REMOTE:
+    if target.type == DEVICE_TYPE:
         # Remote to remote: directly between daemons, never through this process.
         rest = {k: v for k, v in kwargs.items() if k != "device"}
         moved = move_between_devices(src, get_runtime().stream(target.index))

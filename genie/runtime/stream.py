@@ -25,6 +25,8 @@ from genie.transport.bulk import tensor_bytes
 from genie.transport.errors import ProtocolError
 from genie.transport.tensors import bytes_as_tensor, check_frames, check_shape, check_strides, frames_to_tensor, parse_dtype
 
+from .device_type import DEVICE_TYPE
+
 if TYPE_CHECKING:
     from .link import DaemonLink
 
@@ -92,7 +94,7 @@ class DeviceStream:
         self.link = link
         self.local_index = local_index
         self.global_index = global_index
-        self.device = torch.device("remote_accelerator", global_index)
+        self.device = torch.device(DEVICE_TYPE, global_index)
         self.lock = threading.RLock()
         self.ops: list[list] = []
         self.frames: list = []
