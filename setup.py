@@ -23,6 +23,8 @@ setup(
         "msgpack>=1.0",
         "networkx>=3.0",
         "uvloop>=0.19; platform_system != 'Windows'",
+        # Sealed bulk lanes under CURVE (AES-GCM through OpenSSL: genie/transport/sealed_lane.py).
+        "cryptography>=42",
     ],
     extras_require={
         "gpu": ["cupy-cuda12x>=13"],

@@ -9,7 +9,10 @@ In one run, for each size and transport:
 - Genie download: `.cpu()` of a tensor resident on the daemon.
 Over ipc Genie is measured twice: as it runs by default (payloads of 4 MiB and more in shared
 memory, client and daemon being one user on one host) and with the daemon's --no-shared-memory
-(the same payloads through the Unix socket).
+(the same payloads through the Unix socket). With CURVE (`--only curve`, in the default run; up to
+256 MiB), over tcp: as it runs by default (payloads from 128 KiB on a sealed bulk lane, AES-GCM) and
+with GENIE_SEALED_MIN_KB=0 (every payload inside ZeroMQ messages, encrypted by CURVE: as before
+sealed lanes); the raw socket and pyzmq baselines stay plaintext, so the ratio is what encryption costs.
 The four take turns in rounds of a few transfers each, and Genie's ratio to the raw socket is the
 median over rounds of the ratio within a round, so that each ratio compares times taken under the
 same conditions (this shared machine's speed drifts by tens of percent from one second to the
@@ -19,11 +22,12 @@ of a size, each method runs two untimed transfers of it (the raw server's buffer
 touched before any timing; a daemon's first two receive blocks of a size are fresh memory, slow to
 fault in on some VMs), and the first upload's own rate is kept as `genie_first_up_MBps`.
 
-    python -m bench.transport_throughput [--max-mb 1024] [--min-mb 0] [--repeats 3] [--only tcp,ipc]
+    python -m bench.transport_throughput [--max-mb 1024] [--min-mb 0] [--repeats 3] [--only tcp,ipc,curve]
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import multiprocessing as mp
 import os
 import socket
@@ -37,6 +41,7 @@ from bench.common import machine, median, print_table, write_json
 from genie.transport.bulk import widen_buffers
 
 ROUNDS = 10  # the methods take turns at most this many times per size (at least --repeats)
+CURVE_MAX_BYTES = 256 << 20  # ZeroMQ under CURVE moves ~0.3 GB/s here: 1 GiB rounds would take minutes
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30]
 
 
@@ -149,10 +154,14 @@ class PlainZmq:
 class GenieTransfers:
     """`upload(n)`: `t.to("remote_accelerator:0")` then synchronize; `download()`: `.cpu()` of it."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, keys: dict | None = None, sealed: bool = True) -> None:
         import genie
+        from genie import config
 
-        genie.init(endpoint)
+        runtime = genie.get_runtime()
+        default = config.load().sealed_min_bytes
+        runtime.config = dataclasses.replace(runtime.config, sealed_min_bytes=default if sealed else 0)
+        genie.init(endpoint, **(keys or {}))
         self.genie = genie
         self.remote = None
         # One-time costs of a process's first remote ops (planning `.to()`'s ops; PyTorch's lazy
@@ -178,7 +187,8 @@ class GenieTransfers:
         self.genie.shutdown()
 
 
-def interleaved_times(kind: str, endpoint: str, sizes: list[int], repeats: int) -> dict[str, dict[int, float]]:
+def interleaved_times(kind: str, endpoint: str, sizes: list[int], repeats: int, keys: dict | None = None,
+                      sealed: bool = True) -> dict[str, dict[int, float]]:
     """Per size: median seconds per transfer of the raw socket, plain pyzmq, and Genie up and down;
     Genie's paired ratios to the raw socket ("up_ratio", "down_ratio": raw time / Genie time,
     median over rounds); and the first upload's seconds ("first_up").
@@ -189,7 +199,8 @@ def interleaved_times(kind: str, endpoint: str, sizes: list[int], repeats: int) 
     under the same conditions, and each method still runs warm, back to back, as it would alone
     (taking turns transfer by transfer made the raw socket, whose buffers the others had just
     pushed out of the cache, the slowest of the three)."""
-    raw, plain, gen = RawSocket(kind, max(sizes)), PlainZmq(kind, max(sizes)), GenieTransfers(endpoint)
+    raw, plain = RawSocket(kind, max(sizes)), PlainZmq(kind, max(sizes))
+    gen = GenieTransfers(endpoint, keys, sealed)
     keys = ("raw", "zmq", "up", "down", "up_ratio", "down_ratio", "first_up")
     out: dict[str, dict[int, float]] = {k: {} for k in keys}
     try:
@@ -229,6 +240,23 @@ def interleaved_times(kind: str, endpoint: str, sizes: list[int], repeats: int) 
     return out
 
 
+def curve_keys() -> tuple[dict, list[str]]:
+    """A daemon key pair and a client's, made for this run: (genie.init's key arguments, the
+    daemon's flags)."""
+    import subprocess
+    import sys
+
+    folder = tempfile.mkdtemp()
+    allowed = os.path.join(folder, "allowed")
+    os.mkdir(allowed)
+    for name in ("daemon", "bench"):
+        subprocess.run([sys.executable, "-m", "genie_daemon", "keygen", folder, "--name", name], check=True,
+                       capture_output=True, timeout=60)
+    os.replace(os.path.join(folder, "bench.key"), os.path.join(allowed, "bench.key"))
+    return (dict(client_key=os.path.join(folder, "bench.key_secret"), server_key=os.path.join(folder, "daemon.key")),
+            ["--curve-secret", os.path.join(folder, "daemon.key_secret"), "--allow-keys", allowed])
+
+
 def worse_way(r: dict) -> float:
     """Genie's throughput over the raw socket's, the worse of upload and download: the median of
     ratios within rounds, or in results from before those were kept, the ratio of medians."""
@@ -242,7 +270,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-mb", type=float, default=1024)
     p.add_argument("--min-mb", type=float, default=0)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--only", default="tcp,ipc", help="transports to measure: tcp, ipc or both")
+    p.add_argument("--only", default="tcp,ipc,curve", help="transports to measure: tcp, ipc, curve (tcp with CURVE)")
     args = p.parse_args(argv)
     sizes = [s for s in SIZES if args.min_mb * 2**20 <= s <= args.max_mb * 2**20]
     kinds = set(args.only.split(","))
@@ -253,19 +281,23 @@ def main(argv=None) -> int:
 
     results = {}
     for kind, variants in (("tcp", [("tcp", [])]),
-                           ("ipc", [("ipc", []), ("ipc, no shared memory", ["--no-shared-memory"])])):
+                           ("ipc", [("ipc", []), ("ipc, no shared memory", ["--no-shared-memory"])]),
+                           ("curve", [("tcp, CURVE, sealed lane", []), ("tcp, CURVE, all in ZeroMQ", [])])):
         if kind not in kinds:
             continue
+        client_keys, daemon_flags = curve_keys() if kind == "curve" else (None, [])
         for label, extra in variants:
-            listen = "tcp://127.0.0.1:0" if kind == "tcp" else f"ipc://{tempfile.mkdtemp()}/genie.sock"
-            with DaemonProcess(listen, extra=extra) as d:
-                t = interleaved_times(kind, d.endpoint, sizes, args.repeats)
+            listen = f"ipc://{tempfile.mkdtemp()}/genie.sock" if kind == "ipc" else "tcp://127.0.0.1:0"
+            sizes_here = [n for n in sizes if kind != "curve" or n <= CURVE_MAX_BYTES]
+            with DaemonProcess(listen, extra=extra + daemon_flags) as d:
+                t = interleaved_times("tcp" if kind == "curve" else kind, d.endpoint, sizes_here, args.repeats,
+                                      client_keys, sealed="all in ZeroMQ" not in label)
             results[label] = {
                 str(n): {"raw_MBps": n / t["raw"][n] / 1e6, "zmq_MBps": n / t["zmq"][n] / 1e6,
                          "genie_up_MBps": n / t["up"][n] / 1e6, "genie_down_MBps": n / t["down"][n] / 1e6,
                          "genie_up_over_raw": t["up_ratio"][n], "genie_down_over_raw": t["down_ratio"][n],
                          "genie_first_up_MBps": n / t["first_up"][n] / 1e6}
-                for n in sizes
+                for n in sizes_here
             }
     m = machine()
     print(f"# tensor transfer throughput (MB/s), medians of {args.repeats} to 60 runs in turns -- {m['cpus']} cpus, "

@@ -2,7 +2,8 @@
 
 One listening socket beside the ZeroMQ endpoint; each connection must open
 with the magic and the routing id of a client the daemon already knows, within
-a few seconds, or it is closed. Uploads land in recycled host buffers and wait
+a few seconds, or it is closed; a CURVE daemon's listener takes only sealed lanes (see
+`genie.transport.sealed_lane`), of clients holding the lane key it gave them. Uploads land in recycled host buffers and wait
 there, per client, until the op that reads them runs; downloads are written
 from the tensor's memory by the executor thread, with a send timeout so a
 client that stops reading cannot stall the daemon.
@@ -31,7 +32,8 @@ BULK_POOL_BYTES = 2 << 30  # most bytes of idle receive buffers the daemon keeps
 class BulkListener:
     def __init__(self, zmq_endpoint: str, is_known_client: Callable[[bytes], bool], max_transfer: int,
                  pool_bytes: int = BULK_POOL_BYTES, send_timeout_s: float = 60.0,
-                 shared_memory: bool = True, tcp_port: int = 0) -> None:
+                 shared_memory: bool = True, tcp_port: int = 0,
+                 lane_key_of: Callable[[bytes], bytes | None] | None = None) -> None:
         address = bulk.listen_address_for(zmq_endpoint)
         if address is None:
             raise OSError(f"no bulk lane for endpoint {zmq_endpoint}")
@@ -55,6 +57,8 @@ class BulkListener:
         self.pool = HostBufferPool(pool_bytes)
         self.send_timeout_s = send_timeout_s
         self.shared_memory = shared_memory  # agree to shared-memory segments with clients that ask (Unix lanes)
+        # Sealed lanes only (a CURVE daemon): a client's lane key, given to it in hello (None: none given).
+        self._lane_key_of = lane_key_of
         self._lanes: dict[bytes, bulk.Lane] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -78,12 +82,19 @@ class BulkListener:
             conn.settimeout(GREETING_TIMEOUT_S)
             greeting = bulk.recv_exactly(conn, len(bulk.MAGIC) + bulk.TOKEN_BYTES)
             token, magic = greeting[len(bulk.MAGIC):], greeting[:len(bulk.MAGIC)]
-            direct = magic == stream_framing.MAGIC and self.on_direct is not None
-            if (magic not in (bulk.MAGIC, bulk.MAGIC_SHARED) and not direct) or not self._is_known(token):
-                raise ProtocolError("bad bulk greeting or unknown client")
-            shared = (magic == bulk.MAGIC_SHARED and self.shared_memory and conn.family == socket.AF_UNIX
-                      and shared_segments.supported() and shared_segments.same_user(conn))
-            conn.sendall(bulk.ACCEPTED_SHARED if shared else bulk.ACCEPTED)
+            sealing, shared, direct = None, False, False
+            if self._lane_key_of is not None:
+                lane_key = self._lane_key_of(token) if magic == bulk.MAGIC_SEALED else None
+                if lane_key is None:
+                    raise ProtocolError("this daemon takes only sealed lanes, of clients it gave a lane key")
+                sealing = bulk.accept_sealed(conn, lane_key)
+            else:
+                direct = magic == stream_framing.MAGIC and self.on_direct is not None
+                if (magic not in (bulk.MAGIC, bulk.MAGIC_SHARED) and not direct) or not self._is_known(token):
+                    raise ProtocolError("bad bulk greeting or unknown client")
+                shared = (magic == bulk.MAGIC_SHARED and self.shared_memory and conn.family == socket.AF_UNIX
+                          and shared_segments.supported() and shared_segments.same_user(conn))
+                conn.sendall(bulk.ACCEPTED_SHARED if shared else bulk.ACCEPTED)
             conn.settimeout(None)
             # Per connection: a Unix socket made by accept() has the default buffers, not the
             # listener's (TCP's inherit them), and a stream's sender's buffer bounds what one
@@ -103,7 +114,7 @@ class BulkListener:
             self.on_direct(conn, token)  # the server's: requests and answers, on its event loop
             return
         lane = bulk.Lane(conn, self.pool, self.max_transfer, name=token.hex()[:8], on_close=self._forget,
-                         shared=shared)
+                         shared=shared, sealing=sealing)
         lane.arrivals.on_change = self._arrived
         with self._lock:
             old = self._lanes.pop(token, None)

@@ -110,6 +110,7 @@ class ClientState:
         # before its lease runs out (DaemonServer._sweep_idle_clients).
         self.heartbeat_s: float | None = None
         self.lane_closed_at: float | None = None  # time.monotonic() of its direct lane's end
+        self.lane_key: bytes | None = None  # a CURVE daemon's key for this client's sealed lane (given in hello)
         self.programs: dict = {}  # program id -> executor.Program (recorded genie.graph blocks)
         self.program_handles: dict[int, list] = {}  # handle a program writes -> those programs
         # memo handle -> {(storage address, bytes): (that storage, its copy)}: one copy.deepcopy's

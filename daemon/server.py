@@ -22,7 +22,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from genie.transport import cuda_ipc, protocol, ucx_lane
+from genie.transport import cuda_ipc, protocol, sealed_lane, ucx_lane
 from genie.transport.busy_poll import BusyPoll
 from genie.transport.errors import ProtocolError
 from genie.transport.protocol import BulkTensor
@@ -56,7 +56,9 @@ class DaemonServer(DirectLanes, MemoryQueries):
         self.ipc_offer: dict | None = None  # hello's cuda_ipc: set once bound, where handles are accepted
         self._busy_poll = BusyPoll(spin_s)  # an idle daemon polls for the next request before sleeping
         self.curve = curve  # ServerKeys: CURVE on, only allow-listed clients; None: plaintext, open
-        self.bulk_lanes = bulk_lanes and curve is None  # the bulk lane is plaintext
+        # Under CURVE only sealed lanes (bulk; no direct lane, shared memory or UCX: plaintext), which
+        # need the `cryptography` package; without it large payloads go over ZeroMQ.
+        self.bulk_lanes = bulk_lanes and (curve is None or sealed_lane.available())
         self._authenticator = None
         self.bulk: BulkListener | None = None
         self.devices = devices
@@ -134,9 +136,11 @@ class DaemonServer(DirectLanes, MemoryQueries):
     def _open_lanes(self) -> None:
         total = host_ram()[0] or (1 << 40)
         try:
+            sealed = self.curve is not None
             self.bulk = BulkListener(self.bound_endpoint, lambda token: token in self.clients,
-                                     max_transfer=self.memory_limit or total, shared_memory=self.shared_memory,
-                                     tcp_port=self.lane_port)
+                                     max_transfer=self.memory_limit or total,
+                                     shared_memory=self.shared_memory and not sealed, tcp_port=self.lane_port,
+                                     lane_key_of=self._lane_key_of if sealed else None)
         except OSError as e:
             if self.lane_port:  # asked for by the operator (a firewall's open port): not quietly another
                 raise OSError(f"cannot listen for lanes on port {self.lane_port}: {e}") from None
@@ -144,8 +148,10 @@ class DaemonServer(DirectLanes, MemoryQueries):
             return
         self.executor.bulk = self.bulk
         self.bulk.on_arrival = self._wake_threadsafe
+        log.info("bulk lane listening: %s%s", " ".join(map(str, self.bulk.advertised)), " (sealed)" if sealed else "")
+        if sealed:
+            return
         self.bulk.on_direct = self._direct_threadsafe
-        log.info("bulk lane listening: %s", " ".join(map(str, self.bulk.advertised)))
         use, why = ucx_lane.wanted(self.ucx_mode)
         if not use:
             log.info("no UCX lane: %s", why)
@@ -159,6 +165,11 @@ class DaemonServer(DirectLanes, MemoryQueries):
             log.warning("no UCX lane (%s): %s", why, e)
             return
         log.info("UCX lane listening on port %d: %s; GPU memory over UCX: %s", self.ucx.port, why, self.ucx_gpu_memory)
+
+    def _lane_key_of(self, token: bytes) -> bytes | None:
+        """(A greeting thread.) The lane key hello gave this client, if it is connected."""
+        client = self.clients.get(token)
+        return None if client is None else client.lane_key
 
     def stop(self) -> None:
         self._stopping.set()
@@ -334,6 +345,8 @@ class DaemonServer(DirectLanes, MemoryQueries):
             hello = {"version": protocol.VERSION, "devices": self.device_info}
             if self.bulk is not None:
                 hello["bulk"] = self.bulk.advertised
+                if self.curve is not None:  # sent encrypted by CURVE; a new one at each hello
+                    client.lane_key = hello["lane_key"] = sealed_lane.new_lane_key()
             if self.ucx is not None:
                 hello["ucx"] = self.ucx.port
                 hello["ucx_devices"] = sorted(self.ucx.landing_devices)  # uploads for these land in GPU memory

@@ -14,6 +14,8 @@ GENIE_MAX_INFLIGHT_MB payload MiB sent to one daemon and not yet acknowledged be
 GENIE_FRAME_MB        payloads larger than this MiB are sent as several frames (default 1024).
 GENIE_BULK_MIN_KB     payloads of at least this many KiB go over the daemon's bulk lane, a
                       plain stream socket beside ZeroMQ (default 1024; 0: never).
+GENIE_SEALED_MIN_KB   with CURVE, payloads of at least this many KiB go over the sealed bulk lane
+                      instead of inside ZeroMQ messages (default 128; 0 turns that lane off).
 GENIE_HOST_POOL_MB    MiB of idle receive buffers kept for reuse (default 1024).
 GENIE_HEARTBEAT       seconds between keep-alive pings to each daemon (default 1).
 GENIE_HEARTBEAT_TIMEOUT seconds a ping may stay unanswered before the daemon is declared
@@ -64,6 +66,7 @@ class Config:
     max_frame_bytes: int
     bulk_min_bytes: int
     shared_min_bytes: int
+    sealed_min_bytes: int
     host_pool_bytes: int
     heartbeat: float
     heartbeat_timeout: float
@@ -94,6 +97,7 @@ def load() -> Config:
         max_frame_bytes=int(_float("GENIE_FRAME_MB", 1024) * (1 << 20)),
         bulk_min_bytes=int(_float("GENIE_BULK_MIN_KB", 1024) * 1024),
         shared_min_bytes=int(_float("GENIE_SHARED_MIN_KB", 1024) * 1024),
+        sealed_min_bytes=int(_float("GENIE_SEALED_MIN_KB", 128) * 1024),
         host_pool_bytes=int(_float("GENIE_HOST_POOL_MB", 1024) * (1 << 20)),
         heartbeat=_float("GENIE_HEARTBEAT", 1.0),
         heartbeat_timeout=_float("GENIE_HEARTBEAT_TIMEOUT", 3.0),

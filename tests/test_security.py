@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ import genie
 from daemons import DaemonProcess, RecordingProxy, child_pythonpath
 from genie import GenieConnectionError
 from genie.runtime import get_runtime
-from genie.transport import protocol
+from genie.transport import bulk, protocol, sealed_lane, stream_framing
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="needs a libzmq built with CURVE")
 
@@ -66,7 +67,36 @@ def test_an_allowed_client_runs_work_encrypted(keys, curve_daemon):
         x = torch.arange(6.0, device="remote_accelerator:0")
         assert (x * 2).sum().item() == 30.0
         info = genie.transport_info()["links"][curve_daemon.endpoint]
-        assert info["encrypted"] is True and info["path"] == "zmq"  # no plaintext bulk lane under CURVE
+        # Large payloads on a sealed lane (no plaintext lane, no direct lane under CURVE).
+        assert info["encrypted"] is True and info["path"] == "zmq+bulk-tcp-sealed" and info["direct_lane"] is False
+        big = torch.randn(3 << 20)  # 12 MiB each way, in sealed units
+        lane = get_runtime().links[0].bulk_lane
+        sent, received = lane.bytes_sent, lane.bytes_received
+        assert torch.equal((big.to("remote_accelerator:0") * 1).cpu(), big)
+        assert lane.bytes_sent - sent >= big.nbytes and lane.bytes_received - received >= big.nbytes
+    finally:
+        genie.shutdown()
+
+
+@pytest.mark.skipif(not sealed_lane.available(), reason="needs the cryptography package")
+def test_the_lane_listener_of_a_curve_daemon_takes_only_sealed_lanes_keyed_by_hello(keys, curve_daemon):
+    """Someone who saw a client's token on the wire (it opens the lane in the clear) can attach
+    neither a plaintext lane (which would receive that client's downloads) nor a sealed one
+    without the key hello gave the client; the client's own lane carries on."""
+    genie.init(curve_daemon.endpoint, client_key=keys["good"], server_key=keys["server_public"])
+    try:
+        link = get_runtime().links[0]
+        address = (socket.AF_INET, link.bulk_lane.sock.getpeername())
+        for magic in (bulk.MAGIC, bulk.MAGIC_SHARED, stream_framing.MAGIC):
+            with pytest.raises(ConnectionError):
+                bulk.connect_greeted(address, magic, link.token, timeout=10.0)
+        with pytest.raises((ConnectionError, OSError)):
+            sock, sealing = bulk.connect_sealed(address, link.token, sealed_lane.new_lane_key(), timeout=10.0)
+            sock.settimeout(10.0)
+            assert bulk.recv_exactly(sock, 1) is None  # the daemon closes it: HELLO failed
+        big = torch.randn(1 << 20)
+        assert torch.equal((big.to("remote_accelerator:0") + 1).cpu(), big + 1)
+        assert not link.bulk_lane.closed
     finally:
         genie.shutdown()
 

@@ -22,7 +22,9 @@ life). Each side's
 transfer ids are its own. A violation closes the lane; ops that wait on a
 transfer then fail with a clear error after a timeout.
 
-The lane is plaintext: it is not used when CURVE encryption is on.
+With CURVE encryption on, the lane is sealed instead (``MAGIC_SEALED``): the same records,
+encrypted and authenticated with keys handed out over CURVE (see `sealed_lane`), and never in
+shared memory. A CURVE daemon takes no plaintext lane.
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ from typing import Callable, Mapping
 import numpy as np
 import torch
 
-from . import shared_segments
+from . import sealed_lane, shared_segments
 from .errors import ProtocolError
 from .hostmem import HostBufferPool
 
@@ -50,6 +52,7 @@ log = logging.getLogger("genie.transport")
 
 MAGIC = b"GNB2"          # a bulk lane: payloads through the socket
 MAGIC_SHARED = b"GNS2"   # a bulk lane on which payloads may go in shared-memory segments
+MAGIC_SEALED = b"GNE2"   # a sealed bulk lane (see sealed_lane), then the client's random
 TOKEN_BYTES = 16
 # Every record: kind, transfer id, payload bytes, segment (shared-memory lanes; 0 otherwise).
 _HEADER = struct.Struct("<IQQQ")
@@ -59,6 +62,7 @@ HAND_BACK = 3  # the receiver no longer uses the sender's segment
 FORGET = 4     # the sender dropped one of its (idle) segments: the receiver unmaps it
 WRITING = 5    # SEGMENT, sent before the payload is in: complete before the sender's next message
 TO_DEVICE = 6  # (UCX lanes only) STREAM landing in the receiver's GPU memory: segment = its device index
+HELLO = 7      # (sealed lanes only) the client's first record: proof that it holds the lane key
 UNIX_BUFFER_BYTES = 4 << 20
 _SEND_SLICE = 64 << 20  # sendall in slices: bounded time per call, and the GIL is let go between
 HEAD_BYTES = 64 << 10  # sent before the `after_head` callback of `Lane.send`
@@ -156,6 +160,9 @@ class Lane:
     `shared`: both ends agreed (by the greeting) to pass payloads in shared-memory segments (see
     `shared_segments`; Unix sockets, same user). Then a payload goes in a segment when one is free
     or can be made within `segments`' bounds, else through the socket.
+
+    `sealing`: (sending, receiving) sealed_lane.Direction of a sealed lane (never shared): each
+    record goes as sealed units, see `sealed_lane`.
     """
 
     # GPU memory never travels on a socket lane (see ucx_lane.UcxLane, which shares this surface).
@@ -164,8 +171,15 @@ class Lane:
 
     def __init__(self, sock: socket.socket, pool: HostBufferPool, max_transfer: int, name: str,
                  on_close: Callable[["Lane"], None] | None = None, shared: bool = False,
-                 segments: shared_segments.OutgoingSegments | None = None) -> None:
+                 segments: shared_segments.OutgoingSegments | None = None,
+                 sealing: tuple[sealed_lane.Direction, sealed_lane.Direction] | None = None) -> None:
+        if sealing is not None and shared:
+            raise ValueError("a sealed lane does not use shared memory")
         self.sock = sock
+        self._sealing = sealing
+        # One unit's worth each way, reused: sealed into before a send, received into before opening.
+        self._unit_out = bytearray(sealed_lane.CHUNK_BYTES + sealed_lane.TAG_BYTES) if sealing else None
+        self._unit_in = bytearray(sealed_lane.CHUNK_BYTES + sealed_lane.TAG_BYTES) if sealing else None
         self.pool = pool
         self.max_transfer = max_transfer
         self.arrivals = Arrivals()
@@ -192,10 +206,10 @@ class Lane:
 
     @property
     def path(self) -> str:
-        """How payloads travel: "shared-memory", "unix" or "tcp"."""
+        """How payloads travel: "shared-memory", "unix" or "tcp" (with "-sealed" on sealed lanes)."""
         if self.shared:
             return "shared-memory"
-        return "unix" if self.sock.family == socket.AF_UNIX else "tcp"
+        return ("unix" if self.sock.family == socket.AF_UNIX else "tcp") + ("-sealed" if self._sealing else "")
 
     def send(self, xfer: int, payload: memoryview, after_head: Callable[[], None] | None = None,
              write_behind: bool = False, records: list | None = None) -> None:
@@ -232,6 +246,8 @@ class Lane:
                 if segment is not None:
                     deferred = self._send_in_segment(segment, xfer, payload, after_head, write_behind, records)
                     segment = None
+                elif self._sealing is not None:
+                    deferred = self._send_sealed(xfer, payload, after_head)
                 else:
                     deferred = self._send_through_socket(xfer, payload, after_head)
             except OSError as e:
@@ -249,9 +265,10 @@ class Lane:
         of the payload, as much as the socket takes now. Returns the call that sends the rest (on
         another thread), and until it has, the lane is held. The receiver is then reading while
         that thread wakes up. Nothing is sent here on a shared-memory lane (the payload is a copy
-        into a segment, not a socket write) or while the lane is busy: the call sends it all."""
+        into a segment, not a socket write), on a sealed one (sealing is the work) or while the
+        lane is busy: the call sends it all."""
         payload = _flat_bytes(payload)
-        if self.shared or not self._send_lock.acquire(blocking=False):
+        if self.shared or self._sealing is not None or not self._send_lock.acquire(blocking=False):
             return functools.partial(self.send, xfer, payload)
         header = _HEADER.pack(STREAM, xfer, payload.nbytes, 0)
         try:
@@ -301,6 +318,22 @@ class Lane:
             self.sock.sendall(payload[i:i + _SEND_SLICE])
         self.bytes_sent += payload.nbytes + _HEADER.size
         self.last_streamed = time.monotonic()
+
+    def _send_sealed(self, xfer: int, payload: memoryview, after_head) -> BaseException | None:
+        """(Holding the send lock.) The record's header as one sealed unit, then the payload as
+        units of up to CHUNK_BYTES; `after_head` runs after the first."""
+        sending = self._sealing[0]
+        self.sock.sendall(sending.seal(_HEADER.pack(STREAM, xfer, payload.nbytes, 0)))
+        deferred = None
+        for i in range(0, payload.nbytes, sealed_lane.CHUNK_BYTES):
+            self.sock.sendall(sending.seal_into(payload[i:i + sealed_lane.CHUNK_BYTES], self._unit_out))
+            if i == 0 and after_head is not None:
+                deferred = _call(after_head)
+        if not payload.nbytes and after_head is not None:
+            deferred = _call(after_head)
+        self.bytes_sent += payload.nbytes + _HEADER.size
+        self.last_streamed = time.monotonic()
+        return deferred
 
     def _send_in_segment(self, segment, xfer: int, payload: memoryview, after_head,
                          write_behind: bool, records: list | None) -> BaseException | None:
@@ -406,6 +439,8 @@ class Lane:
             self.close(e)
 
     def _read_header(self) -> tuple[bytes, list[int]]:
+        if self._sealing is not None:
+            return self._sealing[1].open(recv_exactly(self.sock, _HEADER.size + sealed_lane.TAG_BYTES)), []
         if not self.shared:
             return recv_exactly(self.sock, _HEADER.size), []
         # A segment's file descriptor rides on the first record naming it, and arrives with its first byte.
@@ -424,7 +459,14 @@ class Lane:
 
     def _receive_stream(self, xfer: int, nbytes: int) -> None:
         data = self.pool.take(nbytes)
-        if nbytes:
+        if nbytes and self._sealing is not None:
+            destination, receiving = memoryview(data.numpy()), self._sealing[1]
+            for i in range(0, nbytes, sealed_lane.CHUNK_BYTES):
+                n = min(sealed_lane.CHUNK_BYTES, nbytes - i)
+                unit = memoryview(self._unit_in)[:n + sealed_lane.TAG_BYTES]
+                recv_into_exactly(self.sock, unit)
+                receiving.open_into(unit, destination[i:i + n])
+        elif nbytes:
             recv_into_exactly(self.sock, memoryview(data.numpy()))
         self.bytes_received += nbytes + _HEADER.size
         self.last_streamed = time.monotonic()
@@ -605,11 +647,55 @@ def connect_greeted(address: tuple[int, object], magic: bytes, token: bytes, tim
 
 
 def open_client_lane(address: tuple[int, object], token: bytes, pool: HostBufferPool, max_transfer: int,
-                     timeout: float, shared: bool = True) -> Lane:
-    """The client's bulk lane; asks for shared memory when `shared` and the lane is a Unix socket."""
+                     timeout: float, shared: bool = True, lane_key: bytes | None = None) -> Lane:
+    """The client's bulk lane; asks for shared memory when `shared` and the lane is a Unix socket.
+    With `lane_key` (a CURVE daemon's, from hello), a sealed lane (see sealed_lane)."""
+    if lane_key is not None:
+        sock, sealing = connect_sealed(address, token, lane_key, timeout)
+        return Lane(sock, pool, max_transfer, name="client", sealing=sealing)
     shared = shared and address[0] == socket.AF_UNIX and shared_segments.supported()
     sock, answer = connect_greeted(address, MAGIC_SHARED if shared else MAGIC, token, timeout)
     return Lane(sock, pool, max_transfer, name="client", shared=answer == ACCEPTED_SHARED)
+
+
+def connect_sealed(address: tuple[int, object], token: bytes, lane_key: bytes, timeout: float
+                   ) -> tuple[socket.socket, tuple[sealed_lane.Direction, sealed_lane.Direction]]:
+    """A sealed lane's connection: greeted with the client's random, answered with the daemon's,
+    keys derived, and the HELLO record sent (the daemon attaches the lane once it opens)."""
+    client_random = sealed_lane.new_random()
+    sock, _ = connect_greeted(address, MAGIC_SEALED, token + client_random, timeout)
+    try:
+        sock.settimeout(timeout)
+        sealing = finish_sealed_greeting(sock, lane_key, client_random)
+        sock.settimeout(None)
+    except BaseException:
+        sock.close()
+        raise
+    return sock, sealing
+
+
+def finish_sealed_greeting(sock: socket.socket, lane_key: bytes, client_random: bytes
+                           ) -> tuple[sealed_lane.Direction, sealed_lane.Direction]:
+    """(The client, once the daemon accepted its sealed greeting.) The daemon's random read, keys
+    derived, HELLO sent: the lane's (sending, receiving) directions."""
+    server_random = recv_exactly(sock, sealed_lane.RANDOM_BYTES)
+    sealing = sealed_lane.directions(lane_key, client_random, server_random, client_side=True)
+    sock.sendall(sealing[0].seal(_HEADER.pack(HELLO, 0, 0, 0)))
+    return sealing
+
+
+def accept_sealed(conn: socket.socket, lane_key: bytes) -> tuple[sealed_lane.Direction, sealed_lane.Direction]:
+    """The daemon's side of `connect_sealed`, after the magic and token: the client's random read,
+    ACCEPTED and the daemon's random sent, keys derived, and the client's HELLO opened (a client
+    without the lane key fails here)."""
+    client_random = recv_exactly(conn, sealed_lane.RANDOM_BYTES)
+    server_random = sealed_lane.new_random()
+    conn.sendall(ACCEPTED + server_random)
+    sealing = sealed_lane.directions(lane_key, client_random, server_random, client_side=False)
+    hello = sealing[1].open(recv_exactly(conn, _HEADER.size + sealed_lane.TAG_BYTES))
+    if _HEADER.unpack(hello) != (HELLO, 0, 0, 0):
+        raise ProtocolError("a sealed lane must open with HELLO")
+    return sealing
 
 
 def new_token() -> bytes:
