@@ -63,8 +63,9 @@ class BulkListener:
         self._lock = threading.Lock()
         self._closed = False
         self.on_arrival: Callable[[], None] | None = None  # told (from a lane's thread) when an upload lands
-        # Given direct-lane connections (see genie.transport.stream_framing), from a greeting thread.
-        self.on_direct: Callable[[socket.socket, bytes], None] | None = None
+        # Given direct-lane connections (see genie.transport.stream_framing), from a greeting thread,
+        # with their (sending, receiving) sealed_lane directions on a sealed listener (else None).
+        self.on_direct: Callable[[socket.socket, bytes, tuple | None], None] | None = None
         threading.Thread(target=self._accept_loop, name="genie-bulk-accept", daemon=True).start()
 
     # ------------------------------------------------------------ connections
@@ -84,7 +85,8 @@ class BulkListener:
             token, magic = greeting[len(bulk.MAGIC):], greeting[:len(bulk.MAGIC)]
             sealing, shared, direct = None, False, False
             if self._lane_key_of is not None:
-                lane_key = self._lane_key_of(token) if magic == bulk.MAGIC_SEALED else None
+                direct = magic == stream_framing.MAGIC_SEALED and self.on_direct is not None
+                lane_key = self._lane_key_of(token) if magic == bulk.MAGIC_SEALED or direct else None
                 if lane_key is None:
                     raise ProtocolError("this daemon takes only sealed lanes, of clients it gave a lane key")
                 sealing = bulk.accept_sealed(conn, lane_key)
@@ -111,7 +113,7 @@ class BulkListener:
             conn.close()
             return
         if direct:
-            self.on_direct(conn, token)  # the server's: requests and answers, on its event loop
+            self.on_direct(conn, token, sealing)  # the server's: requests and answers, on its event loop
             return
         lane = bulk.Lane(conn, self.pool, self.max_transfer, name=token.hex()[:8], on_close=self._forget,
                          shared=shared, sealing=sealing)

@@ -36,7 +36,7 @@ class DirectLane:
 
     sock: object
     identity: bytes
-    reader: stream_framing.MessageReader
+    reader: stream_framing.MessageReader | stream_framing.SealedMessageReader
     writer: stream_framing.MessageWriter
 
     def __post_init__(self) -> None:
@@ -46,20 +46,26 @@ class DirectLane:
 class DirectLanes:
     """The direct-lane half of DaemonServer (self._direct: identity -> DirectLane)."""
 
-    def _direct_threadsafe(self, conn, token: bytes) -> None:
+    def _direct_threadsafe(self, conn, token: bytes, sealing=None) -> None:
         loop = self._loop
         if loop is None or self._stopping.is_set():
             conn.close()
             return
-        loop.call_soon_threadsafe(self._adopt_direct, conn, token)
+        loop.call_soon_threadsafe(self._adopt_direct, conn, token, sealing)
 
-    def _adopt_direct(self, conn, token: bytes) -> None:
-        """A client's direct lane: its blocking requests and their answers, read and written here."""
+    def _adopt_direct(self, conn, token: bytes, sealing=None) -> None:
+        """A client's direct lane: its blocking requests and their answers, read and written here
+        (sealed, with `sealing`'s (sending, receiving) directions, under CURVE)."""
         conn.setblocking(False)
         identity = token + DIRECT_SUFFIX  # client_key() maps it to the client, like its ZeroMQ sockets
-        lane = DirectLane(conn, identity, stream_framing.MessageReader(
-            conn, protocol.MAX_FRAMES + 1, max_frame_bytes(),
-            self.bulk.max_transfer if self.bulk is not None else 1 << 40), stream_framing.MessageWriter(conn))
+        limits = (protocol.MAX_FRAMES + 1, max_frame_bytes(), self.bulk.max_transfer if self.bulk is not None else 1 << 40)
+        if sealing is None:
+            reader = stream_framing.MessageReader(conn, *limits)
+            writer = stream_framing.MessageWriter(conn)
+        else:
+            reader = stream_framing.SealedMessageReader(conn, sealing[1], *limits)
+            writer = stream_framing.MessageWriter(conn, sealing[0])
+        lane = DirectLane(conn, identity, reader, writer)
         old = self._direct.pop(identity, None)
         if old is not None:
             self._close_direct(old, "replaced")

@@ -56,8 +56,8 @@ class DaemonServer(DirectLanes, MemoryQueries):
         self.ipc_offer: dict | None = None  # hello's cuda_ipc: set once bound, where handles are accepted
         self._busy_poll = BusyPoll(spin_s)  # an idle daemon polls for the next request before sleeping
         self.curve = curve  # ServerKeys: CURVE on, only allow-listed clients; None: plaintext, open
-        # Under CURVE only sealed lanes (bulk; no direct lane, shared memory or UCX: plaintext), which
-        # need the `cryptography` package; without it large payloads go over ZeroMQ.
+        # Under CURVE only sealed lanes (bulk and direct; no shared memory or UCX: plaintext), which
+        # need the `cryptography` package; without it everything goes over ZeroMQ.
         self.bulk_lanes = bulk_lanes and (curve is None or sealed_lane.available())
         self._authenticator = None
         self.bulk: BulkListener | None = None
@@ -149,9 +149,9 @@ class DaemonServer(DirectLanes, MemoryQueries):
         self.executor.bulk = self.bulk
         self.bulk.on_arrival = self._wake_threadsafe
         log.info("bulk lane listening: %s%s", " ".join(map(str, self.bulk.advertised)), " (sealed)" if sealed else "")
+        self.bulk.on_direct = self._direct_threadsafe
         if sealed:
             return
-        self.bulk.on_direct = self._direct_threadsafe
         use, why = ucx_lane.wanted(self.ucx_mode)
         if not use:
             log.info("no UCX lane: %s", why)

@@ -67,8 +67,9 @@ def test_an_allowed_client_runs_work_encrypted(keys, curve_daemon):
         x = torch.arange(6.0, device="remote_accelerator:0")
         assert (x * 2).sum().item() == 30.0
         info = genie.transport_info()["links"][curve_daemon.endpoint]
-        # Large payloads on a sealed lane (no plaintext lane, no direct lane under CURVE).
-        assert info["encrypted"] is True and info["path"] == "zmq+bulk-tcp-sealed" and info["direct_lane"] is False
+        # Large payloads and blocking requests on sealed lanes (no plaintext lane under CURVE).
+        assert info["encrypted"] is True and info["path"] == "zmq+bulk-tcp-sealed" and info["direct_lane"] is True
+        assert get_runtime().links[0].channel.direct_sealing is not None
         big = torch.randn(3 << 20)  # 12 MiB each way, in sealed units
         lane = get_runtime().links[0].bulk_lane
         sent, received = lane.bytes_sent, lane.bytes_received
@@ -137,8 +138,8 @@ def test_an_unlisted_key_cannot_execute_anything(keys, curve_daemon):
 def test_payloads_are_unreadable_on_the_wire_only_with_curve(keys, encrypted, monkeypatch):
     import dataclasses
 
-    # The proxy records the ZeroMQ connection; the plaintext direct lane (off under CURVE) would
-    # carry this small request past it.
+    # The proxy records the ZeroMQ connection; the direct lane (sealed under CURVE, and checked
+    # apart in tests/unit/test_sealed_lane.py) would carry this small request past it.
     rt = genie.get_runtime()
     monkeypatch.setattr(rt, "config", dataclasses.replace(rt.config, direct_lane=False))
     extra = ["--curve-secret", keys["server_secret"], "--allow-keys", keys["allow"]] if encrypted else []

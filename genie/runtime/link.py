@@ -185,28 +185,14 @@ class DaemonLink:
 
     async def _open_lanes(self, advertised, ucx_port, timeout: float, lane_key=None) -> None:
         """The bulk lane (UCX where chosen, see ucx_lane) and the direct lane, both to the daemon's
-        lane listeners; under CURVE only a sealed bulk lane, with the key hello gave (sealed_lane)."""
+        lane listeners; under CURVE both sealed, with the key hello gave (see _open_sealed_lanes)."""
         config = self.runtime.config
         address = bulk.connect_address(advertised, self.endpoint)
         if address is None:
             return
         loop = asyncio.get_running_loop()
         if self.runtime.curve is not None:
-            if config.sealed_min_bytes <= 0 or lane_key is None or not sealed_lane.available():
-                log.info("no bulk lane to %s (large payloads go over ZeroMQ, encrypted by CURVE): %s", self.endpoint,
-                         "GENIE_SEALED_MIN_KB=0" if config.sealed_min_bytes <= 0 else
-                         "the daemon offers no sealed lane" if lane_key is None else
-                         "the cryptography package is not installed here")
-                return
-            try:
-                self.bulk_lane = await loop.run_in_executor(
-                    None, functools.partial(bulk.open_client_lane, address, self.token, self.runtime.host_pool,
-                                            1 << 40, min(timeout, 10.0), lane_key=sealed_lane.check_lane_key(lane_key)))
-                # CURVE encrypts in ZeroMQ's I/O thread at 0.4-0.7 GB/s here: the lane wins from ~128 KiB.
-                self.bulk_min_bytes = config.sealed_min_bytes
-            except (OSError, ConnectionError, ProtocolError) as e:
-                log.warning("no sealed bulk lane to %s (large payloads go over ZeroMQ, encrypted by CURVE): %s",
-                            self.endpoint, e)
+            await self._open_sealed_lanes(address, lane_key, timeout)
             return
         if config.bulk_min_bytes > 0 and type(ucx_port) is int and 0 < ucx_port < 65536:
             use, why = ucx_lane.wanted(config.ucx)
@@ -249,6 +235,39 @@ class DaemonLink:
                 self.channel.loss_grace_s = config.heartbeat_timeout + 2 * config.heartbeat
             except (OSError, ConnectionError) as e:
                 log.warning("no direct lane to %s (blocking requests go over ZeroMQ): %s", self.endpoint, e)
+
+    async def _open_sealed_lanes(self, address, lane_key, timeout: float) -> None:
+        """Under CURVE: the bulk and direct lanes sealed (sealed_lane), or none where the daemon
+        offers no lane key or `cryptography` is missing here (all then goes through ZeroMQ)."""
+        config = self.runtime.config
+        if lane_key is None or not sealed_lane.available():
+            log.info("no lanes to %s (everything goes over ZeroMQ, encrypted by CURVE): %s", self.endpoint,
+                     "the daemon offers no sealed lane" if lane_key is None else
+                     "the cryptography package is not installed here")
+            return
+        lane_key = sealed_lane.check_lane_key(lane_key)
+        loop = asyncio.get_running_loop()
+        if config.sealed_min_bytes > 0:
+            try:
+                self.bulk_lane = await loop.run_in_executor(
+                    None, functools.partial(bulk.open_client_lane, address, self.token, self.runtime.host_pool,
+                                            1 << 40, min(timeout, 10.0), lane_key=lane_key))
+                # CURVE encrypts in ZeroMQ's I/O thread at 0.4-0.7 GB/s here: the lane wins from ~128 KiB.
+                self.bulk_min_bytes = config.sealed_min_bytes
+            except (OSError, ConnectionError, ProtocolError) as e:
+                log.warning("no sealed bulk lane to %s (large payloads go over ZeroMQ, encrypted by CURVE): %s",
+                            self.endpoint, e)
+        if config.direct_lane:
+            try:
+                sock, sealing = await loop.run_in_executor(
+                    None, bulk.connect_sealed, address, self.token, lane_key, min(timeout, 10.0),
+                    stream_framing.MAGIC_SEALED)
+                self.channel.direct_sealing = sealing
+                self.channel.direct_stream = sock
+                self.channel.busy_poll.seconds = max(0.0, config.client_spin_us) / 1e6
+                self.channel.loss_grace_s = config.heartbeat_timeout + 2 * config.heartbeat
+            except (OSError, ConnectionError, ProtocolError) as e:
+                log.warning("no sealed direct lane to %s (blocking requests go over ZeroMQ): %s", self.endpoint, e)
 
     def _take_gpu_memory_offer(self, devices, how) -> None:
         """The daemon's GPUs that uploads on the UCX lane may land in directly (see ucx_lane)."""

@@ -658,12 +658,13 @@ def open_client_lane(address: tuple[int, object], token: bytes, pool: HostBuffer
     return Lane(sock, pool, max_transfer, name="client", shared=answer == ACCEPTED_SHARED)
 
 
-def connect_sealed(address: tuple[int, object], token: bytes, lane_key: bytes, timeout: float
-                   ) -> tuple[socket.socket, tuple[sealed_lane.Direction, sealed_lane.Direction]]:
-    """A sealed lane's connection: greeted with the client's random, answered with the daemon's,
-    keys derived, and the HELLO record sent (the daemon attaches the lane once it opens)."""
+def connect_sealed(address: tuple[int, object], token: bytes, lane_key: bytes, timeout: float,
+                   magic: bytes = MAGIC_SEALED) -> tuple[socket.socket, tuple[sealed_lane.Direction, sealed_lane.Direction]]:
+    """A sealed lane's connection (a bulk lane; with stream_framing.MAGIC_SEALED, a direct lane):
+    greeted with the client's random, answered with the daemon's, keys derived, and the HELLO
+    record sent (the daemon attaches the lane once it opens)."""
     client_random = sealed_lane.new_random()
-    sock, _ = connect_greeted(address, MAGIC_SEALED, token + client_random, timeout)
+    sock, _ = connect_greeted(address, magic, token + client_random, timeout)
     try:
         sock.settimeout(timeout)
         sealing = finish_sealed_greeting(sock, lane_key, client_random)

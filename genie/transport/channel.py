@@ -108,6 +108,8 @@ class Channel:
         # The direct lane (stream_framing): a plain socket that `send_direct` uses instead of
         # `_direct` once attached; dropped for `_direct` if it fails.
         self.direct_stream: socket.socket | None = None
+        # Its (sending, receiving) sealed_lane directions when it is sealed (under CURVE), else None.
+        self.direct_sealing: tuple | None = None
         # Direct requests sent and not yet answered: where each went and when. The daemon may answer
         # them out of order (a malformed one at once, ahead of earlier execs), so an answer read
         # while waiting for another is kept in `_direct_early` for its own reader.
@@ -272,7 +274,8 @@ class Channel:
         stream = self.direct_stream
         if stream is not None:
             try:
-                stream_framing.send_message(stream, [header, *frames])
+                stream_framing.send_message(stream, [header, *frames],
+                                            self.direct_sealing[0] if self.direct_sealing else None)
             except OSError as e:
                 self._drop_direct_stream(e)
                 if self._direct_awaiting:  # their answers were to come on that lane: lost with it
@@ -293,6 +296,7 @@ class Channel:
         except (OSError, AttributeError):
             pass
         self.direct_stream = None
+        self.direct_sealing = None
 
     def _receive_direct(self, rid, timeout, alive, poll_s) -> Reply:
         reading_from = time.perf_counter()
@@ -334,12 +338,13 @@ class Channel:
             self._pollers = {stream: poller}
         readable = self._spin_for_reply(poller)
         waited = 0.0
+        receiving = self.direct_sealing[1] if self.direct_sealing and stream is self.direct_stream else None
         while True:
             if not readable:
                 waited = self._wait_readable(poller.poll, timeout, alive, poll_s, waited)
             readable = False
             try:
-                parts = stream_framing.receive_message(stream, protocol.MAX_FRAMES + 1, 1 << 62, 1 << 62)
+                parts = stream_framing.receive_message(stream, protocol.MAX_FRAMES + 1, 1 << 62, 1 << 62, receiving)
             except KeyboardInterrupt:
                 # Ctrl-C in the middle of a message (the waits above are where it almost always
                 # lands, harmlessly): the lane's framing is lost, so requests go by ZeroMQ from now.

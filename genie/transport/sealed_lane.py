@@ -1,4 +1,5 @@
-"""Sealed lanes: the bulk lane's stream encrypted and authenticated (AES-256-GCM), for CURVE daemons.
+"""Sealed lanes: the bulk and direct lanes' streams encrypted and authenticated (AES-256-GCM),
+for CURVE daemons.
 
 Under CURVE every ZeroMQ message is encrypted by libsodium inside ZeroMQ's I/O thread, which
 moved large payloads at 0.3-0.5 GB/s here (3 GB/s without CURVE). The plaintext bulk lane cannot
@@ -14,8 +15,10 @@ keys, so nonces (a counter per direction) never repeat under one key. The client
 client, so a token seen on the wire does not let anyone else in.
 
 Records. What a plaintext lane writes as is, a sealed one writes as units, each ``ciphertext +
-16-byte tag`` under the next nonce: a record's 28-byte header is one unit, and its payload
-follows as units of up to CHUNK_BYTES, cut the same way at both ends. A unit that fails its
+16-byte tag`` under the next nonce: a bulk record's 28-byte header is one unit, and its payload
+follows as units of up to CHUNK_BYTES, cut the same way at both ends (a direct-lane message: its
+length, then its bytes; see stream_framing). The direct lane's connection is keyed like the bulk
+lane's, greeted with its own magic. A unit that fails its
 tag (altered, replayed, reordered, dropped) raises ProtocolError and the lane closes.
 """
 from __future__ import annotations

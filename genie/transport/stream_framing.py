@@ -11,6 +11,10 @@ Message: ``<u32 frame count><u64 length> * count`` then the frames back to back.
 Frames are read into buffers of exactly their size (`recv_into`), and handed
 out as `Frame` objects with the `.buffer` / `.bytes` of a ZeroMQ frame, so the
 code above treats both transports alike and payloads are not copied again.
+
+Under CURVE the lane is sealed (greeting MAGIC_SEALED, keys as for a sealed bulk lane: see
+sealed_lane): each message goes as a sealed unit of its length (u64), then its bytes as sealed
+units of up to sealed_lane.CHUNK_BYTES.
 """
 from __future__ import annotations
 
@@ -19,9 +23,11 @@ import struct
 
 import torch
 
+from . import sealed_lane
 from .errors import ProtocolError
 
 MAGIC = b"GND1"  # greeting of a direct-lane connection (the bulk lane's is bulk.MAGIC)
+MAGIC_SEALED = b"GNF1"  # a sealed direct lane's (then the client's random, as bulk.MAGIC_SEALED)
 _COUNT = struct.Struct("<I")
 _LENGTH = struct.Struct("<Q")
 _ONE_PREFIX = struct.Struct("<IQ")  # _COUNT then one _LENGTH (standard sizes: no padding)
@@ -55,10 +61,60 @@ def encode(parts: list) -> list:
     return [prefix, *views]
 
 
-def send_message(sock: socket.socket, parts: list) -> None:
-    """Write one message on a blocking socket."""
+def send_message(sock: socket.socket, parts: list, sending: "sealed_lane.Direction | None" = None) -> None:
+    """Write one message on a blocking socket (sealed with `sending` on a sealed lane)."""
+    if sending is not None:
+        sock.sendall(seal_message(encode(parts), sending))
+        return
     for buf in encode(parts):
         sock.sendall(buf)
+
+
+def seal_message(buffers: list, sending: "sealed_lane.Direction") -> bytes:
+    """A message's buffers (from `encode`) as a sealed lane carries them: its length as one sealed
+    unit, then its bytes as units of up to sealed_lane.CHUNK_BYTES."""
+    blob = memoryview(buffers[0] if len(buffers) == 1 else b"".join(buffers)).cast("B")
+    units = [sending.seal(_LENGTH.pack(blob.nbytes))]
+    units.extend(sending.seal(blob[i:i + sealed_lane.CHUNK_BYTES])
+                 for i in range(0, blob.nbytes, sealed_lane.CHUNK_BYTES))
+    return b"".join(units)
+
+
+_SEALED_LENGTH = _LENGTH.size + sealed_lane.TAG_BYTES  # a sealed message's first unit
+
+
+def _sealed_length(unit, receiving: "sealed_lane.Direction", max_frames: int, max_bytes: int) -> int:
+    """A sealed message's length, from its first unit, checked before anything is allocated for it."""
+    (n,) = _LENGTH.unpack(receiving.open(unit))
+    if not _ONE_PREFIX.size <= n <= max_bytes + _COUNT.size + _LENGTH.size * max_frames:
+        raise ProtocolError(f"a sealed message of {n} bytes")
+    return n
+
+
+def _open_message(sealed: memoryview, n: int, receiving: "sealed_lane.Direction", max_frames: int, max_frame: int,
+                  max_bytes: int) -> list[Frame]:
+    """The frames of a sealed message of `n` bytes whose units (after the length's) are `sealed`."""
+    plain = memoryview(bytearray(n))
+    step = sealed_lane.CHUNK_BYTES + sealed_lane.TAG_BYTES
+    for i, at in zip(range(0, n, sealed_lane.CHUNK_BYTES), range(0, sealed.nbytes, step)):
+        k = min(sealed_lane.CHUNK_BYTES, n - i)
+        receiving.open_into(sealed[at:at + k + sealed_lane.TAG_BYTES], plain[i:i + k])
+    (count,) = _COUNT.unpack_from(plain, 0)
+    _check_count(count, max_frames)
+    table_end = _COUNT.size + _LENGTH.size * count
+    if table_end > n:
+        raise ProtocolError("a sealed message shorter than its frame table")
+    lengths = [k for (k,) in _LENGTH.iter_unpack(plain[_COUNT.size:table_end])]
+    _check_lengths(lengths, max_frame, max_bytes)
+    if table_end + sum(lengths) != n:
+        raise ProtocolError("a sealed message whose frames do not add up to its length")
+    frames, at = [], table_end
+    for k in lengths:  # each frame in a buffer of its own, as on a plain lane (aligned, its own lifetime)
+        buf = _buffer(k)
+        memoryview(buf).cast("B")[:] = plain[at:at + k]
+        frames.append(Frame(buf))
+        at += k
+    return frames
 
 
 def _buffer(n: int):
@@ -90,8 +146,16 @@ def _check_lengths(lengths: list[int], max_frame: int, max_bytes: int) -> None:
         raise ProtocolError(f"a message of {sum(lengths)} bytes exceeds the limit of {max_bytes}")
 
 
-def receive_message(sock: socket.socket, max_frames: int, max_frame: int, max_bytes: int) -> list[Frame]:
-    """Read one whole message from a blocking socket."""
+def receive_message(sock: socket.socket, max_frames: int, max_frame: int, max_bytes: int,
+                    receiving: "sealed_lane.Direction | None" = None) -> list[Frame]:
+    """Read one whole message from a blocking socket (opened with `receiving` on a sealed lane)."""
+    if receiving is not None:
+        unit = bytearray(_SEALED_LENGTH)
+        _recv_exactly_into(sock, memoryview(unit))
+        n = _sealed_length(unit, receiving, max_frames, max_bytes)
+        sealed = bytearray(sealed_lane.sealed_size(n))
+        _recv_exactly_into(sock, memoryview(sealed))
+        return _open_message(memoryview(sealed), n, receiving, max_frames, max_frame, max_bytes)
     # The count and the first length in one read: every valid message has both (a frame at
     # least), and a one-frame message (most answers) then takes two reads instead of three.
     head = bytearray(_ONE_PREFIX.size)
@@ -241,12 +305,68 @@ class MessageReader:
         self._lengths = lengths
 
 
+class SealedMessageReader:
+    """MessageReader's `read()` for a sealed lane: the socket's bytes are kept until a message's
+    units are all in, then opened (each checked) and split into frames."""
+
+    def __init__(self, sock: socket.socket, receiving: "sealed_lane.Direction", max_frames: int, max_frame: int,
+                 max_bytes: int) -> None:
+        self.sock = sock
+        self.receiving = receiving
+        self.max_frames = max_frames
+        self.max_frame = max_frame
+        self.max_bytes = max_bytes
+        self._closed = False
+        self._raw = bytearray()
+        self._length: int | None = None  # the message being received, once its first unit is in
+
+    def read(self) -> list[list[Frame]]:
+        """As MessageReader.read."""
+        if self._closed:
+            raise ConnectionError("direct lane closed")
+        done: list[list[Frame]] = []
+        while True:
+            try:
+                chunk = self.sock.recv(max(_SMALL, sealed_lane.sealed_size(self._length or 0) - len(self._raw)))
+            except (BlockingIOError, InterruptedError):
+                return done
+            if not chunk:
+                if done:
+                    self._closed = True
+                    return done
+                raise ConnectionError("direct lane closed")
+            self._raw += chunk
+            self._parse(done)
+
+    def _parse(self, done: list) -> None:
+        at = 0
+        while True:
+            if self._length is None:
+                if len(self._raw) - at < _SEALED_LENGTH:
+                    break
+                self._length = _sealed_length(bytes(self._raw[at:at + _SEALED_LENGTH]), self.receiving,
+                                              self.max_frames, self.max_bytes)
+                at += _SEALED_LENGTH
+            size = sealed_lane.sealed_size(self._length)
+            if len(self._raw) - at < size:
+                break
+            # A copy of the units (a slice of a bytearray): no view may hold _raw, which is cut below.
+            done.append(_open_message(memoryview(self._raw[at:at + size]), self._length, self.receiving,
+                                      self.max_frames, self.max_frame, self.max_bytes))
+            at += size
+            self._length = None
+        if at:
+            del self._raw[:at]
+
+
 class MessageWriter:
     """Writes of messages on a non-blocking socket without ever waiting: what the socket does
-    not take now is kept, in order, and `flush()` (called when it is writable) sends more."""
+    not take now is kept, in order, and `flush()` (called when it is writable) sends more. With
+    `sending`, sealed (a sealed lane)."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, sending: "sealed_lane.Direction | None" = None) -> None:
         self.sock = sock
+        self.sending = sending
         self._queue: list[memoryview] = []
 
     @property
@@ -255,6 +375,8 @@ class MessageWriter:
 
     def write(self, parts: list) -> None:
         buffers = encode(parts)
+        if self.sending is not None:
+            buffers = [seal_message(buffers, self.sending)]
         if not self._queue and len(buffers) == 1:  # a small message: one send, nothing queued (most answers)
             try:
                 sent = self.sock.send(buffers[0])

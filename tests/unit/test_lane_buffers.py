@@ -37,7 +37,7 @@ def test_accepted_unix_lanes_have_widened_send_buffers(magic):
     listener = BulkListener(f"ipc://{tempfile.mkdtemp()}/daemon.sock", lambda t: t == token, max_transfer=1 << 30,
                             shared_memory=False)
     accepted: queue.Queue = queue.Queue()
-    listener.on_direct = lambda conn, _token: accepted.put(conn)
+    listener.on_direct = lambda conn, _token, _sealing: accepted.put(conn)
     try:
         client, _ = bulk.connect_greeted(bulk.connect_address(listener.advertised, "ipc:///unused"), magic, token, 5.0)
         try:

@@ -176,3 +176,63 @@ def test_a_client_without_the_lane_key_is_refused_at_hello():
     relay = Relay()
     with pytest.raises(ProtocolError, match="authentication"):
         _sealed_pair(relay, key_a=sealed_lane.new_lane_key())
+
+
+# ---------------------------------------------------------------- the direct lane, sealed
+
+
+def _direct_pair():
+    """A client's blocking socket and a daemon's non-blocking one, with keys for both directions."""
+    a, b = socket.socketpair()
+    b.setblocking(False)
+    key, randoms = sealed_lane.new_lane_key(), (sealed_lane.new_random(), sealed_lane.new_random())
+    client = sealed_lane.directions(key, *randoms, client_side=True)
+    daemon = sealed_lane.directions(key, *randoms, client_side=False)
+    return a, b, client, daemon
+
+
+def test_sealed_direct_messages_arrive_in_pieces_and_never_show_on_the_wire():
+    import random
+
+    from genie.transport import stream_framing as sf
+
+    a, b, client, daemon = _direct_pair()
+    reader = sf.SealedMessageReader(b, daemon[1], 16, 4 * MiB, 8 * MiB)
+    messages = [[MARKER, b"", MARKER * 40_000], [b"h2"], [b"a" * 5, MARKER * 100_000, b""]]
+    wire = b"".join(sf.seal_message(sf.encode(m), client[0]) for m in messages)
+    assert MARKER not in wire
+    rng, out, i = random.Random(0), [], 0
+    while i < len(wire):
+        k = rng.randint(1, 30_000)  # under the socket pair's buffer: the reader reads only between sends
+        a.sendall(wire[i:i + k])
+        i += k
+        out += reader.read()
+    out += reader.read()
+    assert [[f.bytes for f in m] for m in out] == messages
+    # And back, written by the daemon's writer and read by the client's blocking reader.
+    writer = sf.MessageWriter(b, daemon[0])
+    writer.write([b"answer", MARKER * 3])
+    while writer.pending:
+        writer.flush()
+    got = sf.receive_message(a, 16, 4 * MiB, 8 * MiB, client[1])
+    assert [f.bytes for f in got] == [b"answer", MARKER * 3]
+    a.close(), b.close()
+
+
+def test_a_sealed_direct_message_altered_or_too_long_is_refused():
+    from genie.transport import stream_framing as sf
+
+    a, b, client, daemon = _direct_pair()
+    reader = sf.SealedMessageReader(b, daemon[1], 16, 1 << 20, 1 << 20)
+    wire = bytearray(sf.seal_message(sf.encode([b"header", b"x" * 1000]), client[0]))
+    wire[-20] ^= 1
+    a.sendall(wire)
+    with pytest.raises(ProtocolError, match="authentication"):
+        reader.read()
+    a2, b2, client2, daemon2 = _direct_pair()
+    reader = sf.SealedMessageReader(b2, daemon2[1], 16, 1 << 20, 1 << 20)
+    a2.sendall(client2[0].seal(sf._LENGTH.pack(1 << 40)))  # a length past the limit, refused unallocated
+    with pytest.raises(ProtocolError, match="sealed message of"):
+        reader.read()
+    for s in (a, b, a2, b2):
+        s.close()
