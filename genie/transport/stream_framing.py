@@ -73,6 +73,8 @@ def send_message(sock: socket.socket, parts: list, sending: "sealed_lane.Directi
 def seal_message(buffers: list, sending: "sealed_lane.Direction") -> bytes:
     """A message's buffers (from `encode`) as a sealed lane carries them: its length as one sealed
     unit, then its bytes as units of up to sealed_lane.CHUNK_BYTES."""
+    if len(buffers) == 1 and len(buffers[0]) <= sealed_lane.CHUNK_BYTES:  # most messages: two units
+        return sending.seal(_LENGTH.pack(len(buffers[0]))) + sending.seal(buffers[0])
     blob = memoryview(buffers[0] if len(buffers) == 1 else b"".join(buffers)).cast("B")
     units = [sending.seal(_LENGTH.pack(blob.nbytes))]
     units.extend(sending.seal(blob[i:i + sealed_lane.CHUNK_BYTES])
@@ -94,12 +96,17 @@ def _sealed_length(unit, receiving: "sealed_lane.Direction", max_frames: int, ma
 def _open_message(sealed: memoryview, n: int, receiving: "sealed_lane.Direction", max_frames: int, max_frame: int,
                   max_bytes: int) -> list[Frame]:
     """The frames of a sealed message of `n` bytes whose units (after the length's) are `sealed`."""
-    plain = memoryview(bytearray(n))
-    step = sealed_lane.CHUNK_BYTES + sealed_lane.TAG_BYTES
-    for i, at in zip(range(0, n, sealed_lane.CHUNK_BYTES), range(0, sealed.nbytes, step)):
-        k = min(sealed_lane.CHUNK_BYTES, n - i)
-        receiving.open_into(sealed[at:at + k + sealed_lane.TAG_BYTES], plain[i:i + k])
-    (count,) = _COUNT.unpack_from(plain, 0)
+    if n <= sealed_lane.CHUNK_BYTES:  # one unit (most messages)
+        plain = memoryview(receiving.open(sealed))
+    else:
+        plain = memoryview(bytearray(n))
+        step = sealed_lane.CHUNK_BYTES + sealed_lane.TAG_BYTES
+        for i, at in zip(range(0, n, sealed_lane.CHUNK_BYTES), range(0, sealed.nbytes, step)):
+            k = min(sealed_lane.CHUNK_BYTES, n - i)
+            receiving.open_into(sealed[at:at + k + sealed_lane.TAG_BYTES], plain[i:i + k])
+    (count, first) = _ONE_PREFIX.unpack_from(plain, 0)
+    if count == 1 and first == n - _ONE_PREFIX.size and first <= max_frame and first <= max_bytes and first < _SMALL:
+        return [Frame(bytearray(plain[_ONE_PREFIX.size:]))]  # one small frame (most messages)
     _check_count(count, max_frames)
     table_end = _COUNT.size + _LENGTH.size * count
     if table_end > n:
@@ -326,8 +333,9 @@ class SealedMessageReader:
             raise ConnectionError("direct lane closed")
         done: list[list[Frame]] = []
         while True:
+            wanted = max(_SMALL, sealed_lane.sealed_size(self._length or 0) - len(self._raw))
             try:
-                chunk = self.sock.recv(max(_SMALL, sealed_lane.sealed_size(self._length or 0) - len(self._raw)))
+                chunk = self.sock.recv(wanted)
             except (BlockingIOError, InterruptedError):
                 return done
             if not chunk:
@@ -337,6 +345,8 @@ class SealedMessageReader:
                 raise ConnectionError("direct lane closed")
             self._raw += chunk
             self._parse(done)
+            if done and len(chunk) < wanted:  # the socket is empty for now (as MessageReader.read)
+                return done
 
     def _parse(self, done: list) -> None:
         at = 0
