@@ -2,11 +2,12 @@
 
 One listening socket beside the ZeroMQ endpoint; each connection must open
 with the magic and the routing id of a client the daemon already knows, within
-a few seconds, or it is closed; a CURVE daemon's listener takes only sealed lanes (see
-`genie.transport.sealed_lane`), of clients holding the lane key it gave them. Uploads land in recycled host buffers and wait
-there, per client, until the op that reads them runs; downloads are written
-from the tensor's memory by the executor thread, with a send timeout so a
-client that stops reading cannot stall the daemon.
+a few seconds, or it is closed. A CURVE daemon's listener takes only sealed lanes
+(see `genie.transport.sealed_lane`), of clients holding the lane key it gave them.
+Uploads land in recycled host buffers and wait there, per client, until the op
+that reads them runs; downloads are written from the tensor's memory by the
+executor thread, with a send timeout so a client that stops reading cannot
+stall the daemon.
 """
 from __future__ import annotations
 

@@ -229,3 +229,18 @@ def test_a_forked_child_connects_with_the_keys_its_parent_was_given(keys, curve_
     done = subprocess.run([sys.executable, "-c", FORKED_WITH_KEYS, curve_daemon.endpoint, keys["good"],
                            keys["server_public"]], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0 and "CHILD 0" in done.stdout, done.stdout + done.stderr[-2000:]
+
+
+def test_without_the_cryptography_package_a_curve_link_sends_everything_through_zeromq(keys, curve_daemon,
+                                                                                      monkeypatch):
+    """A client without `cryptography` (a node installed with --no-deps) cannot seal lanes: it opens
+    none and its payloads go inside CURVE-encrypted ZeroMQ messages, as before sealed lanes."""
+    monkeypatch.setattr(sealed_lane, "AESGCM", None)
+    genie.init(curve_daemon.endpoint, client_key=keys["good"], server_key=keys["server_public"])
+    try:
+        info = genie.transport_info()["links"][curve_daemon.endpoint]
+        assert info["path"] == "zmq" and info["direct_lane"] is False and info["encrypted"] is True
+        big = torch.randn(1 << 20)
+        assert torch.equal((big.to("remote_accelerator:0") * 2).cpu(), big * 2)
+    finally:
+        genie.shutdown()
