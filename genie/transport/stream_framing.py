@@ -83,6 +83,7 @@ def seal_message(buffers: list, sending: "sealed_lane.Direction") -> bytes:
 
 
 _SEALED_LENGTH = _LENGTH.size + sealed_lane.TAG_BYTES  # a sealed message's first unit
+_RECV_CAP = 4 << 20  # most bytes one recv of a sealed reader asks for
 
 
 def _sealed_length(unit, receiving: "sealed_lane.Direction", max_frames: int, max_bytes: int) -> int:
@@ -333,7 +334,8 @@ class SealedMessageReader:
             raise ConnectionError("direct lane closed")
         done: list[list[Frame]] = []
         while True:
-            wanted = max(_SMALL, sealed_lane.sealed_size(self._length or 0) - len(self._raw))
+            # What the message in progress still needs, within bounds: recv allocates all it may return.
+            wanted = min(max(_SMALL, sealed_lane.sealed_size(self._length or 0) - len(self._raw)), _RECV_CAP)
             try:
                 chunk = self.sock.recv(wanted)
             except (BlockingIOError, InterruptedError):

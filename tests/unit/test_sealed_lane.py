@@ -197,8 +197,9 @@ def test_sealed_direct_messages_arrive_in_pieces_and_never_show_on_the_wire():
     from genie.transport import stream_framing as sf
 
     a, b, client, daemon = _direct_pair()
-    reader = sf.SealedMessageReader(b, daemon[1], 16, 4 * MiB, 8 * MiB)
-    messages = [[MARKER, b"", MARKER * 40_000], [b"h2"], [b"a" * 5, MARKER * 100_000, b""]]
+    reader = sf.SealedMessageReader(b, daemon[1], 16, 8 * MiB, 16 * MiB)
+    # Up to 6.6 MB: several units, and past the reader's largest single recv.
+    messages = [[MARKER, b"", MARKER * 40_000], [b"h2"], [b"a" * 5, MARKER * 200_000, b""]]
     wire = b"".join(sf.seal_message(sf.encode(m), client[0]) for m in messages)
     assert MARKER not in wire
     rng, out, i = random.Random(0), [], 0
@@ -214,7 +215,7 @@ def test_sealed_direct_messages_arrive_in_pieces_and_never_show_on_the_wire():
     writer.write([b"answer", MARKER * 3])
     while writer.pending:
         writer.flush()
-    got = sf.receive_message(a, 16, 4 * MiB, 8 * MiB, client[1])
+    got = sf.receive_message(a, 16, 8 * MiB, 16 * MiB, client[1])
     assert [f.bytes for f in got] == [b"answer", MARKER * 3]
     a.close(), b.close()
 
