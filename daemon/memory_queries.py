@@ -31,6 +31,10 @@ class MemoryQueries:
             "copy_memos": sum(len(c.copy_memos) for c in self.clients.values()),
             "clients": len(self.clients),
             "mailbox_bytes": self.mailbox.bytes,
+            # Tensors this daemon sent to peer daemons, and of those, on lanes (see peers.PeerLinks).
+            "peer_bytes_sent": self.peers.bytes_sent if self.peers is not None else 0,
+            "peer_lane_bytes_sent": self.peers.lane_bytes_sent if self.peers is not None else 0,
+            "peer_lanes": self.peers.lane_paths() if self.peers is not None else {},
             "parked_requests": sum(len(q) for q in self._parked.values()),
             "limit": self.memory_limit,
             "process_cap": self.process_cap or 0,

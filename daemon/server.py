@@ -36,7 +36,7 @@ from .handles import ClientState, MemoryAccount
 from .hardware import describe_device, host_ram
 from .kv_store import KVDisk, KVStore
 from .memory_queries import MemoryQueries
-from .peers import Mailbox, PeerLinks, check_transfer_id
+from .peers import LaneDeposit, Mailbox, PeerLinks, check_transfer_id
 
 log = logging.getLogger("genie.daemon")
 
@@ -318,7 +318,7 @@ class DaemonServer(DirectLanes, MemoryQueries):
                 self._reply_error(identity, rid, e)
         elif request.kind == "deposit":
             try:
-                self._deposit(request.body, payload)
+                self._deposit(key, request.body, payload)
             except ProtocolError as e:
                 self._reply_error(identity, rid, e)
                 return
@@ -549,14 +549,23 @@ class DaemonServer(DirectLanes, MemoryQueries):
             raise ProtocolError("elapsed takes [start event id, end event id]")
         return {"ms": client.streams.elapsed_ms(*pair)}
 
-    def _deposit(self, body: dict, payload: list) -> None:
+    def _deposit(self, key: bytes, body: dict, payload: list) -> None:
+        """A peer daemon's tensor for a transfer: in the message's frames, or (`xfer`) on the lane
+        the peer opened as a client of ours (see peers.PeerLinks)."""
         from genie.transport.tensors import check_shape, frames_to_tensor, parse_dtype
 
+        tid, dtype, shape = check_transfer_id(body.get("tid")), parse_dtype(body.get("dtype")), check_shape(body.get("shape"))
+        xfer = body.get("xfer")
+        if xfer is not None:
+            if type(xfer) is not int or payload:
+                raise ProtocolError("a deposit names a lane transfer (an int) or carries frames, not both")
+            if self.bulk is None or self.bulk.lane(key) is None:
+                raise ProtocolError("a deposit names a lane transfer, and this peer has no lane open")
+            self.mailbox.put(tid, LaneDeposit(self.bulk, key, xfer, dtype, shape))
+            return
         if not payload:
             raise ProtocolError("a deposit carries the tensor's frames")
-        tensor = frames_to_tensor([p.buffer for p in payload], parse_dtype(body.get("dtype")),
-                                  check_shape(body.get("shape")))
-        self.mailbox.put(check_transfer_id(body.get("tid")), tensor)
+        self.mailbox.put(tid, frames_to_tensor([p.buffer for p in payload], dtype, shape))
 
     def _drop_client(self, identity: bytes, close_direct_lane: bool = True) -> dict:
         client = self.clients.pop(identity, None)

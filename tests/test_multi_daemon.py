@@ -1,4 +1,6 @@
 """Several daemons at once: one started over tcp, another over ipc, both through `genie-daemon`."""
+import time
+
 import pytest
 import torch
 
@@ -66,6 +68,35 @@ def test_daemon_to_daemon_copy_bypasses_the_client(two_daemons):
     moved = sum(after[k]["bytes_sent"] + after[k]["bytes_received"]
                 - before[k]["bytes_sent"] - before[k]["bytes_received"] for k in after)
     assert moved < 64 * 1024, f"{moved} bytes went through the client for 2 MiB of transfers"
+
+
+def _peer_lane_bytes(index: int) -> int:
+    """Bytes daemon `index` sent to peers on lanes (see daemon/peers.py)."""
+    stream = genie.get_runtime().streams[index]
+    stream.synchronize()
+    return stream.link.request("stats", {"dev": stream.local_index}).body["peer_lane_bytes_sent"]
+
+
+def test_large_daemon_to_daemon_copies_take_a_lane_once_the_peer_offers_one(two_daemons):
+    """The first large copy greets the peer (and goes inside ZeroMQ); once its answer opened a lane,
+    copies of 1 MiB and more go there: the bytes land in the receiver's recycled buffers. Both
+    directions (daemon 0 listens on tcp, daemon 1 on ipc: a TCP lane one way, a Unix one back)."""
+    for src, dst in ((0, 1), (1, 0)):
+        x = torch.randn(1 << 20, device=f"remote_accelerator:{src}")  # 4 MiB
+        expected = x.cpu()
+        deadline = time.monotonic() + 20
+        while _peer_lane_bytes(src) == 0:
+            assert time.monotonic() < deadline, "no lane to the peer daemon"
+            assert torch.equal(x.to(f"remote_accelerator:{dst}").cpu(), expected)
+            time.sleep(0.05)
+        before = _peer_lane_bytes(src)
+        for k in range(3):
+            y = (x + k).to(f"remote_accelerator:{dst}")
+            assert torch.equal(y.cpu(), expected + k)
+        assert _peer_lane_bytes(src) - before == 3 * x.nbytes
+        small = torch.arange(10.0, device=f"remote_accelerator:{src}")  # below the lane's threshold
+        assert torch.equal(small.to(f"remote_accelerator:{dst}").cpu(), torch.arange(10.0))
+        assert _peer_lane_bytes(src) - before == 3 * x.nbytes
 
 
 def test_one_daemon_with_two_devices(daemon_endpoint):

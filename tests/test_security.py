@@ -244,3 +244,35 @@ def test_without_the_cryptography_package_a_curve_link_sends_everything_through_
         assert torch.equal((big.to("remote_accelerator:0") * 2).cpu(), big * 2)
     finally:
         genie.shutdown()
+
+
+@pytest.mark.skipif(not sealed_lane.available(), reason="needs the cryptography package")
+def test_curve_daemons_send_each_other_large_tensors_on_sealed_lanes(keys, tmp_path):
+    """Daemons of one cluster share a key pair and allow it: a daemon greets its peer as a client
+    does, and large tensors go to it on a sealed lane."""
+    import shutil
+
+    allow = tmp_path / "allow"
+    allow.mkdir()
+    shutil.copy(os.path.join(keys["allow"], "alice.key"), allow / "alice.key")
+    shutil.copy(keys["server_public"], allow / "daemon.key")  # the peers' own public key
+    flags = ["--curve-secret", keys["server_secret"], "--allow-keys", str(allow)]
+    with DaemonProcess(extra=flags) as a, DaemonProcess(extra=flags) as b:
+        genie.init(f"{a.endpoint},{b.endpoint}", client_key=keys["good"], server_key=keys["server_public"])
+        try:
+            x = torch.randn(1 << 20, device="remote_accelerator:0")  # 4 MiB
+            expected = x.cpu()
+            stream = get_runtime().streams[0]
+            deadline = time.monotonic() + 20
+            while True:
+                assert torch.equal(x.to("remote_accelerator:1").cpu(), expected)
+                stream.synchronize()
+                stats = stream.link.request("stats", {"dev": 0}).body
+                if stats["peer_lane_bytes_sent"]:
+                    break
+                assert time.monotonic() < deadline, "no sealed lane between the daemons"
+                time.sleep(0.05)
+            assert stats["peer_lanes"] == {b.endpoint: "tcp-sealed"}
+            assert torch.equal((x * 3).to("remote_accelerator:1").cpu(), expected * 3)
+        finally:
+            genie.shutdown()
