@@ -137,7 +137,7 @@ class PeerLinks:
     """
 
     def __init__(self, context: zmq.asyncio.Context, loop: asyncio.AbstractEventLoop, curve=None,
-                 lane_min_bytes: int = PEER_LANE_MIN_BYTES) -> None:
+                 lane_min_bytes: int = PEER_LANE_MIN_BYTES, quiet_s: float = 30.0) -> None:
         self._ctx = context
         self._curve = curve  # ClientKeys: this daemon's key pair, peers' (shared) public key
         self._loop = loop
@@ -147,6 +147,11 @@ class PeerLinks:
         self._hello_ids: dict[str, int] = {}  # endpoint -> the id of our hello awaiting its answer
         self._ids = 0
         self.lane_min_bytes = lane_min_bytes  # 0: never a lane
+        # A peer drops a client (us) silent for its lease, and our lane with it. After this long
+        # without a message to it, a transfer goes inside ZeroMQ (which renews the lease) rather
+        # than on a lane the peer may be closing at that very moment.
+        self.quiet_s = quiet_s
+        self._last_sent: dict[str, float] = {}
         self.bytes_sent = 0
         self.lane_bytes_sent = 0  # of those, on lanes
 
@@ -179,11 +184,15 @@ class PeerLinks:
         if lane is not None and lane.closed:  # the peer dropped it (say, after a quiet spell): greet again
             del self._lanes[endpoint]
             lane = None
+        now = time.monotonic()
+        quiet = now - self._last_sent.get(endpoint, now) > self.quiet_s
+        self._last_sent[endpoint] = now
         if self.lane_min_bytes and nbytes >= self.lane_min_bytes and len(payload) == 1:
-            if lane is not None:
+            if lane is None:
+                self._greet(endpoint, sock)
+            elif not quiet:
                 self._loop.run_in_executor(None, self._send_on_lane, endpoint, lane, body, payload[0], nbytes)
                 return
-            self._greet(endpoint, sock)
         self._ids += 1
         sock.send_multipart([protocol.pack(["deposit", self._ids, body]), *payload], copy=False)
         self.bytes_sent += nbytes

@@ -179,7 +179,7 @@ class DaemonServer(DirectLanes, MemoryQueries):
             self.bind()
         peer_keys = self.curve.as_client_of(self.curve.public) if self.curve is not None else None
         self._loop = asyncio.get_running_loop()
-        self.peers = PeerLinks(self._ctx, self._loop, curve=peer_keys)
+        self.peers = PeerLinks(self._ctx, self._loop, curve=peer_keys, quiet_s=self.client_lease_s / 2)
         sweeper = asyncio.create_task(self._sweep_idle_clients())
         fd = self._socket.getsockopt(zmq.FD)
         self._loop.add_reader(fd, self._on_readable)

@@ -99,6 +99,35 @@ def test_large_daemon_to_daemon_copies_take_a_lane_once_the_peer_offers_one(two_
         assert _peer_lane_bytes(src) - before == 3 * x.nbytes
 
 
+def test_a_peer_lane_survives_quiet_spells_and_the_peer_dropping_it(daemon_endpoint):
+    """After half the lease without a message to the peer, a copy goes inside ZeroMQ (renewing the
+    lease: the peer may be dropping our lane just then); after a whole lease the peer drops us and
+    our lane, and large copies are on a lane again shortly after."""
+    with DaemonProcess(extra=["--client-lease", "2"]) as a, DaemonProcess(extra=["--client-lease", "2"]) as b:
+        genie.init(f"{a.endpoint},{b.endpoint}")
+        try:
+            x = torch.randn(1 << 18, device="remote_accelerator:0")  # 1 MiB
+            expected = x.cpu()
+
+            def copy_and_count() -> int:
+                assert torch.equal(x.to("remote_accelerator:1").cpu(), expected)
+                return _peer_lane_bytes(0)
+
+            deadline = time.monotonic() + 20
+            while copy_and_count() == 0:
+                assert time.monotonic() < deadline, "no lane to the peer daemon"
+            on_lane = copy_and_count()
+            time.sleep(1.5)  # past half the lease (1 s): this copy renews it inside ZeroMQ
+            assert copy_and_count() == on_lane
+            assert copy_and_count() == on_lane + x.nbytes  # and the lane carries the next
+            time.sleep(3.5)  # past the lease: the peer dropped us and our lane
+            deadline = time.monotonic() + 20
+            while copy_and_count() == on_lane + x.nbytes:
+                assert time.monotonic() < deadline, "the lane was not opened again"
+        finally:
+            genie.shutdown()
+
+
 def test_one_daemon_with_two_devices(daemon_endpoint):
     with DaemonProcess(extra=["--device", "cpu,cpu"]) as d:
         genie.init(d.endpoint)
