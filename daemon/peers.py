@@ -193,9 +193,7 @@ class PeerLinks:
             elif not quiet:
                 self._loop.run_in_executor(None, self._send_on_lane, endpoint, lane, body, payload[0], nbytes)
                 return
-        self._ids += 1
-        sock.send_multipart([protocol.pack(["deposit", self._ids, body]), *payload], copy=False)
-        self.bytes_sent += nbytes
+        self._deposit(endpoint, body, payload, nbytes)
 
     def _send_on_lane(self, endpoint: str, lane, body: dict, payload, nbytes: int) -> None:
         """(A thread.) The bytes on the lane, then, from the loop, the deposit naming them; if the
@@ -203,25 +201,23 @@ class PeerLinks:
         try:
             xfer = lane.next_id()
             lane.send(xfer, payload)
-            then = (self._deposit_named, endpoint, dict(body, xfer=xfer), nbytes)
+            then = (self._deposit, endpoint, dict(body, xfer=xfer), [], nbytes)
         except (ConnectionError, OSError) as e:
             log.info("lane to peer %s failed (%s): its transfers go over ZeroMQ", endpoint, e)
-            then = (self._deposit_frames, endpoint, body, payload, nbytes)
+            then = (self._deposit, endpoint, body, [payload], nbytes)
         try:
             self._loop.call_soon_threadsafe(*then)
         except RuntimeError:  # the daemon stopped meanwhile (its loop is closed): nothing to tell
             pass
 
-    def _deposit_named(self, endpoint: str, body: dict, nbytes: int) -> None:
+    def _deposit(self, endpoint: str, body: dict, frames: list, nbytes: int) -> None:
+        """(The loop.) The deposit of a tensor of `nbytes`: its frames, or none when `body` names the
+        lane transfer that carried them."""
         self._ids += 1
-        self._socket(endpoint).send_multipart([protocol.pack(["deposit", self._ids, body])])
+        self._socket(endpoint).send_multipart([protocol.pack(["deposit", self._ids, body]), *frames], copy=False)
         self.bytes_sent += nbytes
-        self.lane_bytes_sent += nbytes
-
-    def _deposit_frames(self, endpoint: str, body: dict, payload, nbytes: int) -> None:
-        self._ids += 1
-        self._socket(endpoint).send_multipart([protocol.pack(["deposit", self._ids, body]), payload], copy=False)
-        self.bytes_sent += nbytes
+        if not frames:
+            self.lane_bytes_sent += nbytes
 
     def _greet(self, endpoint: str, sock) -> None:
         """Say hello to the peer once (its answer may open a lane: see `_drain`)."""

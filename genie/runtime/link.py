@@ -229,10 +229,9 @@ class DaemonLink:
                         "lane's, unreachable", self.endpoint)
         elif config.direct_lane:
             try:
-                self.channel.direct_stream, _ = await loop.run_in_executor(
+                sock, _ = await loop.run_in_executor(
                     None, bulk.connect_greeted, address, stream_framing.MAGIC, self.token, min(timeout, 10.0))
-                self.channel.busy_poll.seconds = max(0.0, config.client_spin_us) / 1e6
-                self.channel.loss_grace_s = config.heartbeat_timeout + 2 * config.heartbeat
+                self._use_direct_lane(sock)
             except (OSError, ConnectionError) as e:
                 log.warning("no direct lane to %s (blocking requests go over ZeroMQ): %s", self.endpoint, e)
 
@@ -262,12 +261,17 @@ class DaemonLink:
                 sock, sealing = await loop.run_in_executor(
                     None, bulk.connect_sealed, address, self.token, lane_key, min(timeout, 10.0),
                     stream_framing.MAGIC_SEALED)
-                self.channel.direct_sealing = sealing
-                self.channel.direct_stream = sock
-                self.channel.busy_poll.seconds = max(0.0, config.client_spin_us) / 1e6
-                self.channel.loss_grace_s = config.heartbeat_timeout + 2 * config.heartbeat
+                self._use_direct_lane(sock, sealing)
             except (OSError, ConnectionError, ProtocolError) as e:
                 log.warning("no sealed direct lane to %s (blocking requests go over ZeroMQ): %s", self.endpoint, e)
+
+    def _use_direct_lane(self, sock, sealing=None) -> None:
+        """The channel's blocking requests go on `sock` from now (sealed with `sealing` under CURVE)."""
+        config = self.runtime.config
+        self.channel.direct_sealing = sealing
+        self.channel.direct_stream = sock
+        self.channel.busy_poll.seconds = max(0.0, config.client_spin_us) / 1e6
+        self.channel.loss_grace_s = config.heartbeat_timeout + 2 * config.heartbeat
 
     def _take_gpu_memory_offer(self, devices, how) -> None:
         """The daemon's GPUs that uploads on the UCX lane may land in directly (see ucx_lane)."""
