@@ -13,6 +13,9 @@ memory, client and daemon being one user on one host) and with the daemon's --no
 256 MiB), over tcp: as it runs by default (payloads from 128 KiB on a sealed bulk lane, AES-GCM) and
 with GENIE_SEALED_MIN_KB=0 (every payload inside ZeroMQ messages, encrypted by CURVE: as before
 sealed lanes); the raw socket and pyzmq baselines stay plaintext, so the ratio is what encryption costs.
+Over tcp Genie runs as by default: four bulk lanes (connections), payloads from 8 MiB split across
+them (see genie/transport/lane_set.py); `--only lanes` (in the default run; from 4 MiB) measures it
+with one lane (GENIE_BULK_LANES=1) beside. The raw socket is one connection throughout.
 The four take turns in rounds of a few transfers each, and Genie's ratio to the raw socket is the
 median over rounds of the ratio within a round, so that each ratio compares times taken under the
 same conditions (this shared machine's speed drifts by tens of percent from one second to the
@@ -154,13 +157,14 @@ class PlainZmq:
 class GenieTransfers:
     """`upload(n)`: `t.to("remote_accelerator:0")` then synchronize; `download()`: `.cpu()` of it."""
 
-    def __init__(self, endpoint: str, keys: dict | None = None, sealed: bool = True) -> None:
+    def __init__(self, endpoint: str, keys: dict | None = None, sealed: bool = True, lanes: int = 0) -> None:
         import genie
         from genie import config
 
         runtime = genie.get_runtime()
         default = config.load().sealed_min_bytes
-        runtime.config = dataclasses.replace(runtime.config, sealed_min_bytes=default if sealed else 0)
+        runtime.config = dataclasses.replace(runtime.config, sealed_min_bytes=default if sealed else 0,
+                                             bulk_lanes=lanes)
         genie.init(endpoint, **(keys or {}))
         self.genie = genie
         self.remote = None
@@ -188,7 +192,7 @@ class GenieTransfers:
 
 
 def interleaved_times(kind: str, endpoint: str, sizes: list[int], repeats: int, keys: dict | None = None,
-                      sealed: bool = True) -> dict[str, dict[int, float]]:
+                      sealed: bool = True, lanes: int = 0) -> dict[str, dict[int, float]]:
     """Per size: median seconds per transfer of the raw socket, plain pyzmq, and Genie up and down;
     Genie's paired ratios to the raw socket ("up_ratio", "down_ratio": raw time / Genie time,
     median over rounds); and the first upload's seconds ("first_up").
@@ -200,7 +204,7 @@ def interleaved_times(kind: str, endpoint: str, sizes: list[int], repeats: int, 
     (taking turns transfer by transfer made the raw socket, whose buffers the others had just
     pushed out of the cache, the slowest of the three)."""
     raw, plain = RawSocket(kind, max(sizes)), PlainZmq(kind, max(sizes))
-    gen = GenieTransfers(endpoint, keys, sealed)
+    gen = GenieTransfers(endpoint, keys, sealed, lanes)
     keys = ("raw", "zmq", "up", "down", "up_ratio", "down_ratio", "first_up")
     out: dict[str, dict[int, float]] = {k: {} for k in keys}
     try:
@@ -270,7 +274,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-mb", type=float, default=1024)
     p.add_argument("--min-mb", type=float, default=0)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--only", default="tcp,ipc,curve", help="transports to measure: tcp, ipc, curve (tcp with CURVE)")
+    p.add_argument("--only", default="tcp,ipc,curve,lanes",
+                   help="transports to measure: tcp, ipc, curve (tcp with CURVE), lanes (tcp with one bulk lane)")
     args = p.parse_args(argv)
     sizes = [s for s in SIZES if args.min_mb * 2**20 <= s <= args.max_mb * 2**20]
     kinds = set(args.only.split(","))
@@ -281,6 +286,7 @@ def main(argv=None) -> int:
 
     results = {}
     for kind, variants in (("tcp", [("tcp", [])]),
+                           ("lanes", [("tcp, 1 lane", [])]),
                            ("ipc", [("ipc", []), ("ipc, no shared memory", ["--no-shared-memory"])]),
                            ("curve", [("tcp, CURVE, sealed lane", []), ("tcp, CURVE, all in ZeroMQ", [])])):
         if kind not in kinds:
@@ -288,10 +294,14 @@ def main(argv=None) -> int:
         client_keys, daemon_flags = curve_keys() if kind == "curve" else (None, [])
         for label, extra in variants:
             listen = f"ipc://{tempfile.mkdtemp()}/genie.sock" if kind == "ipc" else "tcp://127.0.0.1:0"
-            sizes_here = [n for n in sizes if kind != "curve" or n <= CURVE_MAX_BYTES]
+            sizes_here = [n for n in sizes if (kind != "curve" or n <= CURVE_MAX_BYTES)
+                          and (kind != "lanes" or n >= 4 << 20)]
+            if not sizes_here:
+                continue
             with DaemonProcess(listen, extra=extra + daemon_flags) as d:
-                t = interleaved_times("tcp" if kind == "curve" else kind, d.endpoint, sizes_here, args.repeats,
-                                      client_keys, sealed="all in ZeroMQ" not in label)
+                t = interleaved_times("ipc" if kind == "ipc" else "tcp", d.endpoint, sizes_here, args.repeats,
+                                      client_keys, sealed="all in ZeroMQ" not in label,
+                                      lanes=1 if kind == "lanes" else 0)
             results[label] = {
                 str(n): {"raw_MBps": n / t["raw"][n] / 1e6, "zmq_MBps": n / t["zmq"][n] / 1e6,
                          "genie_up_MBps": n / t["up"][n] / 1e6, "genie_down_MBps": n / t["down"][n] / 1e6,

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from genie.transport import bulk, shared_segments, stream_framing
+from genie.transport import bulk, lane_set, shared_segments, stream_framing
 from genie.transport.errors import ProtocolError
 from genie.transport.hostmem import HostBufferPool
 
@@ -62,6 +62,7 @@ class BulkListener:
         self._lane_key_of = lane_key_of
         self._lanes: dict[bytes, bulk.Lane] = {}
         self._lock = threading.Lock()
+        self._attached = threading.Condition(self._lock)  # a client's first lane was attached
         self._closed = False
         self.on_arrival: Callable[[], None] | None = None  # told (from a lane's thread) when an upload lands
         # Given direct-lane connections (see genie.transport.stream_framing), from a greeting thread,
@@ -84,46 +85,76 @@ class BulkListener:
             conn.settimeout(GREETING_TIMEOUT_S)
             greeting = bulk.recv_exactly(conn, len(bulk.MAGIC) + bulk.TOKEN_BYTES)
             token, magic = greeting[len(bulk.MAGIC):], greeting[:len(bulk.MAGIC)]
-            sealing, shared, direct = None, False, False
+            sealing, shared, direct, joining = None, False, False, None
             if self._lane_key_of is not None:
                 direct = magic == stream_framing.MAGIC_SEALED and self.on_direct is not None
-                lane_key = self._lane_key_of(token) if magic == bulk.MAGIC_SEALED or direct else None
+                joins = magic == bulk.MAGIC_SEALED_JOIN
+                lane_key = self._lane_key_of(token) if magic == bulk.MAGIC_SEALED or direct or joins else None
                 if lane_key is None:
                     raise ProtocolError("this daemon takes only sealed lanes, of clients it gave a lane key")
+                joining = self._set_to_join(token) if joins else None
                 sealing = bulk.accept_sealed(conn, lane_key)
             else:
                 direct = magic == stream_framing.MAGIC and self.on_direct is not None
-                if (magic not in (bulk.MAGIC, bulk.MAGIC_SHARED) and not direct) or not self._is_known(token):
+                known = (bulk.MAGIC, bulk.MAGIC_SHARED, bulk.MAGIC_JOIN)
+                if (magic not in known and not direct) or not self._is_known(token):
                     raise ProtocolError("bad bulk greeting or unknown client")
+                joining = self._set_to_join(token) if magic == bulk.MAGIC_JOIN else None
                 shared = (magic == bulk.MAGIC_SHARED and self.shared_memory and conn.family == socket.AF_UNIX
                           and shared_segments.supported() and shared_segments.same_user(conn))
+            self._prepare(conn)
+            # Each lane is in place before the client hears it was taken (plain lanes; a sealed
+            # one's answer went before its HELLO): what the client sends next may use it.
+            if joining is not None:
+                joining.add(bulk.Lane(conn, self.pool, self.max_transfer, name=token.hex()[:8], sealing=sealing,
+                                      **joining.member_kwargs()))
+            elif not direct:
+                self._attach(token, bulk.Lane(conn, self.pool, self.max_transfer, name=token.hex()[:8],
+                                              shared=shared, sealing=sealing))
+            if sealing is None:
                 conn.sendall(bulk.ACCEPTED_SHARED if shared else bulk.ACCEPTED)
-            conn.settimeout(None)
-            # Per connection: a Unix socket made by accept() has the default buffers, not the
-            # listener's (TCP's inherit them), and a stream's sender's buffer bounds what one
-            # send takes: downloads of 1 MiB left in ~200 KiB pieces, a wake-up of each side apiece.
-            bulk.widen_buffers(conn)
-            if conn.family != socket.AF_UNIX:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            # Bound each send, not receives: an idle lane waits for uploads indefinitely.
-            seconds = int(self.send_timeout_s)
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                            struct.pack("ll", seconds, int((self.send_timeout_s - seconds) * 1e6)))
         except (OSError, ConnectionError, ProtocolError) as e:
             log.warning("refused a bulk connection: %s", e)
             conn.close()
             return
         if direct:
             self.on_direct(conn, token, sealing)  # the server's: requests and answers, on its event loop
-            return
-        lane = bulk.Lane(conn, self.pool, self.max_transfer, name=token.hex()[:8], on_close=self._forget,
-                         shared=shared, sealing=sealing)
-        lane.arrivals.on_change = self._arrived
+
+    def _attach(self, token: bytes, lane: bulk.Lane) -> None:
+        """A client's (new) bulk lane. Every one is a set from the start, so parts sent on it
+        while a joining lane is still being greeted wait in the set's assembly for the rest."""
+        lanes = lane_set.LaneSet(lane, on_close=self._forget)
+        lanes.arrivals.on_change = self._arrived
         with self._lock:
             old = self._lanes.pop(token, None)
-            self._lanes[token] = lane
+            self._lanes[token] = lanes
+            self._attached.notify_all()
         if old is not None:
             old.close()
+
+    def _set_to_join(self, token: bytes) -> lane_set.LaneSet:
+        """The client's lane set, waiting (within the greeting's time) for a sealed first lane,
+        which the client may join before the daemon has read its HELLO."""
+        with self._lock:
+            self._attached.wait_for(lambda: token in self._lanes or self._closed, GREETING_TIMEOUT_S)
+            joining = self._lanes.get(token)
+        if not isinstance(joining, lane_set.LaneSet) or joining.closed:
+            raise ProtocolError("a lane may join only a client's open bulk lane")
+        return joining
+
+    def _prepare(self, conn: socket.socket) -> None:
+        """A lane's socket options, once greeted."""
+        conn.settimeout(None)
+        # Per connection: a Unix socket made by accept() has the default buffers, not the
+        # listener's (TCP's inherit them), and a stream's sender's buffer bounds what one
+        # send takes: downloads of 1 MiB left in ~200 KiB pieces, a wake-up of each side apiece.
+        bulk.widen_buffers(conn)
+        if conn.family != socket.AF_UNIX:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # Bound each send, not receives: an idle lane waits for uploads indefinitely.
+        seconds = int(self.send_timeout_s)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                        struct.pack("ll", seconds, int((self.send_timeout_s - seconds) * 1e6)))
 
     @property
     def last_transfer(self) -> float:
@@ -158,7 +189,8 @@ class BulkListener:
 
     def lane_sockets(self) -> list[socket.socket]:
         with self._lock:
-            return [lane.sock for lane in self._lanes.values() if not lane.closed and lane.sock is not None]
+            lanes = [lane for lane in self._lanes.values() if not lane.closed]
+        return [sock for lane in lanes for sock in getattr(lane, "sockets", (lane.sock,)) if sock is not None]
 
     def drop(self, identity: bytes) -> None:
         with self._lock:
@@ -229,7 +261,8 @@ class BulkListener:
     def waiting_bytes(self) -> int:
         with self._lock:
             lanes = list(self._lanes.values())
-        return sum(lane.arrivals.pending_bytes() for lane in lanes)
+        return sum(lane.pending_bytes() if isinstance(lane, lane_set.LaneSet) else lane.arrivals.pending_bytes()
+                   for lane in lanes)
 
     def close(self) -> None:
         self._closed = True
@@ -239,6 +272,7 @@ class BulkListener:
             pass
         with self._lock:
             lanes, self._lanes = list(self._lanes.values()), {}
+            self._attached.notify_all()
         for lane in lanes:
             lane.close()
         if self._path and os.path.exists(self._path):

@@ -9,10 +9,12 @@ through the client. Transfer ids are 128-bit random strings chosen by the client
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import os
 import re
+import socket
 import threading
 import time
 
@@ -20,7 +22,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from genie.transport import protocol
+from genie.transport import bulk, lane_set, protocol, sealed_lane
 from genie.transport.errors import ProtocolError
 from genie.transport.hostmem import HostBufferPool
 from genie.transport.tensors import bytes_as_tensor, dtype_name, tensor_to_frames
@@ -145,6 +147,7 @@ class PeerLinks:
         self._tokens: dict[str, bytes] = {}  # our routing id at each peer (it names our lane there)
         self._lanes: dict[str, object] = {}  # endpoint -> bulk.Lane, once open
         self._hello_ids: dict[str, int] = {}  # endpoint -> the id of our hello awaiting its answer
+        self._opening: set[str] = set()  # peers whose lanes are being opened (greeting again would replace them)
         self._ids = 0
         self.lane_min_bytes = lane_min_bytes  # 0: never a lane
         # A peer drops a client (us) silent for its lease, and our lane with it. After this long
@@ -221,27 +224,37 @@ class PeerLinks:
 
     def _greet(self, endpoint: str, sock) -> None:
         """Say hello to the peer once (its answer may open a lane: see `_drain`)."""
-        if endpoint in self._hello_ids:
+        if endpoint in self._hello_ids or endpoint in self._opening:
             return
         self._ids += 1
         self._hello_ids[endpoint] = self._ids
         sock.send_multipart([protocol.pack(["hello", self._ids, {"version": protocol.VERSION, "heartbeat": 0}])])
 
     async def _open_lane(self, endpoint: str, body: dict) -> None:
-        from genie.transport import bulk, sealed_lane
-
         address = bulk.connect_address(body.get("bulk"), endpoint)
         key = body.get("lane_key")
         if address is None or (self._curve is not None and (key is None or not sealed_lane.available())):
             return  # no lane offered (or none this daemon can seal): deposits carry their frames
+        self._opening.add(endpoint)
         try:
-            lane = await self._loop.run_in_executor(
-                None, lambda: bulk.open_client_lane(address, self._tokens[endpoint], HostBufferPool(0), 1 << 40,
-                                                    10.0, shared=False,
-                                                    lane_key=None if key is None else sealed_lane.check_lane_key(key)))
+            await self._open_lanes(endpoint, address, key)
+        finally:
+            self._opening.discard(endpoint)
+
+    async def _open_lanes(self, endpoint: str, address, key) -> None:
+        open_lane = functools.partial(bulk.open_client_lane, address, self._tokens[endpoint], HostBufferPool(0),
+                                      1 << 40, 10.0, shared=False,
+                                      lane_key=None if key is None else sealed_lane.check_lane_key(key))
+        try:
+            lane = await self._loop.run_in_executor(None, open_lane)
         except (OSError, ConnectionError, ProtocolError) as e:
             log.info("no lane to peer %s (its transfers go over ZeroMQ): %s", endpoint, e)
             return
+        if address[0] != socket.AF_UNIX:  # several over TCP, as a client's (see lane_set)
+            lane, failure = await self._loop.run_in_executor(None, lambda: lane_set.join_lanes(
+                lane, lane_set.DEFAULT_TCP_LANES, lambda member: open_lane(joining=member)))
+            if failure is not None:
+                log.info("%d lanes to peer %s: %s", len(lane.lanes), endpoint, failure)
         self._lanes[endpoint] = lane
         log.info("lane to peer %s: %s", endpoint, lane.path)
 

@@ -16,6 +16,10 @@ GENIE_BULK_MIN_KB     payloads of at least this many KiB go over the daemon's bu
                       plain stream socket beside ZeroMQ (default 1024; 0: never).
 GENIE_SEALED_MIN_KB   with CURVE, payloads of at least this many KiB go over the sealed bulk lane
                       instead of inside ZeroMQ messages (default 128; 0 turns that lane off).
+GENIE_BULK_LANES      bulk lanes (connections) to each daemon; payloads of GENIE_STRIPE_MIN_KB or more
+                      are split across them (default: 4 over TCP, 1 over a Unix socket; see
+                      transport.lane_set).
+GENIE_STRIPE_MIN_KB   the smallest payload split across several bulk lanes (default 8192).
 GENIE_HOST_POOL_MB    MiB of idle receive buffers kept for reuse (default 1024).
 GENIE_HEARTBEAT       seconds between keep-alive pings to each daemon (default 1).
 GENIE_HEARTBEAT_TIMEOUT seconds a ping may stay unanswered before the daemon is declared
@@ -67,6 +71,8 @@ class Config:
     bulk_min_bytes: int
     shared_min_bytes: int
     sealed_min_bytes: int
+    bulk_lanes: int  # 0: 4 over TCP, 1 over a Unix socket
+    stripe_min_bytes: int
     host_pool_bytes: int
     heartbeat: float
     heartbeat_timeout: float
@@ -85,6 +91,15 @@ def _cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def _lanes() -> int:
+    from genie.transport.lane_set import MAX_LANES
+
+    lanes = _float("GENIE_BULK_LANES", 0)  # 0: as the lane's kind wants (DaemonLink._join_more_lanes)
+    if lanes != int(lanes) or not 0 <= lanes <= MAX_LANES:
+        raise ValueError(f"GENIE_BULK_LANES must be a whole number from 1 to {MAX_LANES}, got {lanes:g}")
+    return int(lanes)
+
+
 def load() -> Config:
     return Config(
         server_url=os.environ.get("GENIE_SERVER_URL") or None,
@@ -98,6 +113,8 @@ def load() -> Config:
         bulk_min_bytes=int(_float("GENIE_BULK_MIN_KB", 1024) * 1024),
         shared_min_bytes=int(_float("GENIE_SHARED_MIN_KB", 1024) * 1024),
         sealed_min_bytes=int(_float("GENIE_SEALED_MIN_KB", 128) * 1024),
+        bulk_lanes=_lanes(),
+        stripe_min_bytes=int(_float("GENIE_STRIPE_MIN_KB", 8192) * 1024),
         host_pool_bytes=int(_float("GENIE_HOST_POOL_MB", 1024) * (1 << 20)),
         heartbeat=_float("GENIE_HEARTBEAT", 1.0),
         heartbeat_timeout=_float("GENIE_HEARTBEAT_TIMEOUT", 3.0),

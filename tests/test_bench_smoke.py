@@ -40,6 +40,25 @@ def test_benchmark_runs(name, tmp_path):
         assert json.load(f)["machine"]["cpus"] == os.cpu_count()
 
 
+def test_the_flow_cap_benchmark_runs_where_it_can_make_its_link(tmp_path):
+    """bench.flow_cap needs root and iproute2 (it makes a network namespace); elsewhere it says so."""
+    from bench.flow_cap import missing
+
+    if missing():
+        pytest.skip(missing())
+    env = {**os.environ, "GENIE_BENCH_RESULTS": str(tmp_path)}
+    env.pop("GENIE_SERVER_URL", None)
+    out = subprocess.run([sys.executable, "-m", "bench.flow_cap", "--sizes-mb", "2", "--repeats", "1",
+                          "--flow-mbit", "4000"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    if "cannot make the shaped link here" in out.stdout:
+        pytest.skip(out.stdout.strip().splitlines()[-1])
+    with open(tmp_path / "flow_cap.json") as f:
+        results = json.load(f)
+    assert set(results["genie_MBps"]) == {"1", "2", "4"}
+    assert all(rate > 0 for lanes in results["genie_MBps"].values() for way in lanes.values() for rate in way.values())
+
+
 def test_the_latency_proxy_delays_and_keeps_every_byte_in_order():
     """bench.network_latency's proxy (tests/daemons.py): a round trip through it takes at least its RTT, and a large
     payload arrives whole and in order (else that benchmark would measure something else)."""

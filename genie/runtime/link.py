@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from genie.errors import GenieConnectionError, GenieError
-from genie.transport import bulk, cuda_ipc, protocol, reachability, sealed_lane, stream_framing, ucx_lane
+from genie.transport import bulk, cuda_ipc, lane_set, protocol, reachability, sealed_lane, stream_framing, ucx_lane
 from genie.transport.channel import Channel, ChannelClosed, RemoteError
 from genie.transport.errors import ProtocolError
 
@@ -216,6 +216,8 @@ class DaemonLink:
                     min(timeout, 10.0), config.shared_memory)
                 # Shared memory wins from a smaller size than the socket does (see README, GENIE_SHARED_MIN_KB).
                 self.bulk_min_bytes = config.shared_min_bytes if self.bulk_lane.shared else config.bulk_min_bytes
+                if not self.bulk_lane.shared:
+                    await self._join_more_lanes(address, timeout)
             except (OSError, ConnectionError) as e:
                 if isinstance(e, (TimeoutError, ConnectionRefusedError)) or getattr(e, "errno", None) in (
                         errno.EHOSTUNREACH, errno.ENETUNREACH):
@@ -253,6 +255,7 @@ class DaemonLink:
                                             1 << 40, min(timeout, 10.0), lane_key=lane_key))
                 # CURVE encrypts in ZeroMQ's I/O thread at 0.4-0.7 GB/s here: the lane wins from ~128 KiB.
                 self.bulk_min_bytes = config.sealed_min_bytes
+                await self._join_more_lanes(address, timeout, lane_key)
             except (OSError, ConnectionError, ProtocolError) as e:
                 log.warning("no sealed bulk lane to %s (large payloads go over ZeroMQ, encrypted by CURVE): %s",
                             self.endpoint, e)
@@ -264,6 +267,23 @@ class DaemonLink:
                 self._use_direct_lane(sock, sealing)
             except (OSError, ConnectionError, ProtocolError) as e:
                 log.warning("no sealed direct lane to %s (blocking requests go over ZeroMQ): %s", self.endpoint, e)
+
+    async def _join_more_lanes(self, address, timeout: float, lane_key: bytes | None = None) -> None:
+        """The bulk lane becomes a lane_set.LaneSet of GENIE_BULK_LANES connections (sealed ones
+        each with keys of their own), across which large payloads are split; by default 4 over
+        TCP, where one flow is often the limit (see lane_set), and 1 over a Unix socket (measured
+        here: 4 no faster). A lane that fails to open leaves the set smaller, said in the log."""
+        config = self.runtime.config
+        wanted = config.bulk_lanes or (1 if address[0] == socket.AF_UNIX else lane_set.DEFAULT_TCP_LANES)
+        if wanted < 2:
+            return
+        open_member = functools.partial(bulk.open_client_lane, address, self.token, self.runtime.host_pool, 1 << 40,
+                                        min(timeout, 10.0), lane_key=lane_key)
+        self.bulk_lane, failure = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: lane_set.join_lanes(self.bulk_lane, wanted, lambda member: open_member(joining=member),
+                                              config.stripe_min_bytes))
+        if failure is not None:
+            log.warning("%d of %d bulk lanes to %s: %s", len(self.bulk_lane.lanes), wanted, self.endpoint, failure)
 
     def _use_direct_lane(self, sock, sealing=None) -> None:
         """The channel's blocking requests go on `sock` from now (sealed with `sealing` under CURVE)."""

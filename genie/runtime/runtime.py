@@ -272,6 +272,7 @@ class Runtime:
                 "cuda_ipc": ("CUDA tensors of this process go by CUDA IPC handle (same host)"
                              if link.cuda_ipc_offer else "no: CUDA tensors travel as bytes"),
                 "bulk_min_bytes": link.bulk_min_bytes if lane is not None else None,
+                "bulk_lanes": 0 if lane is None or lane.closed else len(getattr(lane, "lanes", (lane,))),
                 "gpu_memory_over_ucx": link.ucx_gpu_memory,
                 "direct_lane": link.channel is not None and link.channel.direct_stream is not None,
                 "encrypted": self.curve is not None,

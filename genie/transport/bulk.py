@@ -22,6 +22,9 @@ life). Each side's
 transfer ids are its own. A violation closes the lane; ops that wait on a
 transfer then fail with a clear error after a timeout.
 
+A client may open more lanes beside its first (``MAGIC_JOIN + token``): they form one
+`lane_set.LaneSet`, and a large payload goes as PART records, one per lane, side by side.
+
 With CURVE encryption on, the lane is sealed instead (``MAGIC_SEALED``): the same records,
 encrypted and authenticated with keys handed out over CURVE (see `sealed_lane`), and never in
 shared memory. A CURVE daemon takes no plaintext lane.
@@ -53,6 +56,8 @@ log = logging.getLogger("genie.transport")
 MAGIC = b"GNB2"          # a bulk lane: payloads through the socket
 MAGIC_SHARED = b"GNS2"   # a bulk lane on which payloads may go in shared-memory segments
 MAGIC_SEALED = b"GNE2"   # a sealed bulk lane (see sealed_lane), then the client's random
+MAGIC_JOIN = b"GNJ2"     # one more bulk lane of a client that has one: joins its lane_set.LaneSet
+MAGIC_SEALED_JOIN = b"GNK2"  # the same for a sealed lane
 TOKEN_BYTES = 16
 # Every record: kind, transfer id, payload bytes, segment (shared-memory lanes; 0 otherwise).
 _HEADER = struct.Struct("<IQQQ")
@@ -63,6 +68,7 @@ FORGET = 4     # the sender dropped one of its (idle) segments: the receiver unm
 WRITING = 5    # SEGMENT, sent before the payload is in: complete before the sender's next message
 TO_DEVICE = 6  # (UCX lanes only) STREAM landing in the receiver's GPU memory: segment = its device index
 HELLO = 7      # (sealed lanes only) the client's first record: proof that it holds the lane key
+PART = 8       # one part of a transfer striped over a lane set (see lane_set); segment = which part
 UNIX_BUFFER_BYTES = 4 << 20
 _SEND_SLICE = 64 << 20  # sendall in slices: bounded time per call, and the GIL is let go between
 HEAD_BYTES = 64 << 10  # sent before the `after_head` callback of `Lane.send`
@@ -172,7 +178,8 @@ class Lane:
     def __init__(self, sock: socket.socket, pool: HostBufferPool, max_transfer: int, name: str,
                  on_close: Callable[["Lane"], None] | None = None, shared: bool = False,
                  segments: shared_segments.OutgoingSegments | None = None,
-                 sealing: tuple[sealed_lane.Direction, sealed_lane.Direction] | None = None) -> None:
+                 sealing: tuple[sealed_lane.Direction, sealed_lane.Direction] | None = None,
+                 arrivals: Arrivals | None = None, assembly=None) -> None:
         if sealing is not None and shared:
             raise ValueError("a sealed lane does not use shared memory")
         self.sock = sock
@@ -182,10 +189,12 @@ class Lane:
         self._unit_in = bytearray(sealed_lane.CHUNK_BYTES + sealed_lane.TAG_BYTES) if sealing else None
         self.pool = pool
         self.max_transfer = max_transfer
-        self.arrivals = Arrivals()
+        self.arrivals = arrivals if arrivals is not None else Arrivals()
+        # A lane_set.Assembly where this lane belongs to a set: PART records land there.
+        self.assembly = assembly
         self._send_lock = threading.Lock()
         self._ids = iter(range(1, 1 << 63))
-        self._on_close = on_close
+        self.on_close = on_close
         self.closed = False
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -246,10 +255,8 @@ class Lane:
                 if segment is not None:
                     deferred = self._send_in_segment(segment, xfer, payload, after_head, write_behind, records)
                     segment = None
-                elif self._sealing is not None:
-                    deferred = self._send_sealed(xfer, payload, after_head)
                 else:
-                    deferred = self._send_through_socket(xfer, payload, after_head)
+                    deferred = self._write_record(_HEADER.pack(STREAM, xfer, payload.nbytes, 0), payload, after_head)
             except OSError as e:
                 self.close(e)
                 raise ConnectionError(f"bulk lane send failed: {e}") from e
@@ -257,6 +264,20 @@ class Lane:
                 if segment is not None:  # taken, never named to the receiver
                     self._outgoing.give_back(segment)
         self._flush_controls()
+        if deferred is not None:
+            raise deferred
+
+    def send_part(self, xfer: int, part: memoryview, word: int, after_head: Callable[[], None] | None = None) -> None:
+        """Write one part of a striped transfer (see lane_set.LaneSet.send) as a PART record; `word`
+        says which part (lane_set.pack_part). Never in a shared segment."""
+        with self._send_lock:
+            if self.closed:
+                raise ConnectionError("bulk lane is closed")
+            try:
+                deferred = self._write_record(_HEADER.pack(PART, xfer, part.nbytes, word), part, after_head)
+            except OSError as e:
+                self.close(e)
+                raise ConnectionError(f"bulk lane send failed: {e}") from e
         if deferred is not None:
             raise deferred
 
@@ -301,9 +322,15 @@ class Lane:
 
         return finish
 
-    def _send_through_socket(self, xfer: int, payload: memoryview, after_head) -> BaseException | None:
+    def _write_record(self, header: bytes, payload: memoryview, after_head) -> BaseException | None:
+        """(Holding the send lock.) A record and its payload through the socket, sealed on a sealed lane."""
+        if self._sealing is not None:
+            return self._send_sealed(header, payload, after_head)
+        return self._send_through_socket(header, payload, after_head)
+
+    def _send_through_socket(self, header: bytes, payload: memoryview, after_head) -> BaseException | None:
         deferred = None
-        self.sock.sendall(_HEADER.pack(STREAM, xfer, payload.nbytes, 0))
+        self.sock.sendall(header)
         start = 0
         if after_head is not None:
             start = min(HEAD_BYTES, payload.nbytes)
@@ -319,11 +346,11 @@ class Lane:
         self.bytes_sent += payload.nbytes + _HEADER.size
         self.last_streamed = time.monotonic()
 
-    def _send_sealed(self, xfer: int, payload: memoryview, after_head) -> BaseException | None:
+    def _send_sealed(self, header: bytes, payload: memoryview, after_head) -> BaseException | None:
         """(Holding the send lock.) The record's header as one sealed unit, then the payload as
         units of up to CHUNK_BYTES; `after_head` runs after the first."""
         sending = self._sealing[0]
-        self.sock.sendall(sending.seal(_HEADER.pack(STREAM, xfer, payload.nbytes, 0)))
+        self.sock.sendall(sending.seal(header))
         deferred = None
         for i in range(0, payload.nbytes, sealed_lane.CHUNK_BYTES):
             self.sock.sendall(sending.seal_into(payload[i:i + sealed_lane.CHUNK_BYTES], self._unit_out))
@@ -424,6 +451,8 @@ class Lane:
                     raise ProtocolError(f"bulk transfer of {nbytes} bytes exceeds the limit of {self.max_transfer}")
                 if kind == STREAM and not fds:
                     self._receive_stream(xfer, nbytes)
+                elif kind == PART and not fds and self.assembly is not None:
+                    self._receive_part(xfer, nbytes, segment)
                 elif kind in (SEGMENT, WRITING, HAND_BACK, FORGET) and self.shared:
                     self._receive_control(kind, xfer, nbytes, segment, fds)
                 else:
@@ -459,18 +488,31 @@ class Lane:
 
     def _receive_stream(self, xfer: int, nbytes: int) -> None:
         data = self.pool.take(nbytes)
-        if nbytes and self._sealing is not None:
-            destination, receiving = memoryview(data.numpy()), self._sealing[1]
-            for i in range(0, nbytes, sealed_lane.CHUNK_BYTES):
-                n = min(sealed_lane.CHUNK_BYTES, nbytes - i)
-                unit = memoryview(self._unit_in)[:n + sealed_lane.TAG_BYTES]
-                recv_into_exactly(self.sock, unit)
-                receiving.open_into(unit, destination[i:i + n])
-        elif nbytes:
-            recv_into_exactly(self.sock, memoryview(data.numpy()))
+        if nbytes:
+            self._receive_into(memoryview(data.numpy()))
         self.bytes_received += nbytes + _HEADER.size
         self.last_streamed = time.monotonic()
         self.arrivals.put(xfer, data)
+
+    def _receive_part(self, xfer: int, nbytes: int, word: int) -> None:
+        destination = self.assembly.begin(xfer, nbytes, word)  # checks the part against the transfer
+        if nbytes:
+            self._receive_into(destination)
+        self.bytes_received += nbytes + _HEADER.size
+        self.last_streamed = time.monotonic()
+        self.assembly.finish(xfer)
+
+    def _receive_into(self, destination: memoryview) -> None:
+        """The payload that follows a header, into `destination` (exactly its length)."""
+        if self._sealing is None:
+            recv_into_exactly(self.sock, destination)
+            return
+        receiving, nbytes = self._sealing[1], destination.nbytes
+        for i in range(0, nbytes, sealed_lane.CHUNK_BYTES):
+            n = min(sealed_lane.CHUNK_BYTES, nbytes - i)
+            unit = memoryview(self._unit_in)[:n + sealed_lane.TAG_BYTES]
+            recv_into_exactly(self.sock, unit)
+            receiving.open_into(unit, destination[i:i + n])
 
     def _receive_control(self, kind: int, xfer: int, nbytes: int, segment: int, fds: list[int]) -> None:
         """SEGMENT: transfer `xfer`'s payload is in `segment` (its fd comes along the first time);
@@ -544,8 +586,8 @@ class Lane:
         self.sock.close()
         if self._outgoing is not None:
             self._outgoing.close()
-        if self._on_close is not None:
-            self._on_close(self)
+        if self.on_close is not None:
+            self.on_close(self)
 
 
 def _call(callback: Callable[[], None]) -> BaseException | None:
@@ -647,12 +689,18 @@ def connect_greeted(address: tuple[int, object], magic: bytes, token: bytes, tim
 
 
 def open_client_lane(address: tuple[int, object], token: bytes, pool: HostBufferPool, max_transfer: int,
-                     timeout: float, shared: bool = True, lane_key: bytes | None = None) -> Lane:
+                     timeout: float, shared: bool = True, lane_key: bytes | None = None,
+                     joining: dict | None = None) -> Lane:
     """The client's bulk lane; asks for shared memory when `shared` and the lane is a Unix socket.
-    With `lane_key` (a CURVE daemon's, from hello), a sealed lane (see sealed_lane)."""
+    With `lane_key` (a CURVE daemon's, from hello), a sealed lane (see sealed_lane). With `joining`
+    (a lane_set.LaneSet's member_kwargs()), one more lane of that set, never shared."""
     if lane_key is not None:
-        sock, sealing = connect_sealed(address, token, lane_key, timeout)
-        return Lane(sock, pool, max_transfer, name="client", sealing=sealing)
+        sock, sealing = connect_sealed(address, token, lane_key, timeout,
+                                       MAGIC_SEALED_JOIN if joining else MAGIC_SEALED)
+        return Lane(sock, pool, max_transfer, name="client", sealing=sealing, **(joining or {}))
+    if joining:
+        sock, _ = connect_greeted(address, MAGIC_JOIN, token, timeout)
+        return Lane(sock, pool, max_transfer, name="client", **joining)
     shared = shared and address[0] == socket.AF_UNIX and shared_segments.supported()
     sock, answer = connect_greeted(address, MAGIC_SHARED if shared else MAGIC, token, timeout)
     return Lane(sock, pool, max_transfer, name="client", shared=answer == ACCEPTED_SHARED)
