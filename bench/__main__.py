@@ -33,6 +33,7 @@ SUITE = {
     "rpc_peer": (["--repeats", "3"], ["--repeats", "2", "--tokens", "16"]),
     "network_latency": (["--repeats", "5"], ["--repeats", "2", "--rtt-ms", "0,2", "--tokens", "8"]),
     "layouts": (["--repeats", "5"], ["--repeats", "2", "--mb", "16"]),
+    "flow_cap": (["--repeats", "7"], ["--repeats", "2", "--sizes-mb", "16"]),  # needs root: says so otherwise
     "opinfo_sweep": (["--json", os.path.join(RESULTS, "opinfo_sweep.json")],
                      ["--json", os.path.join(RESULTS, "opinfo_sweep.json"), "--max-samples", "2"]),
 }
@@ -118,6 +119,14 @@ def summary() -> None:
                 worst = min(worse_way(r) for r in big)
                 target = "encrypted, against a plaintext socket" if "CURVE" in kind else "target >= 90%"
                 rows.append((f"{kind} transfer >= 4 MB vs raw socket ({target})", f"worst {worst * 100:.0f}%"))
+    fc = load("flow_cap")
+    if fc:
+        size = max(fc["raw_MBps"]["1"], key=int)
+        rates = {lanes: min(ways["up"][size], ways["down"][size]) for lanes, ways in fc["genie_MBps"].items()}
+        rows.append((f"{int(size) >> 20} MiB over a link capping each flow at {fc['flow_mbit']} Mbit/s"
+                     + (" (CURVE)" if fc.get("curve") else ""),
+                     ", ".join(f"{lanes} lane(s) {rate:.0f} MB/s" for lanes, rate in sorted(rates.items()))
+                     + f" (raw socket, 1 flow: {fc['raw_MBps']['1'][size]:.0f})"))
     mt = load("model_transfer")
     for kind, r in mt.get("results", {}).items():
         rows.append((f"model.to() of {r['bytes'] / 2**20:.0f} MiB in {r['tensors']} tensors, {kind}, vs raw socket",

@@ -32,6 +32,7 @@ import time
 import torch
 
 from bench.common import machine, median, print_table, write_json
+from bench.transport_throughput import curve_keys, serve_transfers
 
 NAMESPACE = f"genie-flowcap-{os.getpid()}"
 HOST_SIDE, NS_SIDE = "gfc0", "gfc1"
@@ -105,24 +106,10 @@ def serve_raw(port: int) -> None:
     listener.listen(64)
     print("ready", flush=True)
 
-    def serve(conn: socket.socket) -> None:
-        buf = memoryview(bytearray(1 << 30))
-        while True:
-            head = conn.recv(8, socket.MSG_WAITALL)
-            if len(head) < 8:
-                return
-            n = int.from_bytes(head, "little")
-            got = 0
-            while got < n:
-                r = conn.recv_into(buf[:min(len(buf), n - got)])
-                if not r:
-                    return
-                got += r
-            conn.sendall(b"k")
-
     while True:
         conn, _ = listener.accept()
-        threading.Thread(target=serve, args=(conn,), daemon=True).start()
+        # Untouched pages of the buffer cost nothing: only the largest part read is ever faulted in.
+        threading.Thread(target=serve_transfers, args=(conn, memoryview(bytearray(1 << 30))), daemon=True).start()
 
 
 class RawFlows:
@@ -242,11 +229,7 @@ def main(argv=None) -> int:
             conn.close()
         genie: dict = {}
         genie_buckets: dict = {}
-        curve = None
-        if args.curve:
-            from bench.transport_throughput import curve_keys
-
-            curve = curve_keys()
+        curve = curve_keys() if args.curve else None
         for lanes in LANE_COUNTS:
             genie[lanes], genie_buckets[lanes] = genie_times(lanes, sizes, args.repeats, curve)
     finally:

@@ -66,8 +66,12 @@ def _raw_server(family, address, ready, max_size):
     conn, _ = srv.accept()
     if family == socket.AF_INET:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    buf = bytearray(max_size)
-    view = memoryview(buf)
+    serve_transfers(conn, memoryview(bytearray(max_size)))
+
+
+def serve_transfers(conn: socket.socket, view: memoryview) -> None:
+    """The raw baseline's receiving end: transfers of a u64 length and that many bytes into
+    `view`, each answered by one byte, until the sender closes."""
     while True:
         header = conn.recv(8, socket.MSG_WAITALL)
         if len(header) < 8:
@@ -75,7 +79,10 @@ def _raw_server(family, address, ready, max_size):
         n = int.from_bytes(header, "little")
         got = 0
         while got < n:
-            got += conn.recv_into(view[got:n], n - got)
+            received = conn.recv_into(view[got:n], n - got)
+            if not received:
+                return
+            got += received
         conn.sendall(b"k")
 
 

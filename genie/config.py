@@ -96,7 +96,8 @@ def _lanes() -> int:
 
     lanes = _float("GENIE_BULK_LANES", 0)  # 0: as the lane's kind wants (DaemonLink._join_more_lanes)
     if lanes != int(lanes) or not 0 <= lanes <= MAX_LANES:
-        raise ValueError(f"GENIE_BULK_LANES must be a whole number from 1 to {MAX_LANES}, got {lanes:g}")
+        raise ValueError(f"GENIE_BULK_LANES must be a whole number from 1 to {MAX_LANES} (0 or unset: the "
+                         f"default), got {lanes:g}")
     return int(lanes)
 
 

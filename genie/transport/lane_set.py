@@ -125,6 +125,21 @@ class Assembly:
             self._open.clear()
 
 
+class _Done:
+    """A part sent on the calling thread, with a Future's `result()`."""
+
+    def __init__(self, part: Callable[[], None]) -> None:
+        self._failure = None
+        try:
+            part()
+        except BaseException as e:  # noqa: BLE001 - raised by result(), as a Future's would be
+            self._failure = e
+
+    def result(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+
 class LaneSet:
     """A peer's bulk lanes as one lane (the surface of bulk.Lane that senders and receivers use)."""
 
@@ -241,9 +256,14 @@ class LaneSet:
             raise ConnectionError("bulk lane is closed")
         count, total = len(lanes), payload.nbytes
         bounds = part_bounds(total, count)
-        senders = self._sender_pool(count - 1)
-        others = [senders.submit(lane.send_part, xfer, payload[offset:offset + n], pack_part(i, count, total))
-                  for i, (lane, (offset, n)) in enumerate(zip(lanes, bounds)) if i]
+        parts = [functools.partial(lane.send_part, xfer, payload[offset:offset + n], pack_part(i, count, total))
+                 for i, (lane, (offset, n)) in enumerate(zip(lanes, bounds)) if i]
+        senders, others = self._sender_pool(count - 1), []
+        for part in parts:
+            try:
+                others.append(senders.submit(part))
+            except RuntimeError:  # the pool was shut (a lane joined, or the interpreter exits): sent here
+                others.append(_Done(part))
         failure = None
         try:
             lanes[0].send_part(xfer, payload[:bounds[0][1]], pack_part(0, count, total), after_head)

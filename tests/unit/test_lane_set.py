@@ -170,3 +170,13 @@ def test_a_set_takes_at_most_max_lanes(closing):
     a.send(9, bulk.tensor_bytes(data))
     assert torch.equal(b.arrivals.take(9, timeout=10), data)
     other.close()
+
+
+def test_parts_go_on_the_calling_thread_when_no_sender_thread_can_start(closing):
+    a, b = _sets(3)
+    closing(a)
+    closing(b)
+    a._sender_pool(2).shutdown()  # as after a lane joined mid-send, or at interpreter exit
+    data = _payload(5 * MiB)
+    a.send(4, bulk.tensor_bytes(data))
+    assert torch.equal(b.arrivals.take(4, timeout=10), data)
