@@ -185,8 +185,9 @@ class Lane:
         self.sock = sock
         self._sealing = sealing
         # One unit's worth each way, reused: sealed into before a send, received into before opening.
-        self._unit_out = bytearray(sealed_lane.CHUNK_BYTES + sealed_lane.TAG_BYTES) if sealing else None
-        self._unit_in = bytearray(sealed_lane.CHUNK_BYTES + sealed_lane.TAG_BYTES) if sealing else None
+        # Made at first use: a client's four lanes would hold 8 MiB each end before carrying anything.
+        self._unit_out: bytearray | None = None
+        self._unit_in: bytearray | None = None
         self.pool = pool
         self.max_transfer = max_transfer
         self.arrivals = arrivals if arrivals is not None else Arrivals()
@@ -350,6 +351,8 @@ class Lane:
         """(Holding the send lock.) The record's header as one sealed unit, then the payload as
         units of up to CHUNK_BYTES; `after_head` runs after the first."""
         sending = self._sealing[0]
+        if self._unit_out is None and payload.nbytes:
+            self._unit_out = bytearray(sealed_lane.CHUNK_BYTES + sealed_lane.TAG_BYTES)
         self.sock.sendall(sending.seal(header))
         deferred = None
         for i in range(0, payload.nbytes, sealed_lane.CHUNK_BYTES):
@@ -508,6 +511,8 @@ class Lane:
             recv_into_exactly(self.sock, destination)
             return
         receiving, nbytes = self._sealing[1], destination.nbytes
+        if self._unit_in is None:
+            self._unit_in = bytearray(sealed_lane.CHUNK_BYTES + sealed_lane.TAG_BYTES)
         for i in range(0, nbytes, sealed_lane.CHUNK_BYTES):
             n = min(sealed_lane.CHUNK_BYTES, nbytes - i)
             unit = memoryview(self._unit_in)[:n + sealed_lane.TAG_BYTES]
