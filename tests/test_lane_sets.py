@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -140,3 +141,29 @@ def test_sealed_lanes_join_only_with_the_lane_key_and_carry_striped_payloads(tmp
         finally:
             genie.shutdown()
             rt.config = saved
+
+
+_UPLOADER = """
+import sys, torch, genie
+genie.init(sys.argv[1])
+big = torch.ones(16 << 20)  # 64 MiB: split over the lanes
+print("ready", flush=True)
+while True:
+    big.to("remote_accelerator:0")
+"""
+
+
+def test_a_client_killed_mid_striped_upload_leaves_the_daemon_serving_others():
+    with DaemonProcess() as d:
+        uploader = subprocess.Popen([sys.executable, "-c", _UPLOADER, d.endpoint], stdout=subprocess.PIPE, text=True)
+        try:
+            assert uploader.stdout.readline().strip() == "ready"
+            time.sleep(0.5)  # uploads under way
+            uploader.kill()
+            uploader.wait(10)
+        finally:
+            uploader.kill()
+            uploader.wait(10)
+        with _connected(d.endpoint) as link:
+            _round_trip_uses_every_lane(link.bulk_lane)
+        assert d.proc.poll() is None

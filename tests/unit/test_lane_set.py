@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import pytest
 import torch
@@ -180,3 +181,23 @@ def test_parts_go_on_the_calling_thread_when_no_sender_thread_can_start(closing)
     data = _payload(5 * MiB)
     a.send(4, bulk.tensor_bytes(data))
     assert torch.equal(b.arrivals.take(4, timeout=10), data)
+
+
+def test_a_sender_gone_mid_transfer_fails_its_waiters_and_frees_the_assembly():
+    a_sock, b_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    b = lane_set.LaneSet(bulk.Lane(b_sock, HostBufferPool(0), 1 << 30, "b"))
+    try:
+        a_sock.sendall(bulk._HEADER.pack(bulk.PART, 1, 2 * MiB, lane_set.pack_part(0, 2, 4 * MiB)) + b"x" * MiB)
+        deadline = time.monotonic() + 10
+        while b.assembly.pending_bytes() == 0:  # the first part is being received into its buffer
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        a_sock.close()
+        with pytest.raises(ConnectionError):
+            b.arrivals.take(1, timeout=10)
+        assert b.closed
+        while b.assembly.pending_bytes():  # cleared as the set closes, just after waiters are told
+            assert time.monotonic() < deadline + 10
+            time.sleep(0.01)
+    finally:
+        b.close()
