@@ -14,7 +14,6 @@ import logging
 import math
 import os
 import re
-import socket
 import threading
 import time
 
@@ -145,7 +144,7 @@ class PeerLinks:
         self._loop = loop
         self._sockets: dict[str, zmq.asyncio.Socket] = {}
         self._tokens: dict[str, bytes] = {}  # our routing id at each peer (it names our lane there)
-        self._lanes: dict[str, object] = {}  # endpoint -> bulk.Lane, once open
+        self._lanes: dict[str, object] = {}  # endpoint -> its lane (a lane_set.LaneSet over TCP), once open
         self._hello_ids: dict[str, int] = {}  # endpoint -> the id of our hello awaiting its answer
         self._opening: set[str] = set()  # peers whose lanes are being opened (greeting again would replace them)
         self._ids = 0
@@ -250,9 +249,10 @@ class PeerLinks:
         except (OSError, ConnectionError, ProtocolError) as e:
             log.info("no lane to peer %s (its transfers go over ZeroMQ): %s", endpoint, e)
             return
-        if address[0] != socket.AF_UNIX:  # several over TCP, as a client's (see lane_set)
+        wanted = lane_set.lanes_wanted(address[0])  # as many as a client's
+        if wanted > 1:
             lane, failure = await self._loop.run_in_executor(None, lambda: lane_set.join_lanes(
-                lane, lane_set.DEFAULT_TCP_LANES, lambda member: open_lane(joining=member)))
+                lane, wanted, lambda member: open_lane(joining=member)))
             if failure is not None:
                 log.info("%d lanes to peer %s: %s", len(lane.lanes), endpoint, failure)
         self._lanes[endpoint] = lane

@@ -270,11 +270,11 @@ class DaemonLink:
 
     async def _join_more_lanes(self, address, timeout: float, lane_key: bytes | None = None) -> None:
         """The bulk lane becomes a lane_set.LaneSet of GENIE_BULK_LANES connections (sealed ones
-        each with keys of their own), across which large payloads are split; by default 4 over
-        TCP, where one flow is often the limit (see lane_set), and 1 over a Unix socket (measured
-        here: 4 no faster). A lane that fails to open leaves the set smaller, said in the log."""
+        each with keys of their own), across which large payloads are split (by default 4 over TCP,
+        where one flow is often the limit, and 1 over a Unix socket: lane_set.lanes_wanted). A lane
+        that fails to open leaves the set smaller, said in the log."""
         config = self.runtime.config
-        wanted = config.bulk_lanes or (1 if address[0] == socket.AF_UNIX else lane_set.DEFAULT_TCP_LANES)
+        wanted = lane_set.lanes_wanted(address[0], config.bulk_lanes)
         if wanted < 2:
             return
         open_member = functools.partial(bulk.open_client_lane, address, self.token, self.runtime.host_pool, 1 << 40,

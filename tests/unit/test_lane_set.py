@@ -201,3 +201,9 @@ def test_a_sender_gone_mid_transfer_fails_its_waiters_and_frees_the_assembly():
             time.sleep(0.01)
     finally:
         b.close()
+
+
+def test_four_lanes_over_tcp_one_over_unix_sockets_unless_asked():
+    assert lane_set.lanes_wanted(socket.AF_INET) == lane_set.lanes_wanted(socket.AF_INET6) == lane_set.DEFAULT_TCP_LANES
+    assert lane_set.lanes_wanted(socket.AF_UNIX) == 1
+    assert lane_set.lanes_wanted(socket.AF_UNIX, 3) == lane_set.lanes_wanted(socket.AF_INET, 3) == 3
