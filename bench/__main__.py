@@ -33,6 +33,7 @@ SUITE = {
     "rpc_peer": (["--repeats", "3"], ["--repeats", "2", "--tokens", "16"]),
     "network_latency": (["--repeats", "5"], ["--repeats", "2", "--rtt-ms", "0,2", "--tokens", "8"]),
     "layouts": (["--repeats", "5"], ["--repeats", "2", "--mb", "16"]),
+    "peer_transfer": (["--repeats", "5"], ["--repeats", "2", "--sizes-mb", "4,16"]),
     "flow_cap": (["--repeats", "7"], ["--repeats", "2", "--sizes-mb", "16"]),  # needs root: says so otherwise
     "opinfo_sweep": (["--json", os.path.join(RESULTS, "opinfo_sweep.json")],
                      ["--json", os.path.join(RESULTS, "opinfo_sweep.json"), "--max-samples", "2"]),
@@ -127,6 +128,15 @@ def summary() -> None:
                      + (" (CURVE)" if fc.get("curve") else ""),
                      ", ".join(f"{lanes} lane(s) {rate:.0f} MB/s" for lanes, rate in sorted(rates.items()))
                      + f" (raw socket, 1 flow: {fc['raw_MBps']['1'][size]:.0f})"))
+    pt = load("peer_transfer")
+    sizes = [s for s in pt if s.isdigit()]
+    if sizes:
+        size = max(sizes, key=int)
+        r = pt[size]
+        rows.append((f"daemon to daemon, {int(size) >> 20} MiB, vs x.cpu().to(other daemon)",
+                     f"{r['ms']['peer, default lanes']:.1f} ms ({r['GBps']['peer, default lanes']:.2f} GB/s) vs "
+                     f"{r['ms']['through the client']:.1f} ms: "
+                     f"{r['speedup_over_client_path']['peer, default lanes']:.2f}x faster"))
     mt = load("model_transfer")
     for kind, r in mt.get("results", {}).items():
         rows.append((f"model.to() of {r['bytes'] / 2**20:.0f} MiB in {r['tensors']} tensors, {kind}, vs raw socket",

@@ -12,6 +12,7 @@ import sys
 import torch
 
 from genie.transport import ucx_lane
+from genie.transport.lane_set import MAX_LANES
 
 from .bulk_server import BULK_POOL_BYTES
 from .memory_guard import cap_process_memory
@@ -72,6 +73,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lane-port", type=int, default=int(os.environ.get("GENIE_LANE_PORT", "0") or 0), metavar="PORT",
                    help="TCP port of the bulk and direct lanes' listener (0: any free port, told to clients); "
                         "with a firewall, open this and the --listen port. Env GENIE_LANE_PORT")
+    p.add_argument("--peer-lanes", type=int, default=int(os.environ.get("GENIE_PEER_LANES", "0") or 0),
+                   metavar="N", help="bulk lanes (TCP connections) this daemon opens to each peer daemon for "
+                   "daemon-to-daemon copies, 1 to 8 (0: 4 over TCP, 1 over a Unix socket, as a client's); "
+                   "env GENIE_PEER_LANES")
     p.add_argument("--transfer-timeout", type=float, default=120.0, metavar="S",
                    help="seconds a request may wait for a peer daemon's tensor or its bulk-lane bytes")
     p.add_argument("--kv-dir", default=os.environ.get("GENIE_KV_DIR"), metavar="DIR",
@@ -97,7 +102,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "on = whenever ucxx is importable (clients need GENIE_UCX=on too); off")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--log-level", default=os.environ.get("GENIE_LOG_LEVEL", "INFO"))
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not 0 <= args.peer_lanes <= MAX_LANES:
+        p.error(f"--peer-lanes must be from 0 to {MAX_LANES}")
+    return args
 
 
 async def _watch_parent(pid: int, server: DaemonServer) -> None:
@@ -142,7 +150,7 @@ async def _run(args: argparse.Namespace) -> tuple[str, str] | None:
                           curve=security_from(args), transfer_timeout=args.transfer_timeout,
                           kv_dir=args.kv_dir, spin_s=max(0.0, args.spin_us) / 1e6,
                           cuda_ipc_allowed=not args.no_cuda_ipc, shared_memory=not args.no_shared_memory,
-                          ucx=args.ucx, lane_port=args.lane_port)
+                          ucx=args.ucx, lane_port=args.lane_port, peer_lanes=args.peer_lanes)
     try:
         endpoint = server.bind()
     except OSError as e:

@@ -35,6 +35,7 @@ class MemoryQueries:
             "peer_bytes_sent": self.peers.bytes_sent if self.peers is not None else 0,
             "peer_lane_bytes_sent": self.peers.lane_bytes_sent if self.peers is not None else 0,
             "peer_lanes": self.peers.lane_paths() if self.peers is not None else {},
+            "peer_lane_counts": self.peers.lane_counts() if self.peers is not None else {},
             "parked_requests": sum(len(q) for q in self._parked.values()),
             "limit": self.memory_limit,
             "process_cap": self.process_cap or 0,

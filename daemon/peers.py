@@ -138,7 +138,7 @@ class PeerLinks:
     """
 
     def __init__(self, context: zmq.asyncio.Context, loop: asyncio.AbstractEventLoop, curve=None,
-                 lane_min_bytes: int = PEER_LANE_MIN_BYTES, quiet_s: float = 30.0) -> None:
+                 lane_min_bytes: int = PEER_LANE_MIN_BYTES, quiet_s: float = 30.0, lanes: int = 0) -> None:
         self._ctx = context
         self._curve = curve  # ClientKeys: this daemon's key pair, peers' (shared) public key
         self._loop = loop
@@ -149,6 +149,7 @@ class PeerLinks:
         self._opening: set[str] = set()  # peers whose lanes are being opened (greeting again would replace them)
         self._ids = 0
         self.lane_min_bytes = lane_min_bytes  # 0: never a lane
+        self.lanes = lanes  # bulk lanes to open to each peer (0: as many as a client would)
         # A peer drops a client (us) silent for its lease, and our lane with it. After this long
         # without a message to it, a transfer goes inside ZeroMQ (which renews the lease) rather
         # than on a lane the peer may be closing at that very moment.
@@ -249,7 +250,7 @@ class PeerLinks:
         except (OSError, ConnectionError, ProtocolError) as e:
             log.info("no lane to peer %s (its transfers go over ZeroMQ): %s", endpoint, e)
             return
-        wanted = lane_set.lanes_wanted(address[0])  # as many as a client's
+        wanted = lane_set.lanes_wanted(address[0], self.lanes)
         if wanted > 1:
             lane, failure = await self._loop.run_in_executor(None, lambda: lane_set.join_lanes(
                 lane, wanted, lambda member: open_lane(joining=member)))
@@ -279,6 +280,11 @@ class PeerLinks:
     def lane_paths(self) -> dict[str, str]:
         """Each peer's open lane: how it carries bytes ("tcp", "unix", "tcp-sealed", ...)."""
         return {endpoint: lane.path for endpoint, lane in list(self._lanes.items()) if not lane.closed}
+
+    def lane_counts(self) -> dict[str, int]:
+        """How many connections each peer's open lane has (a lane_set.LaneSet's, else 1)."""
+        return {endpoint: len(getattr(lane, "lanes", (lane,))) for endpoint, lane in list(self._lanes.items())
+                if not lane.closed}
 
     def close(self) -> None:
         for lane in self._lanes.values():

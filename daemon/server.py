@@ -45,8 +45,9 @@ class DaemonServer(DirectLanes, MemoryQueries):
     def __init__(self, endpoint: str, devices: list[torch.device], client_lease_s: float = 60.0,
                  memory_limit: int = 0, bulk_lanes: bool = True, curve=None, transfer_timeout: float = 120.0,
                  kv_dir: str | None = None, spin_s: float = 0.0, cuda_ipc_allowed: bool = True,
-                 shared_memory: bool = True, ucx: str = "auto", lane_port: int = 0) -> None:
+                 shared_memory: bool = True, ucx: str = "auto", lane_port: int = 0, peer_lanes: int = 0) -> None:
         self.endpoint = endpoint
+        self.peer_lanes = peer_lanes  # bulk lanes to each peer daemon (0: lane_set.lanes_wanted's default)
         self.lane_port = lane_port  # the lanes' TCP listener (0: any free port)
         self.ucx_mode = ucx  # the UCX lane (ucx_lane.wanted): auto, on, off
         self.ucx: ucx_lane.UcxListener | None = None
@@ -179,7 +180,8 @@ class DaemonServer(DirectLanes, MemoryQueries):
             self.bind()
         peer_keys = self.curve.as_client_of(self.curve.public) if self.curve is not None else None
         self._loop = asyncio.get_running_loop()
-        self.peers = PeerLinks(self._ctx, self._loop, curve=peer_keys, quiet_s=self.client_lease_s / 2)
+        self.peers = PeerLinks(self._ctx, self._loop, curve=peer_keys, quiet_s=self.client_lease_s / 2,
+                                lanes=self.peer_lanes)
         sweeper = asyncio.create_task(self._sweep_idle_clients())
         fd = self._socket.getsockopt(zmq.FD)
         self._loop.add_reader(fd, self._on_readable)

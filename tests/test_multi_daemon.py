@@ -70,11 +70,35 @@ def test_daemon_to_daemon_copy_bypasses_the_client(two_daemons):
     assert moved < 64 * 1024, f"{moved} bytes went through the client for 2 MiB of transfers"
 
 
-def _peer_lane_bytes(index: int) -> int:
-    """Bytes daemon `index` sent to peers on lanes (see daemon/peers.py)."""
+def test_moving_between_daemons_makes_one_copy(two_daemons, sent_ops):
+    """`x.to(other device)` is the peer's copy itself: no second `_to_copy` of it on the receiver
+    (it copied every moved tensor again, into fresh memory: 64 MiB took ~50 ms, not ~17). A change
+    of dtype on the way still converts there."""
+    x = torch.randn(64, 32, device="remote_accelerator:0")
+    expected = x.cpu()
+    torch.remote_accelerator.synchronize(0)
+    sent_ops.clear()
+    y = x.to("remote_accelerator:1")
+    assert torch.equal(y.cpu(), expected)
+    assert sent_ops.count("genie::recv") == 1 and "aten::_to_copy" not in sent_ops, sent_ops
+    t = x.t()  # a view: the copy is row-major, as `.to()` makes a non-dense tensor's
+    moved = t.to("remote_accelerator:1")
+    assert moved.is_contiguous() and torch.equal(moved.cpu(), expected.t())
+    sent_ops.clear()
+    half = x.to("remote_accelerator:1", dtype=torch.float16)
+    assert half.dtype == torch.float16 and torch.equal(half.cpu(), expected.half())
+    assert sent_ops.count("aten::_to_copy") == 1, sent_ops
+
+
+def _daemon_stats(index: int) -> dict:
     stream = genie.get_runtime().streams[index]
     stream.synchronize()
-    return stream.link.request("stats", {"dev": stream.local_index}).body["peer_lane_bytes_sent"]
+    return stream.link.request("stats", {"dev": stream.local_index}).body
+
+
+def _peer_lane_bytes(index: int) -> int:
+    """Bytes daemon `index` sent to peers on lanes (see daemon/peers.py)."""
+    return _daemon_stats(index)["peer_lane_bytes_sent"]
 
 
 def test_large_daemon_to_daemon_copies_take_a_lane_once_the_peer_offers_one(two_daemons):
@@ -97,6 +121,33 @@ def test_large_daemon_to_daemon_copies_take_a_lane_once_the_peer_offers_one(two_
         small = torch.arange(10.0, device=f"remote_accelerator:{src}")  # below the lane's threshold
         assert torch.equal(small.to(f"remote_accelerator:{dst}").cpu(), torch.arange(10.0))
         assert _peer_lane_bytes(src) - before == 3 * x.nbytes
+    # As many lanes as a client opens: 4 connections to the tcp daemon, 1 to the ipc one.
+    a, b = two_daemons
+    assert _daemon_stats(0)["peer_lane_counts"] == {b.endpoint: 1}
+    assert _daemon_stats(1)["peer_lane_counts"] == {a.endpoint: 4}
+
+
+def test_peer_lanes_option_sets_the_connections_and_split_copies_arrive_whole():
+    """`genie-daemon --peer-lanes 2`: two connections to each peer; a copy of 16 MiB (from 8 MiB
+    payloads are split across the lanes) arrives whole, both ways."""
+    with DaemonProcess(extra=["--peer-lanes", "2"]) as a, DaemonProcess(extra=["--peer-lanes", "2"]) as b:
+        genie.init(f"{a.endpoint},{b.endpoint}")
+        try:
+            for src, dst, peer in ((0, 1, b), (1, 0, a)):
+                x = torch.randn(4 << 20, device=f"remote_accelerator:{src}")  # 16 MiB
+                expected = x.cpu()
+                deadline = time.monotonic() + 20
+                while _peer_lane_bytes(src) == 0:
+                    assert time.monotonic() < deadline, "no lane to the peer daemon"
+                    assert torch.equal(x.to(f"remote_accelerator:{dst}").cpu(), expected)
+                    time.sleep(0.05)
+                assert _daemon_stats(src)["peer_lane_counts"] == {peer.endpoint: 2}
+                before = _peer_lane_bytes(src)
+                y = (x * 2).to(f"remote_accelerator:{dst}")
+                assert torch.equal(y.cpu(), expected * 2)
+                assert _peer_lane_bytes(src) - before == x.nbytes
+        finally:
+            genie.shutdown()
 
 
 def test_a_peer_lane_survives_quiet_spells_and_the_peer_dropping_it(daemon_endpoint):

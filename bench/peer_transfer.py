@@ -1,0 +1,137 @@
+"""Daemon to daemon: a tensor moved between two genie-daemons, against moving it through the client.
+
+`x.to("remote_accelerator:1")` of a tensor on another daemon's device goes daemon to daemon: the
+first daemon greets the second as a client does and sends large tensors on its bulk lanes (four
+TCP connections over TCP, `genie-daemon --peer-lanes`). What a program would do without that is
+read the tensor back and send it on: `x.cpu().to("remote_accelerator:1")`. In one run, for each
+size and each pair of daemons, these take turns copy by copy:
+- peer: `x.to(dev1)` then `synchronize(1)` (until the second daemon holds the bytes), with the
+  daemons' default lanes, and with one lane each (a second pair started with `--peer-lanes 1`);
+  copies of 8 MiB and more are split across the lanes;
+- through the client: `x.cpu().to(dev1)` then `synchronize(1)`;
+- raw socket: the same bytes once over one TCP connection and a one-byte answer (the floor of
+  one hop; bench.transport_throughput's baseline), beside the default pair's copies.
+Times are medians over rounds (4x --repeats up to 16 MiB); the ratio to the client path is the
+median of the ratios within a round. Both daemons and the client share this machine's cores. After the rounds, the copy's
+values are checked against the source.
+
+    python -m bench.peer_transfer [--sizes-mb 4,16,64,256] [--repeats 5]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+from bench.common import machine, median, print_table, write_json
+from bench.transport_throughput import RawSocket
+
+SRC, DST = "remote_accelerator:0", "remote_accelerator:1"
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _peer_lane_counts() -> dict:
+    """How many connections daemon 0's lane to its peer has (its `stats`)."""
+    import genie
+
+    stream = genie.get_runtime().streams[0]
+    stream.synchronize()
+    return stream.link.request("stats", {"dev": stream.local_index}).body["peer_lane_counts"]
+
+
+def _pair(extra: list[str]):
+    from daemons import DaemonProcess
+
+    return DaemonProcess("tcp://127.0.0.1:0", extra=extra), DaemonProcess("tcp://127.0.0.1:0", extra=extra)
+
+
+def measure(sizes: list[int], repeats: int) -> dict:
+    import genie
+
+    variants = {"peer, default lanes": [], "peer, one lane": ["--peer-lanes", "1"]}
+    pairs = {name: _pair(extra) for name, extra in variants.items()}
+    raw = RawSocket("tcp", max(sizes))
+    out: dict = {"lanes": {}}
+    try:
+        for a, b in pairs.values():
+            a.start(), b.start()
+        for n in sizes:
+            times: dict[str, list[float]] = {k: [] for k in (*variants, "through the client", "raw socket")}
+            ratios: dict[str, list[float]] = {k: [] for k in variants}
+            checks = []
+            for name, (a, b) in pairs.items():
+                genie.init(f"{a.endpoint},{b.endpoint}")
+                try:
+                    x = torch.randn(n // 4, device=SRC)
+                    # Untimed: the first copy greets the peer (inside ZeroMQ) and its answer opens
+                    # the lanes; then buffers of this size exist on both ends.
+                    deadline = time.monotonic() + 30
+                    while not _peer_lane_counts():
+                        if time.monotonic() > deadline:
+                            raise RuntimeError("daemon 0 opened no lane to daemon 1")
+                        x.to(DST)
+                        time.sleep(0.05)
+                    for _ in range(2):
+                        x.to(DST), x.cpu().to(DST)
+                        torch.remote_accelerator.synchronize(1)
+                    # More rounds of small copies: a few ms each, and the machine's noise is larger.
+                    for _ in range(repeats * 4 if n <= 16 << 20 else repeats):
+                        peer = _timed(lambda: (x.to(DST), torch.remote_accelerator.synchronize(1)))
+                        hop = _timed(lambda: (x.cpu().to(DST), torch.remote_accelerator.synchronize(1)))
+                        times[name].append(peer)
+                        ratios[name].append(hop / peer)
+                        if name == "peer, default lanes":
+                            times["through the client"].append(hop)
+                            times["raw socket"].append(raw.transfer(n))
+                    checks.append(torch.equal(x.to(DST).cpu(), x.cpu()))
+                    out["lanes"][name] = list(_peer_lane_counts().values())
+                finally:
+                    genie.shutdown()
+            if not all(checks):
+                raise AssertionError(f"a daemon-to-daemon copy of {n} bytes differs from its source")
+            out[str(n)] = {
+                "ms": {k: median(v) * 1e3 for k, v in times.items()},
+                "GBps": {k: n / median(v) / 1e9 for k, v in times.items()},
+                "speedup_over_client_path": {k: median(v) for k, v in ratios.items()},
+            }
+    finally:
+        raw.close()
+        for a, b in pairs.values():
+            a.stop(), b.stop()
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes-mb", default="4,16,64,256")
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args(argv)
+    sizes = [int(float(s) * (1 << 20)) for s in args.sizes_mb.split(",")]
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    result = measure(sizes, args.repeats)
+    m = machine()
+    print(f"# daemon to daemon over tcp loopback -- {m['cpus']} cpus, torch {m['torch']}, "
+          f"medians of {args.repeats} rounds (ms; GB/s; speed-up over x.cpu().to(dev1))")
+    print("connections from daemon 0 to daemon 1:", result["lanes"])
+    rows = []
+    for n in sizes:
+        r = result[str(n)]
+        label = f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+        rows.append((label, *(f"{r['ms'][k]:.1f} ({r['GBps'][k]:.2f})" for k in r["ms"]),
+                     *(f"{r['speedup_over_client_path'][k]:.2f}x" for k in r["speedup_over_client_path"])))
+    first = result[str(sizes[0])]
+    print_table(rows, ("size", *first["ms"], *(f"{k}: speed-up" for k in first["speedup_over_client_path"])))
+    print("wrote", write_json("peer_transfer", {**result, "repeats": args.repeats}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
