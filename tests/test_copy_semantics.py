@@ -114,6 +114,40 @@ def test_parameters_upload_as_adopted_frames_and_keep_autograd(dev, sent_ops):
     assert torch.equal(leaf.grad, torch.full((3,), 2.0))
 
 
+def test_an_upload_that_narrows_its_dtype_sends_the_smaller_elements(dev, sent_ops):
+    """`x.to(dev, torch.float16)` converts on the host, as PyTorch's CPU-to-CUDA copy does, so the
+    wire carries 2 bytes an element, not 4, and the daemon keeps them as received; a widening
+    cast goes as the smaller source and converts there. Values as on the CPU either way, from
+    pinned memory with non_blocking too, and the warning of a complex-to-real cast is the program's."""
+    import warnings
+
+    def sent_bytes():
+        return sum(s["bytes_sent"] for s in genie.transport_stats().values())
+
+    x = torch.randn(1 << 20) * 1000  # 4 MiB of float32: on the bulk lane
+    torch.remote_accelerator.synchronize()
+    before, _ = sent_bytes(), sent_ops.clear()
+    half = x.to(dev, torch.float16)
+    torch.remote_accelerator.synchronize()
+    assert (2 << 20) <= sent_bytes() - before < (2 << 20) + 4096
+    assert "genie::adopt" in sent_ops and "aten::copy_" not in sent_ops, sent_ops
+    assert half.dtype == torch.float16 and torch.equal(half.cpu(), x.half())
+    before = sent_bytes()
+    widened = x.half().to(dev, torch.float64)
+    assert torch.equal(widened.cpu(), x.half().double())
+    assert sent_bytes() - before < (2 << 20) + 4096
+    small = torch.tensor([1.5, -2.7, 300.0, 255.9])
+    assert torch.equal(small.to(dev, torch.uint8).cpu(), small.to(torch.uint8))
+    assert torch.equal(small.to(dev, torch.bfloat16).cpu(), small.bfloat16())
+    pinned = x.pin_memory() if torch.cuda.is_available() else x
+    assert torch.equal(pinned.to(dev, torch.bfloat16, non_blocking=True).cpu(), x.bfloat16())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        real = torch.tensor([1 + 2j, 3 - 1j]).to(dev, torch.float32)
+    assert torch.equal(real.cpu(), torch.tensor([1.0, 3.0]))
+    assert any("imaginary part" in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+
 def _deepcopies_on(device):
     import copy
 

@@ -226,6 +226,18 @@ def _try_adopt(dst: LazyTensor, src: torch.Tensor) -> bool:
     return True
 
 
+def _narrowed_here(src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """A host tensor converted to a smaller `dtype` before it is sent (`x.to(dev, torch.float16)`,
+    `model.to(dev, torch.bfloat16)`), so the wire carries the smaller elements (float32 -> float16:
+    half the bytes). PyTorch's own CPU-to-GPU copy converts on the CPU too, so values (an
+    out-of-range float to an integer, say) and warnings (complex to real) are CUDA's. A cast that
+    widens stays on the daemon: fewer bytes travel, and widening is exact either way. None when
+    nothing is to be cast here."""
+    if src.device.type != "cpu" or src.dtype == dtype or dtype.itemsize >= src.dtype.itemsize:
+        return None
+    return src.detach().to(dtype)
+
+
 def _copy_(func, args, kwargs):
     dst, src = args[0], args[1]
     if type(dst) is LazyTensor and type(src) is not LazyTensor and isinstance(src, torch.Tensor):
@@ -235,6 +247,10 @@ def _copy_(func, args, kwargs):
         # the source at once, and does: a refilled host buffer), so it is copied here too.
         _borrowing.source = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False)) \
             and src.is_pinned()
+        narrowed = _narrowed_here(src, dst.dtype)
+        if narrowed is not None:
+            # Converted here, the new tensor is this copy's own: its memory may go as it is.
+            src, args, _borrowing.source = narrowed, (dst, narrowed, *args[2:]), True
         try:
             if _try_adopt(dst, src):
                 return dst
