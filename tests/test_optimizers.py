@@ -50,6 +50,32 @@ def test_fused_steps_under_grad_scaler_as_on_cpu(dev, kind):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["AdamW", "SGD"])
+def test_optimizers_default_to_foreach_kernels_as_on_cuda(dev, kind, sent_ops):
+    """A default optimizer (foreach=None) and clip_grad_norm_ take the foreach kernels for remote
+    parameters, as for CUDA ones (genie/frontend/foreach_defaults.py): one op per step for all the
+    parameters where the loop sent one per parameter (AdamW on a 4-tensor model: 9 lerp_ and
+    addcmul_ ops per step became 1 each). Values as the CPU's loop."""
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
+    params = list(nn.Linear(4, 4).to(dev).parameters())
+    assert _default_to_fused_or_foreach(params, differentiable=False) == (False, True)
+    want = _trained("cpu", kind, {"foreach": False})
+    sent_ops.clear()
+    got = _trained(dev, kind, {})
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert any(op.startswith("aten::_foreach_") for op in sent_ops), sent_ops
+    assert not any(op.startswith(("aten::lerp_", "aten::addcmul_")) for op in sent_ops), sent_ops
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1)).to(dev)
+    model(torch.ones(2, 4, device=dev)).sum().backward()
+    local = [p.grad.cpu() for p in model.parameters()]
+    sent_ops.clear()
+    total = nn.utils.clip_grad_norm_(model.parameters(), 0.5).cpu()
+    assert any(op.startswith("aten::_foreach_norm") for op in sent_ops), sent_ops
+    expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in local]))
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_fused_steps_queue_without_a_round_trip(dev):
     model = nn.Linear(4, 4).to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)

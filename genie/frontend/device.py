@@ -384,9 +384,9 @@ def register() -> types.ModuleType:
     module = sys.modules[__name__]
     if _registered:
         return module
-    from . import (data_parallel, device_mesh, factories, flex_attention, graphs, lazy_tensor, module_conversion,
-                   native_guard, process_sharing, read_ahead, safetensors_support, serialization, settings_barrier,
-                   streams, torch_compile, torchscript)
+    from . import (data_parallel, device_mesh, factories, flex_attention, foreach_defaults, graphs, lazy_tensor,
+                   module_conversion, native_guard, process_sharing, read_ahead, safetensors_support, serialization,
+                   settings_barrier, streams, torch_compile, torchscript)
 
     if torch._C._get_privateuse1_backend_name() != DEVICE_TYPE:
         _setup_backend(module)
@@ -399,6 +399,7 @@ def register() -> types.ModuleType:
     module_conversion.install()
     read_ahead.install()
     data_parallel.install()
+    foreach_defaults.install()
     device_mesh.install()
     flex_attention.install()
     torch_compile.install()
