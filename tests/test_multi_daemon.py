@@ -101,18 +101,25 @@ def _peer_lane_bytes(index: int) -> int:
     return _daemon_stats(index)["peer_lane_bytes_sent"]
 
 
+def _copy_until_a_lane_opens(x: torch.Tensor, src: int, dst: int) -> torch.Tensor:
+    """Copy `x` from device `src` to `dst` until daemon `src` has sent on a lane to its peer (the
+    first copy greets the peer, whose answer opens the lane); each copy checked. x on the CPU."""
+    expected = x.cpu()
+    deadline = time.monotonic() + 20
+    while _peer_lane_bytes(src) == 0:
+        assert time.monotonic() < deadline, "no lane to the peer daemon"
+        assert torch.equal(x.to(f"remote_accelerator:{dst}").cpu(), expected)
+        time.sleep(0.05)
+    return expected
+
+
 def test_large_daemon_to_daemon_copies_take_a_lane_once_the_peer_offers_one(two_daemons):
     """The first large copy greets the peer (and goes inside ZeroMQ); once its answer opened a lane,
     copies of 1 MiB and more go there: the bytes land in the receiver's recycled buffers. Both
     directions (daemon 0 listens on tcp, daemon 1 on ipc: a TCP lane one way, a Unix one back)."""
     for src, dst in ((0, 1), (1, 0)):
         x = torch.randn(1 << 20, device=f"remote_accelerator:{src}")  # 4 MiB
-        expected = x.cpu()
-        deadline = time.monotonic() + 20
-        while _peer_lane_bytes(src) == 0:
-            assert time.monotonic() < deadline, "no lane to the peer daemon"
-            assert torch.equal(x.to(f"remote_accelerator:{dst}").cpu(), expected)
-            time.sleep(0.05)
+        expected = _copy_until_a_lane_opens(x, src, dst)
         before = _peer_lane_bytes(src)
         for k in range(3):
             y = (x + k).to(f"remote_accelerator:{dst}")
@@ -135,12 +142,7 @@ def test_peer_lanes_option_sets_the_connections_and_split_copies_arrive_whole():
         try:
             for src, dst, peer in ((0, 1, b), (1, 0, a)):
                 x = torch.randn(4 << 20, device=f"remote_accelerator:{src}")  # 16 MiB
-                expected = x.cpu()
-                deadline = time.monotonic() + 20
-                while _peer_lane_bytes(src) == 0:
-                    assert time.monotonic() < deadline, "no lane to the peer daemon"
-                    assert torch.equal(x.to(f"remote_accelerator:{dst}").cpu(), expected)
-                    time.sleep(0.05)
+                expected = _copy_until_a_lane_opens(x, src, dst)
                 assert _daemon_stats(src)["peer_lane_counts"] == {peer.endpoint: 2}
                 before = _peer_lane_bytes(src)
                 y = (x * 2).to(f"remote_accelerator:{dst}")
