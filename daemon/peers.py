@@ -24,7 +24,7 @@ import zmq.asyncio
 from genie.transport import bulk, lane_set, protocol, sealed_lane
 from genie.transport.errors import ProtocolError
 from genie.transport.hostmem import HostBufferPool
-from genie.transport.tensors import bytes_as_tensor, dtype_name, tensor_to_frames
+from genie.transport.tensors import bytes_as_tensor, dense_span, dtype_name, tensor_to_frames
 
 log = logging.getLogger("genie.daemon")
 
@@ -104,10 +104,12 @@ class Mailbox:
 class LaneDeposit:
     """A peer's deposit whose bytes come on its lane (bulk transfer `xfer` of lane `identity`)."""
 
-    __slots__ = ("bulk", "identity", "xfer", "dtype", "shape", "nbytes")
+    __slots__ = ("bulk", "identity", "xfer", "dtype", "shape", "strides", "nbytes")
 
-    def __init__(self, bulk, identity: bytes, xfer: int, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    def __init__(self, bulk, identity: bytes, xfer: int, dtype: torch.dtype, shape: tuple[int, ...],
+                 strides: tuple[int, ...] | None = None) -> None:
         self.bulk, self.identity, self.xfer, self.dtype, self.shape = bulk, identity, xfer, dtype, shape
+        self.strides = strides  # checked (tensors.check_strides): the bytes are a run in this order
         self.nbytes = math.prod(shape) * dtype.itemsize
 
     def ready(self) -> bool:
@@ -115,7 +117,10 @@ class LaneDeposit:
 
     def take(self, timeout: float) -> torch.Tensor:
         raw = self.bulk.take_upload(self.identity, self.xfer, timeout)
-        return bytes_as_tensor(raw, self.dtype, self.shape, f"peer transfer {self.xfer}")
+        if self.strides is None:
+            return bytes_as_tensor(raw, self.dtype, self.shape, f"peer transfer {self.xfer}")
+        run = bytes_as_tensor(raw, self.dtype, (math.prod(self.shape),), f"peer transfer {self.xfer}")
+        return run.as_strided(self.shape, self.strides)
 
     def drop(self) -> None:
         """Never claimed: let its bytes go too, once in (a lane that closed has dropped them)."""
@@ -162,8 +167,11 @@ class PeerLinks:
         """Thread-safe: called by the executor; the send happens on the loop."""
         if not PEER_ENDPOINT.match(endpoint):
             raise ProtocolError(f"bad peer endpoint {endpoint!r}")
-        payload = tensor_to_frames(tensor.detach())
         header_body = {"tid": tid, "dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape)}
+        span = dense_span(tensor.detach())  # channels-last, transposed: as it lies, with its strides
+        if span is not None:
+            header_body["strides"] = list(tensor.stride())
+        payload = tensor_to_frames(span if span is not None else tensor.detach())
         self._loop.call_soon_threadsafe(self._send, endpoint, header_body, payload)
 
     def _socket(self, endpoint: str):

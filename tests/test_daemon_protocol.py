@@ -153,6 +153,36 @@ def test_adopt_keeps_an_upload_as_a_run_with_strides(sock, extra, expected):
     assert rid == 44 and ok
 
 
+@pytest.mark.parametrize("strides, expected", [
+    (None, [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]),
+    ([1, 2], [[0.0, 2.0, 4.0], [1.0, 3.0, 5.0]]),  # a transposed tensor's run, kept with its strides
+    ([1, 3], "bad strides"),  # reaching past the run
+    ([2, 1, 1], "bad strides"),
+    ("x", "bad strides"),
+])
+def test_a_deposit_may_carry_its_memory_order(sock, strides, expected):
+    """A deposit (a peer daemon's tensor for genie::recv) with strides: its bytes are the run of a
+    channels-last or transposed tensor, and genie::recv gives that tensor; bad strides are refused
+    and the daemon carries on."""
+    import re
+    import secrets
+
+    tid = secrets.token_hex(16)
+    body = {"tid": tid, "dtype": "float32", "shape": [2, 3], **({} if strides is None else {"strides": strides})}
+    (rid, ok, reply), _ = call(sock, [protocol.pack(["deposit", 45, body]), torch.arange(6.0).numpy().tobytes()])
+    if isinstance(expected, str):
+        assert rid == 45 and not ok and re.search(expected, reply["message"]), reply
+    else:
+        assert ok, reply
+        ops = [op(protocol.RECV_OP, [tid], 1), op("aten::clone", [protocol.encode_handle(1)], 2,
+                                                   {"memory_format": protocol.encode_memory_format(torch.contiguous_format)})]
+        (rid, ok, reply), frames = call(sock, [protocol.pack(["exec", 46, {"ops": ops, "fetch": [2]}])])
+        assert ok and "error" not in str(reply["fetched"][0]), reply
+        assert torch.frombuffer(bytearray(frames[0]), dtype=torch.float32).reshape(2, 3).tolist() == expected
+    (rid, ok, _), _ = call(sock, [protocol.pack(["ping", 47, {}])])
+    assert rid == 47 and ok
+
+
 @pytest.mark.parametrize("offset, sizes, strides, expected", [
     (0, [2, 2], [2, 1], None),                 # 16 of the 16 bytes
     (1, [2, 2], [2, 1], "outside the 16-byte storage"),

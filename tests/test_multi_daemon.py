@@ -81,13 +81,34 @@ def test_moving_between_daemons_makes_one_copy(two_daemons, sent_ops):
     y = x.to("remote_accelerator:1")
     assert torch.equal(y.cpu(), expected)
     assert sent_ops.count("genie::recv") == 1 and "aten::_to_copy" not in sent_ops, sent_ops
-    t = x.t()  # a view: the copy is row-major, as `.to()` makes a non-dense tensor's
+    t = x.t()  # a transposed view keeps its layout, as PyTorch's .to() keeps it
     moved = t.to("remote_accelerator:1")
-    assert moved.is_contiguous() and torch.equal(moved.cpu(), expected.t())
+    assert moved.stride() == t.stride() and torch.equal(moved.cpu(), expected.t())
     sent_ops.clear()
     half = x.to("remote_accelerator:1", dtype=torch.float16)
     assert half.dtype == torch.float16 and torch.equal(half.cpu(), expected.half())
     assert sent_ops.count("aten::_to_copy") == 1, sent_ops
+
+
+@pytest.mark.parametrize("channels", [4, 256])  # 12 KiB inside ZeroMQ; 3 MiB on a lane (once it is open)
+def test_a_moved_tensor_keeps_its_memory_layout(two_daemons, channels):
+    """Channels-last and permuted tensors move between daemons in their own memory order and keep
+    their strides (as PyTorch's .to() between CUDA devices); a view with gaps arrives row-major."""
+    x = torch.randn(2, channels, 16, 12, device="remote_accelerator:0")
+    if x.nbytes >= 1 << 20:
+        _copy_until_a_lane_opens(x, 0, 1)
+    for t in (x.contiguous(memory_format=torch.channels_last), x.permute(3, 1, 0, 2)):
+        want = t.cpu()
+        moved = t.to("remote_accelerator:1")
+        assert moved.stride() == t.stride() and moved.stride() == want.stride()
+        back = moved.cpu()
+        assert back.stride() == want.stride() and torch.equal(back, want)
+        assert torch.equal((moved * 2).cpu(), want * 2)  # the daemon's tensor is laid out as planned
+    if x.nbytes >= 1 << 20:
+        assert _peer_lane_bytes(0) >= 2 * x.nbytes
+    gaps = x[:, ::2]
+    moved = gaps.to("remote_accelerator:1")
+    assert moved.is_contiguous() and torch.equal(moved.cpu(), gaps.cpu())
 
 
 def _daemon_stats(index: int) -> dict:

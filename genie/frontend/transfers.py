@@ -21,7 +21,7 @@ from genie.runtime import get_runtime
 from genie.runtime.device_type import DEVICE_TYPE
 from genie.runtime.stream import HandleRef
 from genie.transport import cuda_ipc, protocol
-from genie.transport.tensors import dense_span
+from genie.transport.tensors import dense_span, travels_as_it_lies
 
 from . import meta, read_ahead
 from .capture import (SPECIAL, _borrowing, _NewTensor, _apply_mutations, _capture_general, _from_report, _planned, _plans_get,
@@ -293,10 +293,12 @@ def move_between_devices(src: LazyTensor, dst_stream) -> LazyTensor:
     with src_stream.lock:
         src_stream.append([SEND_OP, [protocol.encode_handle(src._genie.id), dst_stream.link.endpoint, tid], {}, None])
     src_stream.flush()
+    # A channels-last or transposed tensor goes in its own memory order and keeps its strides, as
+    # PyTorch's .to() keeps them (the sending daemon decides the same way: peers.PeerLinks.send).
+    strides = tuple(src.stride()) if travels_as_it_lies(src) else contiguous_strides(src.shape)
     with dst_stream.lock:
         h = dst_stream.new_handle()
-        out = LazyTensor(dst_stream, h, src.shape, contiguous_strides(src.shape), 0, src.dtype,
-                         src.numel() * src.element_size())
+        out = LazyTensor(dst_stream, h, src.shape, strides, 0, src.dtype, src.numel() * src.element_size())
         dst_stream.append([RECV_OP, [tid], {}, h])
     return out
 

@@ -17,7 +17,8 @@ Client -> daemon header: ``[kind, request_id, body]``
   stats  {dev}                                -> {allocated, reserved, peak, handles, clients}
   ping   {}                                   -> {}
   probe  {} + frames                          -> {bytes}  (bandwidth measurement)
-  deposit {tid, dtype, shape} + 1 frame       -> {}   (daemon to daemon: a tensor for `genie::recv`)
+  deposit {tid, dtype, shape, strides?} + 1 frame -> {}   (daemon to daemon: a tensor for `genie::recv`;
+         with strides, a channels-last or transposed tensor's elements in its own memory order)
   bye    {}                                   -> {}   (frees everything the client holds)
 
 Daemon -> client header: ``[request_id, ok, body]``; when ok is false, body is
@@ -76,7 +77,8 @@ from .tensors import check_frames, check_shape, parse_dtype
 # instead of misreading ops, lanes or replies later. 2: hello carries the client's version.
 # 3: WRITING records on shared-memory bulk lanes. 4: an op may carry its outputs' planned strides.
 # 5: genie::storage_of names several tensors; a fetched tensor and genie::adopt may carry strides.
-VERSION = 5
+# 6: a deposit (daemon to daemon) may carry strides: its bytes are then in that memory order.
+VERSION = 6
 
 # The longest ping period a client may state in hello (it then promises no pings: 0).
 MAX_HEARTBEAT_S = 3600

@@ -69,19 +69,29 @@ def dense(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def fills_one_run(shape, strides) -> bool:
+    """Whether a tensor of `shape` and `strides` has its elements in one run of memory, each
+    once, in whatever order (non-overlapping and dense): row-major, channels-last, transposed."""
+    expected = 1
+    for stride, size in sorted((st, n) for n, st in zip(shape, strides) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def travels_as_it_lies(t: torch.Tensor) -> bool:
+    """Whether `t` is sent in its own memory order with its strides (see `dense_span`): not
+    row-major, and its elements fill one run of memory; not a conjugate or negative view."""
+    return not (t.is_contiguous() or t.is_conj() or t.is_neg() or t.numel() == 0) and fills_one_run(t.shape, t.stride())
+
+
 def dense_span(t: torch.Tensor) -> torch.Tensor | None:
     """For a tensor that is not row-major but whose elements fill one run of memory in another
     order (channels-last, transposed, permuted: non-overlapping and dense), that run as a 1-D
     contiguous view, whose bytes with `t`'s strides give `t` (sent as they lie instead of
     permuted into row-major order); None for any other tensor."""
-    if t.is_contiguous() or t.is_conj() or t.is_neg() or t.numel() == 0:
-        return None
-    expected = 1
-    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1):
-        if stride != expected:
-            return None
-        expected *= size
-    return t.as_strided((t.numel(),), (1,))
+    return t.as_strided((t.numel(),), (1,)) if travels_as_it_lies(t) else None
 
 
 def check_strides(strides: object, shape: tuple[int, ...]) -> tuple[int, ...]:
