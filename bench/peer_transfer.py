@@ -11,11 +11,13 @@ size and each pair of daemons, these take turns copy by copy:
 - through the client: `x.cpu().to(dev1)` then `synchronize(1)`;
 - raw socket: the same bytes once over one TCP connection and a one-byte answer (the floor of
   one hop; bench.transport_throughput's baseline), beside the default pair's copies.
+With `--curve` the daemons run under CURVE (sharing a key pair, as a cluster's daemons do): their
+lanes to each other, and the client's, are sealed (AES-GCM); the raw socket stays plaintext.
 Times are medians over rounds (4x --repeats up to 16 MiB); the ratio to the client path is the
 median of the ratios within a round. Both daemons and the client share this machine's cores. After the rounds, the copy's
 values are checked against the source.
 
-    python -m bench.peer_transfer [--sizes-mb 4,16,64,256] [--repeats 5]
+    python -m bench.peer_transfer [--sizes-mb 4,16,64,256] [--repeats 5] [--curve]
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import time
 import torch
 
 from bench.common import machine, median, print_table, write_json
-from bench.transport_throughput import RawSocket
+from bench.transport_throughput import RawSocket, curve_keys
 
 SRC, DST = "remote_accelerator:0", "remote_accelerator:1"
 
@@ -38,13 +40,14 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def _peer_lane_counts() -> dict:
-    """How many connections daemon 0's lane to its peer has (its `stats`)."""
+def _peer_lanes() -> list:
+    """Daemon 0's lanes to its peer (its `stats`): [how they carry bytes, how many connections]."""
     import genie
 
     stream = genie.get_runtime().streams[0]
     stream.synchronize()
-    return stream.link.request("stats", {"dev": stream.local_index}).body["peer_lane_counts"]
+    stats = stream.link.request("stats", {"dev": stream.local_index}).body
+    return [[stats["peer_lanes"][peer], count] for peer, count in stats["peer_lane_counts"].items()]
 
 
 def _pair(extra: list[str]):
@@ -53,13 +56,25 @@ def _pair(extra: list[str]):
     return DaemonProcess("tcp://127.0.0.1:0", extra=extra), DaemonProcess("tcp://127.0.0.1:0", extra=extra)
 
 
-def measure(sizes: list[int], repeats: int) -> dict:
+def _cluster_keys() -> tuple[dict, list[str]]:
+    """CURVE keys for a run: the client's (genie.init's key arguments), and the daemons' flags; the
+    daemons allow their own public key, so each takes the other as a client."""
+    import shutil
+
+    client, flags = curve_keys()
+    allowed = flags[flags.index("--allow-keys") + 1]
+    shutil.copy(client["server_key"], os.path.join(allowed, "daemon.key"))
+    return client, flags
+
+
+def measure(sizes: list[int], repeats: int, curve: bool = False) -> dict:
     import genie
 
+    keys, flags = _cluster_keys() if curve else ({}, [])
     variants = {"peer, default lanes": [], "peer, one lane": ["--peer-lanes", "1"]}
-    pairs = {name: _pair(extra) for name, extra in variants.items()}
+    pairs = {name: _pair(extra + flags) for name, extra in variants.items()}
     raw = RawSocket("tcp", max(sizes))
-    out: dict = {"lanes": {}}
+    out: dict = {"lanes": {}, "curve": curve}
     try:
         for a, b in pairs.values():
             a.start(), b.start()
@@ -68,13 +83,13 @@ def measure(sizes: list[int], repeats: int) -> dict:
             ratios: dict[str, list[float]] = {k: [] for k in variants}
             checks = []
             for name, (a, b) in pairs.items():
-                genie.init(f"{a.endpoint},{b.endpoint}")
+                genie.init(f"{a.endpoint},{b.endpoint}", **keys)
                 try:
                     x = torch.randn(n // 4, device=SRC)
                     # Untimed: the first copy greets the peer (inside ZeroMQ) and its answer opens
                     # the lanes; then buffers of this size exist on both ends.
                     deadline = time.monotonic() + 30
-                    while not _peer_lane_counts():
+                    while not _peer_lanes():
                         if time.monotonic() > deadline:
                             raise RuntimeError("daemon 0 opened no lane to daemon 1")
                         x.to(DST)
@@ -92,7 +107,7 @@ def measure(sizes: list[int], repeats: int) -> dict:
                             times["through the client"].append(hop)
                             times["raw socket"].append(raw.transfer(n))
                     checks.append(torch.equal(x.to(DST).cpu(), x.cpu()))
-                    out["lanes"][name] = list(_peer_lane_counts().values())
+                    out["lanes"][name] = _peer_lanes()
                 finally:
                     genie.shutdown()
             if not all(checks):
@@ -113,14 +128,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes-mb", default="4,16,64,256")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--curve", action="store_true", help="daemons under CURVE: sealed lanes between them")
     args = p.parse_args(argv)
     sizes = [int(float(s) * (1 << 20)) for s in args.sizes_mb.split(",")]
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-    result = measure(sizes, args.repeats)
+    result = measure(sizes, args.repeats, args.curve)
     m = machine()
-    print(f"# daemon to daemon over tcp loopback -- {m['cpus']} cpus, torch {m['torch']}, "
+    print(f"# daemon to daemon over tcp loopback{', CURVE' if args.curve else ''} -- {m['cpus']} cpus, torch {m['torch']}, "
           f"medians of {args.repeats} rounds (ms; GB/s; speed-up over x.cpu().to(dev1))")
-    print("connections from daemon 0 to daemon 1:", result["lanes"])
+    print("lanes from daemon 0 to daemon 1 [kind, connections]:", result["lanes"])
     rows = []
     for n in sizes:
         r = result[str(n)]
@@ -129,7 +145,8 @@ def main(argv=None) -> int:
                      *(f"{r['speedup_over_client_path'][k]:.2f}x" for k in r["speedup_over_client_path"])))
     first = result[str(sizes[0])]
     print_table(rows, ("size", *first["ms"], *(f"{k}: speed-up" for k in first["speedup_over_client_path"])))
-    print("wrote", write_json("peer_transfer", {**result, "repeats": args.repeats}))
+    print("wrote", write_json("peer_transfer_curve" if args.curve else "peer_transfer",
+                              {**result, "repeats": args.repeats}))
     return 0
 
 
