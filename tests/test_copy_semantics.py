@@ -148,6 +148,30 @@ def test_an_upload_that_narrows_its_dtype_sends_the_smaller_elements(dev, sent_o
     assert any("imaginary part" in str(w.message) for w in caught), [str(w.message) for w in caught]
 
 
+def test_a_download_that_narrows_its_dtype_receives_the_smaller_elements(dev):
+    """`x.to("cpu", torch.float16)` of a float32 remote tensor casts on the daemon first: half the
+    bytes come back, the values those of casting on the CPU (floating narrowing rounds to nearest
+    even everywhere). Casts to integers, and widening ones, happen on the CPU as before."""
+    def received():
+        return sum(s["bytes_received"] for s in genie.transport_stats().values())
+
+    host = torch.randn(1 << 20) * 1000
+    x = host.to(dev)
+    torch.remote_accelerator.synchronize()
+    before = received()
+    half = x.to("cpu", torch.float16)
+    assert (2 << 20) <= received() - before < (2 << 20) + 4096
+    assert half.dtype == torch.float16 and half.device.type == "cpu" and torch.equal(half, host.half())
+    assert torch.equal(x.to("cpu", torch.bfloat16), host.bfloat16())
+    assert torch.equal(x.to("cpu", torch.int16), host.to(torch.int16))
+    assert torch.equal(x.to("cpu", torch.float64), host.double())
+    z = torch.randn(8, dtype=torch.complex128)
+    assert torch.equal(z.to(dev).to("cpu", torch.complex64), z.to(torch.complex64))
+    cl = torch.randn(2, 3, 4, 4).contiguous(memory_format=torch.channels_last)
+    back = cl.to(dev).to("cpu", torch.float16)
+    assert back.stride() == cl.half().stride() and torch.equal(back, cl.half())
+
+
 def _deepcopies_on(device):
     import copy
 

@@ -96,7 +96,12 @@ def _to_copy(func, args, kwargs):
             return torch.ops.aten._to_copy.default(local, **rest) if rest else local
     cpu = read_ahead.take(src)  # fetched with its module's other tensors (model.cpu())
     if cpu is None:
-        cpu = to_cpu(src)  # already a fresh tensor: no second copy unless something changes
+        narrowed = _narrowed_there(src, rest.get("dtype"))
+        if narrowed is not None:
+            src, cpu = narrowed, to_cpu(narrowed)
+            rest.pop("dtype")
+        else:
+            cpu = to_cpu(src)  # already a fresh tensor: no second copy unless something changes
     if rest.get("memory_format", torch.preserve_format) is torch.preserve_format and not src.is_contiguous():
         cpu = _in_layout_of(src, cpu)
         rest.pop("memory_format", None)
@@ -104,6 +109,18 @@ def _to_copy(func, args, kwargs):
     if target.type == "cpu":
         return local
     return torch.ops.aten._to_copy.default(local, device=target)
+
+
+def _narrowed_there(src: LazyTensor, dtype: torch.dtype | None) -> LazyTensor | None:
+    """`x.to("cpu", torch.float16)` of a float32 remote tensor: cast on the daemon (queued with the
+    read), so the wire carries the smaller elements. Only between floating types (or complex ones),
+    whose narrowing rounds to nearest even on every device, as PyTorch's CUDA copy converts on the
+    CPU: the values are the same. A cast to an integer type, or one that widens, happens here."""
+    if dtype is None or dtype == src.dtype or dtype.itemsize >= src.dtype.itemsize:
+        return None
+    if not (src.dtype.is_floating_point and dtype.is_floating_point or src.is_complex() and dtype.is_complex):
+        return None
+    return src.to(dtype)
 
 
 def _in_layout_of(src: LazyTensor, values: torch.Tensor) -> torch.Tensor:
