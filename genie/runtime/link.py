@@ -24,7 +24,7 @@ import torch
 
 from genie.errors import GenieConnectionError, GenieError
 from genie.transport import bulk, cuda_ipc, lane_set, protocol, reachability, sealed_lane, stream_framing, ucx_lane
-from genie.transport.channel import Channel, ChannelClosed, RemoteError
+from genie.transport.channel import AnswerLost, Channel, ChannelClosed, RemoteError, Reply
 from genie.transport.errors import ProtocolError
 
 from .stream import DeviceStream, remote_error
@@ -587,6 +587,16 @@ class DaemonLink:
                 continue
             except KeyboardInterrupt:
                 raise  # Ctrl-C while waiting: the answer still comes, and the next reader reads it
+            except AnswerLost as e:
+                # Ctrl-C cut the lane mid-answer: the batch ran, its answer is gone. A failure it
+                # would have told of shows at its outputs' next read (the daemon keeps the poison);
+                # a waiter holding its future learns that the answer is lost.
+                self._forget_oldest_posted()
+                if posted.future is None:
+                    posted.settle(Reply({}, []))
+                else:
+                    posted.settle(error=GenieConnectionError(str(e)))
+                continue
             except BaseException as e:
                 # The connection is gone: no answer will come. Each batch's waiter, or its
                 # stream's next sync, learns it too (this caller may be the collector thread).
