@@ -27,6 +27,13 @@ def blocking_waits() -> int:
     return sum(s["blocking_waits"] for s in genie.transport_stats().values())
 
 
+def timed(fn) -> float:
+    """Seconds one call of `fn` takes."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def median(xs) -> float:
     return statistics.median(xs)
 

@@ -14,11 +14,10 @@ round each download's layout and values are checked.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
-from bench.common import machine, median, print_table, write_json
+from bench.common import machine, median, print_table, timed, write_json
 
 DEV = "remote_accelerator:0"
 
@@ -29,12 +28,6 @@ def _layouts(mb: float) -> dict[str, torch.Tensor]:
     base = torch.randn(16, channels, side, side)
     return {"row-major": base, "channels-last": base.contiguous(memory_format=torch.channels_last),
             "transposed": base.transpose(2, 3)}
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def measure(mb: float, repeats: int) -> dict:
@@ -55,8 +48,8 @@ def measure(mb: float, repeats: int) -> dict:
     times: dict[str, dict[str, list]] = {name: {"up": [], "down": []} for name in tensors}
     for _ in range(repeats):
         for name in tensors:  # each layout in turn within a round
-            times[name]["up"].append(_timed(lambda: upload(tensors[name])))
-            times[name]["down"].append(_timed(lambda: remote[name].cpu()))
+            times[name]["up"].append(timed(lambda: upload(tensors[name])))
+            times[name]["down"].append(timed(lambda: remote[name].cpu()))
     for name, t in tensors.items():  # the layout and the values came back
         back = remote[name].cpu()
         assert back.stride() == t.stride() and torch.equal(back, t), name

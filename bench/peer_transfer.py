@@ -28,16 +28,10 @@ import time
 
 import torch
 
-from bench.common import machine, median, print_table, write_json
+from bench.common import machine, median, print_table, timed, write_json
 from bench.transport_throughput import RawSocket, curve_keys
 
 SRC, DST = "remote_accelerator:0", "remote_accelerator:1"
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def _peer_lanes() -> list:
@@ -99,8 +93,8 @@ def measure(sizes: list[int], repeats: int, curve: bool = False) -> dict:
                         torch.remote_accelerator.synchronize(1)
                     # More rounds of small copies: a few ms each, and the machine's noise is larger.
                     for _ in range(repeats * 4 if n <= 16 << 20 else repeats):
-                        peer = _timed(lambda: (x.to(DST), torch.remote_accelerator.synchronize(1)))
-                        hop = _timed(lambda: (x.cpu().to(DST), torch.remote_accelerator.synchronize(1)))
+                        peer = timed(lambda: (x.to(DST), torch.remote_accelerator.synchronize(1)))
+                        hop = timed(lambda: (x.cpu().to(DST), torch.remote_accelerator.synchronize(1)))
                         times[name].append(peer)
                         ratios[name].append(hop / peer)
                         if name == "peer, default lanes":

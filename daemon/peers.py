@@ -24,7 +24,7 @@ import zmq.asyncio
 from genie.transport import bulk, lane_set, protocol, sealed_lane
 from genie.transport.errors import ProtocolError
 from genie.transport.hostmem import HostBufferPool
-from genie.transport.tensors import bytes_as_tensor, dense_span, dtype_name, tensor_to_frames
+from genie.transport.tensors import bytes_as_tensor, dense_span, dtype_name, laid_out, tensor_to_frames
 
 log = logging.getLogger("genie.daemon")
 
@@ -109,7 +109,7 @@ class LaneDeposit:
     def __init__(self, bulk, identity: bytes, xfer: int, dtype: torch.dtype, shape: tuple[int, ...],
                  strides: tuple[int, ...] | None = None) -> None:
         self.bulk, self.identity, self.xfer, self.dtype, self.shape = bulk, identity, xfer, dtype, shape
-        self.strides = strides  # checked (tensors.check_strides): the bytes are a run in this order
+        self.strides = strides  # the bytes are a run in this order (tensors.laid_out)
         self.nbytes = math.prod(shape) * dtype.itemsize
 
     def ready(self) -> bool:
@@ -117,10 +117,7 @@ class LaneDeposit:
 
     def take(self, timeout: float) -> torch.Tensor:
         raw = self.bulk.take_upload(self.identity, self.xfer, timeout)
-        if self.strides is None:
-            return bytes_as_tensor(raw, self.dtype, self.shape, f"peer transfer {self.xfer}")
-        run = bytes_as_tensor(raw, self.dtype, (math.prod(self.shape),), f"peer transfer {self.xfer}")
-        return run.as_strided(self.shape, self.strides)
+        return laid_out(bytes_as_tensor(raw, self.dtype, self.shape, f"peer transfer {self.xfer}"), self.strides)
 
     def drop(self) -> None:
         """Never claimed: let its bytes go too, once in (a lane that closed has dropped them)."""

@@ -15,7 +15,6 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
-import math
 import os
 import time
 
@@ -555,26 +554,24 @@ class DaemonServer(DirectLanes, MemoryQueries):
     def _deposit(self, key: bytes, body: dict, payload: list) -> None:
         """A peer daemon's tensor for a transfer: in the message's frames, or (`xfer`) on the lane
         the peer opened as a client of ours (see peers.PeerLinks)."""
-        from genie.transport.tensors import check_shape, check_strides, frames_to_tensor, parse_dtype
+        from genie.transport.tensors import check_shape, check_strides, frames_to_tensor, laid_out, parse_dtype
 
         tid, dtype, shape = check_transfer_id(body.get("tid")), parse_dtype(body.get("dtype")), check_shape(body.get("shape"))
         # With strides, the bytes are the tensor's elements in its own memory order (channels-last, ...).
-        strides = None if body.get("strides") is None else check_strides(body["strides"], shape)
+        strides = body.get("strides")
         xfer = body.get("xfer")
         if xfer is not None:
             if type(xfer) is not int or payload:
                 raise ProtocolError("a deposit names a lane transfer (an int) or carries frames, not both")
             if self.bulk is None or self.bulk.lane(key) is None:
                 raise ProtocolError("a deposit names a lane transfer, and this peer has no lane open")
-            self.mailbox.put(tid, LaneDeposit(self.bulk, key, xfer, dtype, shape, strides))
+            # Checked now, so that a bad deposit is refused at once rather than when it is claimed.
+            checked = None if strides is None else check_strides(strides, shape)
+            self.mailbox.put(tid, LaneDeposit(self.bulk, key, xfer, dtype, shape, checked))
             return
         if not payload:
             raise ProtocolError("a deposit carries the tensor's frames")
-        if strides is None:
-            self.mailbox.put(tid, frames_to_tensor([p.buffer for p in payload], dtype, shape))
-            return
-        run = frames_to_tensor([p.buffer for p in payload], dtype, (math.prod(shape),))
-        self.mailbox.put(tid, run.as_strided(shape, strides))
+        self.mailbox.put(tid, laid_out(frames_to_tensor([p.buffer for p in payload], dtype, shape), strides))
 
     def _drop_client(self, identity: bytes, close_direct_lane: bool = True) -> dict:
         client = self.clients.pop(identity, None)

@@ -96,7 +96,7 @@ def test_answers_lost_with_a_lane_cut_mid_answer_do_not_fail_later_work(daemon_e
             x += 1  # full batches posted ahead on the direct lane, their answers unread
         channel = link.channel
         assert link._direct_unread and channel.direct_stream is not None
-        channel._cut_streams.append(channel.direct_stream)
+        channel._cut_stream = channel.direct_stream
         channel._drop_direct_stream("a Ctrl-C in the middle of an answer, simulated")
         assert x[0].item() == 100.0
         assert (x * 2).cpu().tolist() == [200.0] * 4

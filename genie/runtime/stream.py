@@ -23,7 +23,7 @@ from genie.transport import numerics, protocol
 from genie.transport.channel import RemoteError
 from genie.transport.bulk import tensor_bytes
 from genie.transport.errors import ProtocolError
-from genie.transport.tensors import bytes_as_tensor, check_frames, check_shape, check_strides, frames_to_tensor, parse_dtype
+from genie.transport.tensors import bytes_as_tensor, check_frames, check_shape, frames_to_tensor, laid_out, parse_dtype
 
 from .device_type import DEVICE_TYPE
 
@@ -394,7 +394,7 @@ class DeviceStream:
             frame, dtype, shape = desc[:3]
             frames = check_frames(frame, len(reply.frames))
             shape = check_shape(shape)
-            out.append(_laid_out(frames_to_tensor([reply.frames[i].buffer for i in frames], parse_dtype(dtype), shape),
+            out.append(laid_out(frames_to_tensor([reply.frames[i].buffer for i in frames], parse_dtype(dtype), shape),
                                  desc[3] if len(desc) == 4 else None))
         if failure is not None:
             raise failure
@@ -408,7 +408,7 @@ class DeviceStream:
                                        "cannot receive")
         try:
             raw = lane.arrivals.take(xfer, self.link.runtime.config.request_timeout)
-            return _laid_out(bytes_as_tensor(raw, dtype, shape, f"bulk transfer {xfer}"), desc.get("strides"))
+            return laid_out(bytes_as_tensor(raw, dtype, shape, f"bulk transfer {xfer}"), desc.get("strides"))
         except (TimeoutError, ConnectionError, ProtocolError) as e:
             raise GenieConnectionError(f"genie-daemon at {self.link.endpoint}: {e}") from None
 
@@ -419,7 +419,7 @@ class DeviceStream:
         try:
             if lane is None or type(where) is not list or len(where) != 2 or not all(type(v) is int for v in where):
                 raise ProtocolError(f"a fetched tensor named in a shared segment this client cannot read: {where!r}")
-            return _laid_out(bytes_as_tensor(lane.take_named(*where), dtype, shape, f"segment {where[0]}"),
+            return laid_out(bytes_as_tensor(lane.take_named(*where), dtype, shape, f"segment {where[0]}"),
                              desc.get("strides"))
         except ProtocolError as e:
             raise GenieConnectionError(f"genie-daemon at {self.link.endpoint}: {e}") from None
@@ -440,14 +440,6 @@ class DeviceStream:
         self.note_failure(reply)
         self._raise_async_error()
         return reply.body["report"]
-
-
-def _laid_out(values: torch.Tensor, strides) -> torch.Tensor:
-    """A fetched tensor (row-major as received) with the strides the daemon sent it with: the
-    bytes of a channels-last or transposed tensor come as they lay there (transport.tensors.dense_span)."""
-    if strides is None:
-        return values
-    return values.as_strided(values.shape, check_strides(strides, tuple(values.shape)))
 
 
 # Handle ids made inside a torch.accelerator.Graph capture whose graph has not been replayed yet,

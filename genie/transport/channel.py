@@ -120,7 +120,9 @@ class Channel:
         # while waiting for another is kept in `_direct_early` for its own reader.
         self._direct_awaiting: dict[int, tuple[socket.socket | None, float]] = {}
         self._direct_early: dict[int, tuple[bool, object, list]] = {}
-        self._cut_streams: list = []  # direct lanes dropped by Ctrl-C mid-answer (answers due there are lost)
+        # The direct lane Ctrl-C dropped mid-answer, if it did: answers due there are lost. (A channel's
+        # lane is set once, when it connects, so there is at most one.)
+        self._cut_stream: socket.socket | None = None
         self._pollers: dict = {}  # the direct lane's socket -> a poll object on it
         self.loss_grace_s = 5.0  # after the direct lane breaks, how long to wait for the link's verdict
         self.busy_poll = BusyPoll(0.0)  # a direct request polls for its answer before blocking (_spin_for_reply)
@@ -314,7 +316,7 @@ class Channel:
             if early is not None:
                 return self._settle(*early)
             stream, sent_at = self._direct_awaiting[rid]
-            if stream is not None and any(stream is cut for cut in self._cut_streams):
+            if stream is not None and stream is self._cut_stream:
                 raise AnswerLost(f"the answer to request {rid} was lost: Ctrl-C cut the direct lane to "
                                  f"{self.endpoint} in the middle of an answer")
             reply = (self._receive_zmq_direct(rid, timeout, alive, poll_s) if stream is None
@@ -358,7 +360,7 @@ class Channel:
                 # Ctrl-C in the middle of a message (the waits above are where it almost always
                 # lands, harmlessly): the lane's framing is lost, so requests go by ZeroMQ from now.
                 if self.direct_stream is stream:
-                    self._cut_streams.append(stream)
+                    self._cut_stream = stream
                     self._drop_direct_stream("interrupted while reading an answer")
                 raise
             except (OSError, ProtocolError) as e:

@@ -94,6 +94,15 @@ def dense_span(t: torch.Tensor) -> torch.Tensor | None:
     return t.as_strided((t.numel(),), (1,)) if travels_as_it_lies(t) else None
 
 
+def laid_out(values: torch.Tensor, strides) -> torch.Tensor:
+    """A received tensor (viewed row-major over its bytes) with the strides it was sent with, when
+    its bytes are the run of a channels-last or transposed tensor as it lay (`dense_span`); the
+    strides are checked first, as every received field is. `values` as it is without strides."""
+    if strides is None:
+        return values
+    return values.as_strided(values.shape, check_strides(strides, tuple(values.shape)))
+
+
 def check_strides(strides: object, shape: tuple[int, ...]) -> tuple[int, ...]:
     """Strides received for a tensor of `shape` whose bytes are a dense run: one per dimension,
     non-negative, and reaching no element past the run (checked, as every received field is)."""
