@@ -210,8 +210,17 @@ def test_one_daemon_with_two_devices(daemon_endpoint):
             x = torch.arange(6.0, device="remote_accelerator:0").reshape(2, 3).t()
             y = x.to("remote_accelerator:1")
             del x  # the copy must not depend on the source's Python object
-            assert y.device.index == 1 and y.is_contiguous()
+            # A transposed tensor keeps its strides, as PyTorch's .to() keeps them between GPUs.
+            assert y.device.index == 1 and y.stride() == (1, 3) and not y.is_contiguous()
             assert y.cpu().tolist() == [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]]
+            assert (y + 1).cpu().tolist() == [[1.0, 4.0], [2.0, 5.0], [3.0, 6.0]]
+            image = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+            moved = image.to("remote_accelerator:0").to("remote_accelerator:1")
+            assert moved.stride() == image.stride() and torch.equal(moved.cpu(), image)
+            assert moved.cpu().is_contiguous(memory_format=torch.channels_last)
+            gappy = torch.arange(12.0, device="remote_accelerator:0").reshape(3, 4)[:, ::2]
+            row_major = gappy.to("remote_accelerator:1")  # a view with gaps arrives row-major, as there
+            assert row_major.is_contiguous() and row_major.cpu().tolist() == [[0.0, 2.0], [4.0, 6.0], [8.0, 10.0]]
             z = torch.ones(3, device="remote_accelerator:1") + torch.tensor(1.0)
             assert z.cpu().tolist() == [2.0, 2.0, 2.0]
             # Autograd on a device index above 0 needs the C++ device guard.

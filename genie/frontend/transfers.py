@@ -21,7 +21,7 @@ from genie.runtime import get_runtime
 from genie.runtime.device_type import DEVICE_TYPE
 from genie.runtime.stream import HandleRef
 from genie.transport import cuda_ipc, protocol
-from genie.transport.tensors import dense_span, travels_as_it_lies
+from genie.transport.tensors import dense_span, fills_one_run, travels_as_it_lies
 
 from . import meta, read_ahead
 from .capture import (SPECIAL, _borrowing, _NewTensor, _apply_mutations, _capture_general, _from_report, _planned, _plans_get,
@@ -295,15 +295,19 @@ def move_between_devices(src: LazyTensor, dst_stream) -> LazyTensor:
     src_stream = src._genie.stream
     if src_stream.link is dst_stream.link:
         # One daemon, one handle table: copy there. Flushing around the op keeps the source's
-        # handle alive until the copy has run (frees of the source travel after it).
+        # handle alive until the copy has run (frees of the source travel after it). A tensor whose
+        # elements fill one run (channels-last, transposed) keeps its strides, as PyTorch's
+        # preserve_format copy keeps them; any other (a view with gaps) is copied row-major.
+        keeps_strides = src.numel() > 0 and fills_one_run(src.shape, src.stride())
+        memory_format = torch.preserve_format if keeps_strides else torch.contiguous_format
         src_stream.flush()
         with dst_stream.lock:
             h = dst_stream.new_handle()
-            out = LazyTensor(dst_stream, h, src.shape, contiguous_strides(src.shape), 0, src.dtype,
-                             src.numel() * src.element_size())
+            strides = tuple(src.stride()) if keeps_strides else contiguous_strides(src.shape)
+            out = LazyTensor(dst_stream, h, src.shape, strides, 0, src.dtype, src.numel() * src.element_size())
             dst_stream.append(["aten::_to_copy", [protocol.encode_handle(src._genie.id)],
                                {"device": protocol.encode_device("remote", dst_stream.local_index),
-                                "memory_format": protocol.encode_memory_format(torch.contiguous_format)}, h])
+                                "memory_format": protocol.encode_memory_format(memory_format)}, h])
         dst_stream.flush()
         return out
     tid = secrets.token_hex(16)
