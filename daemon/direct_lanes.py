@@ -66,9 +66,16 @@ class DirectLanes:
             reader = stream_framing.SealedMessageReader(conn, sealing[1], *limits)
             writer = stream_framing.MessageWriter(conn, sealing[0])
         lane = DirectLane(conn, identity, reader, writer)
-        old = self._direct.pop(identity, None)
+        old = self._direct.get(identity)
         if old is not None:
-            self._close_direct(old, "replaced")
+            # The client opened a new lane (its old one was cut by a Ctrl-C mid-answer): requests
+            # it sent on the old one before are handled first, in order, then that one is closed.
+            self._on_direct_readable(old)
+            if self._direct.get(identity) is old:
+                self._close_direct(old, "replaced")
+        client = self.clients.get(token)
+        if client is not None:
+            client.lane_closed_at = None  # it has a lane again (see DaemonServer._gone)
         self._direct[identity] = lane
         self._loop.add_reader(conn.fileno(), self._on_direct_readable, lane)
 

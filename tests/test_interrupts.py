@@ -3,6 +3,7 @@ KeyboardInterrupt, the work already sent runs on (as CUDA work does), and the ne
 program runs in a child process (pytest stops on SIGINT), against the session's daemon."""
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -87,7 +88,7 @@ def test_answers_lost_with_a_lane_cut_mid_answer_do_not_fail_later_work(daemon_e
     import genie
     from genie.runtime import get_runtime
 
-    genie.init(daemon_endpoint)  # a connection of its own: its direct lane is cut for good
+    genie.init(daemon_endpoint)  # a connection of its own: its direct lane is cut
     try:
         x = torch.zeros(4, device="remote_accelerator:0")
         torch.remote_accelerator.synchronize()
@@ -96,9 +97,21 @@ def test_answers_lost_with_a_lane_cut_mid_answer_do_not_fail_later_work(daemon_e
             x += 1  # full batches posted ahead on the direct lane, their answers unread
         channel = link.channel
         assert link._direct_unread and channel.direct_stream is not None
-        channel._cut_stream = channel.direct_stream
+        cut = channel.direct_stream
+        channel._cut_streams.add(cut)
         channel._drop_direct_stream("a Ctrl-C in the middle of an answer, simulated")
         assert x[0].item() == 100.0
         assert (x * 2).cpu().tolist() == [200.0] * 4
+        # A fresh direct lane opens (blocking requests went by ZeroMQ meanwhile), and carries them again.
+        deadline = time.monotonic() + 20
+        while channel.direct_stream is None:
+            assert time.monotonic() < deadline, "no new direct lane"
+            time.sleep(0.01)
+        assert channel.direct_stream is not cut
+        for _ in range(50):
+            x += 1
+        assert x.sum().item() == 600.0
+        assert channel.direct_stream in channel._pollers  # that answer was read on the new lane
+        assert not channel._cut_streams  # no request awaits an answer on the cut lane any more
     finally:
         genie.shutdown()

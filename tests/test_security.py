@@ -75,6 +75,15 @@ def test_an_allowed_client_runs_work_encrypted(keys, curve_daemon):
         sent, received = lane.bytes_sent, lane.bytes_received
         assert torch.equal((big.to("remote_accelerator:0") * 1).cpu(), big)
         assert lane.bytes_sent - sent >= big.nbytes and lane.bytes_received - received >= big.nbytes
+        # A direct lane dropped (as a Ctrl-C mid-answer drops it) is opened again, sealed.
+        channel = get_runtime().links[0].channel
+        channel._drop_direct_stream("dropped by the test")
+        deadline = time.monotonic() + 20
+        while channel.direct_stream is None:
+            assert time.monotonic() < deadline, "no new direct lane"
+            time.sleep(0.01)
+        assert channel.direct_sealing is not None and (x * 3).sum().item() == 45.0
+        assert channel.direct_stream in channel._pollers  # answered on the new, sealed lane
     finally:
         genie.shutdown()
 

@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("genie.runtime")
 
+DIRECT_REOPEN_GAP_S = 2.0  # a dropped direct lane is opened again at most this often (see _direct_lane_dropped)
+DIRECT_INSTALL_WAIT_S = 10.0  # how long a new direct lane waits for the caller threads to leave the old path
 # How many ops a client may post on the direct socket ahead of reading their answers (see
 # DaemonLink.post_direct): like a CUDA device's launch queue, about a thousand deep, past which
 # launching waits for the device.
@@ -125,6 +127,11 @@ class DaemonLink:
         self.cuda_ipc_offer: dict | None = None  # hello's cuda_ipc: the daemon takes handles from this host
         self.ucx_gpu_memory = "no: no UCX lane to this daemon"  # whether its UCX lane moves GPU memory, in words
         self._cuda_ipc_ok: dict[int, bool] = {}  # client GPU index -> whether its tensors go by CUDA IPC
+        # Where the direct lane was opened (the lane listener's address, the lane key under CURVE):
+        # a dropped one is opened again there (see `_direct_lane_dropped`), at most once per
+        # DIRECT_REOPEN_GAP_S.
+        self._direct_lane_at: tuple | None = None
+        self._direct_reopened_at = -DIRECT_REOPEN_GAP_S
 
     async def connect(self, timeout: float, heartbeat: float) -> None:
         self.channel = Channel(self.endpoint, self.runtime.zmq_context, routing_id=self.token,
@@ -231,9 +238,10 @@ class DaemonLink:
                         "lane's, unreachable", self.endpoint)
         elif config.direct_lane:
             try:
-                sock, _ = await loop.run_in_executor(
-                    None, bulk.connect_greeted, address, stream_framing.MAGIC, self.token, min(timeout, 10.0))
-                self._use_direct_lane(sock)
+                sock, sealing = await loop.run_in_executor(None, self._connect_direct_lane, address, None,
+                                                           min(timeout, 10.0))
+                self._use_direct_lane(sock, sealing)
+                self._direct_lane_at = (address, None)
             except (OSError, ConnectionError) as e:
                 log.warning("no direct lane to %s (blocking requests go over ZeroMQ): %s", self.endpoint, e)
 
@@ -261,10 +269,10 @@ class DaemonLink:
                             self.endpoint, e)
         if config.direct_lane:
             try:
-                sock, sealing = await loop.run_in_executor(
-                    None, bulk.connect_sealed, address, self.token, lane_key, min(timeout, 10.0),
-                    stream_framing.MAGIC_SEALED)
+                sock, sealing = await loop.run_in_executor(None, self._connect_direct_lane, address, lane_key,
+                                                           min(timeout, 10.0))
                 self._use_direct_lane(sock, sealing)
+                self._direct_lane_at = (address, lane_key)
             except (OSError, ConnectionError, ProtocolError) as e:
                 log.warning("no sealed direct lane to %s (blocking requests go over ZeroMQ): %s", self.endpoint, e)
 
@@ -285,6 +293,13 @@ class DaemonLink:
         if failure is not None:
             log.warning("%d of %d bulk lanes to %s: %s", len(self.bulk_lane.lanes), wanted, self.endpoint, failure)
 
+    def _connect_direct_lane(self, address, lane_key: bytes | None, timeout: float):
+        """(Blocking.) A new direct-lane socket to the lane listener at `address`, and its sealing
+        (sealed with `lane_key` under CURVE, else None)."""
+        if lane_key is None:
+            return bulk.connect_greeted(address, stream_framing.MAGIC, self.token, timeout)[0], None
+        return bulk.connect_sealed(address, self.token, lane_key, timeout, stream_framing.MAGIC_SEALED)
+
     def _use_direct_lane(self, sock, sealing=None) -> None:
         """The channel's blocking requests go on `sock` from now (sealed with `sealing` under CURVE)."""
         config = self.runtime.config
@@ -292,6 +307,48 @@ class DaemonLink:
         self.channel.direct_stream = sock
         self.channel.busy_poll.seconds = max(0.0, config.client_spin_us) / 1e6
         self.channel.loss_grace_s = config.heartbeat_timeout + 2 * config.heartbeat
+        self.channel.on_direct_dropped = self._direct_lane_dropped
+
+    def _direct_lane_dropped(self) -> None:
+        """(Any thread; from the channel.) The direct lane was dropped: Ctrl-C cut it in the middle
+        of an answer, or its socket failed. Blocking requests go by ZeroMQ meanwhile, slower (a
+        Jupyter user interrupts cells often, and a long session would otherwise keep that cost):
+        open another on the loop, unless the daemon is lost."""
+        if self._direct_lane_at is None or self.lost is not None:
+            return
+        delay = max(0.0, self._direct_reopened_at + DIRECT_REOPEN_GAP_S - time.monotonic())
+        try:
+            self.runtime.loop.submit(self._reopen_direct_lane(delay))
+        except RuntimeError:  # the loop is stopping: nothing to reopen for
+            pass
+
+    async def _reopen_direct_lane(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        if self.lost is not None or self.channel is None or self.channel.closed or self.channel.direct_stream:
+            return
+        self._direct_reopened_at = time.monotonic()
+        loop = asyncio.get_running_loop()
+        try:
+            sock, sealing = await loop.run_in_executor(None, self._connect_direct_lane, *self._direct_lane_at, 10.0)
+        except (OSError, ConnectionError, ProtocolError) as e:
+            log.warning("no new direct lane to %s (blocking requests go over ZeroMQ): %s", self.endpoint, e)
+            return
+        if await loop.run_in_executor(None, self._install_direct_lane, sock, sealing):
+            log.info("direct lane to %s open again", self.endpoint)
+
+    def _install_direct_lane(self, sock, sealing) -> bool:
+        """(Blocking.) Use `sock` as the direct lane once no caller thread is on the channel's
+        direct path; closed instead when the link went away meanwhile."""
+        claimed = self._claim_direct_when_free(DIRECT_INSTALL_WAIT_S)
+        try:
+            if claimed and self.lost is None and not self.channel.closed and self.channel.direct_stream is None:
+                self._use_direct_lane(sock, sealing)
+                return True
+        finally:
+            if claimed:
+                self._release_direct()
+        sock.close()
+        return False
 
     def _take_gpu_memory_offer(self, devices, how) -> None:
         """The daemon's GPUs that uploads on the UCX lane may land in directly (see ucx_lane)."""

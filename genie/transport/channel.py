@@ -120,9 +120,10 @@ class Channel:
         # while waiting for another is kept in `_direct_early` for its own reader.
         self._direct_awaiting: dict[int, tuple[socket.socket | None, float]] = {}
         self._direct_early: dict[int, tuple[bool, object, list]] = {}
-        # The direct lane Ctrl-C dropped mid-answer, if it did: answers due there are lost. (A channel's
-        # lane is set once, when it connects, so there is at most one.)
-        self._cut_stream: socket.socket | None = None
+        # Direct lanes Ctrl-C dropped mid-answer: answers due there are lost. (The link opens a fresh
+        # lane after each drop; a cut one is forgotten once no request awaits an answer on it.)
+        self._cut_streams: set[socket.socket] = set()
+        self.on_direct_dropped = None  # callback(): the direct lane was dropped (the link opens another)
         self._pollers: dict = {}  # the direct lane's socket -> a poll object on it
         self.loss_grace_s = 5.0  # after the direct lane breaks, how long to wait for the link's verdict
         self.busy_poll = BusyPoll(0.0)  # a direct request polls for its answer before blocking (_spin_for_reply)
@@ -298,13 +299,18 @@ class Channel:
         return rid
 
     def _drop_direct_stream(self, why) -> None:
-        log.warning("direct lane to %s failed (%s); blocking requests go by ZeroMQ", self.endpoint, why)
+        log.warning("direct lane to %s failed (%s); blocking requests go by ZeroMQ until another is open",
+                    self.endpoint, why)
         try:
             self.direct_stream.close()
         except (OSError, AttributeError):
             pass
         self.direct_stream = None
         self.direct_sealing = None
+        awaited = {stream for stream, _ in self._direct_awaiting.values()}
+        self._cut_streams &= awaited
+        if self.on_direct_dropped is not None:
+            self.on_direct_dropped()
 
     def _receive_direct(self, rid, timeout, alive, poll_s) -> Reply:
         reading_from = time.perf_counter()
@@ -316,7 +322,10 @@ class Channel:
             if early is not None:
                 return self._settle(*early)
             stream, sent_at = self._direct_awaiting[rid]
-            if stream is not None and stream is self._cut_stream:
+            if stream is not None and stream in self._cut_streams:
+                del self._direct_awaiting[rid]
+                if all(other is not stream for other, _ in self._direct_awaiting.values()):
+                    self._cut_streams.discard(stream)  # the last answer due there
                 raise AnswerLost(f"the answer to request {rid} was lost: Ctrl-C cut the direct lane to "
                                  f"{self.endpoint} in the middle of an answer")
             reply = (self._receive_zmq_direct(rid, timeout, alive, poll_s) if stream is None
@@ -360,7 +369,7 @@ class Channel:
                 # Ctrl-C in the middle of a message (the waits above are where it almost always
                 # lands, harmlessly): the lane's framing is lost, so requests go by ZeroMQ from now.
                 if self.direct_stream is stream:
-                    self._cut_stream = stream
+                    self._cut_streams.add(stream)
                     self._drop_direct_stream("interrupted while reading an answer")
                 raise
             except (OSError, ProtocolError) as e:
