@@ -37,6 +37,7 @@ if [ -z "${FILES:-}" ]; then  # FILES="tests/a.py tests/b.py": only those, in sh
   TAILN=20 step diag 60 python3 scripts/gpu_daemon_diag.py
   step cuda_paths 60 python3 -m pytest -q --timeout 40 -rfE tests/test_cuda_paths.py
   step streams 40 python3 -m pytest -q --timeout 30 -rfE tests/test_streams_events.py
+  step moves 60 python3 -m pytest -q --timeout 40 -rfE tests/test_cuda_moves.py
   step demo 60 python3 -m genie.examples.demo
   step ops 90 python3 -m pytest -q --timeout 30 -rfE tests/test_ops.py
   OPS=nn.functional.conv2d,nn.functional.conv_transpose2d,nn.functional.batch_norm,nn.functional.layer_norm,nn.functional.max_pool2d,nn.functional.avg_pool2d,nn.functional.interpolate,matmul,addmm,bmm,nn.functional.scaled_dot_product_attention,nn.functional.linear,softmax,sum,nn.functional.group_norm,nn.functional.embedding,cumsum,sort,index_put,nn.functional.cross_entropy
@@ -49,7 +50,7 @@ if [ -n "${FILES:-}" ]; then
   TAILN=200 step suite $(( $(left) - 15 )) bash scripts/gpu_test_shards.sh ${SHARDS:-8} $(( $(left) - 25 )) --only $FILES
 else
   TAILN=200 step suite $(( $(left) - 15 )) bash scripts/gpu_test_shards.sh ${SHARDS:-8} $(( $(left) - 25 )) \
-    tests/test_cuda_paths.py tests/test_streams_events.py tests/test_ops.py
+    tests/test_cuda_paths.py tests/test_streams_events.py tests/test_cuda_moves.py tests/test_ops.py
 fi
 echo "### end at $(( $(date +%s) - T0 ))s"
 # The device tool brings back a few files only: every log, in one archive.
