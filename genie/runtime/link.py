@@ -339,7 +339,8 @@ class DaemonLink:
     def _install_direct_lane(self, sock, sealing) -> bool:
         """(Blocking.) Use `sock` as the direct lane once no caller thread is on the channel's
         direct path; closed instead when the link went away meanwhile."""
-        claimed = self._claim_direct_when_free(DIRECT_INSTALL_WAIT_S)
+        # A reader whose lane failed holds the direct path while it waits for the link's verdict.
+        claimed = self._claim_direct_when_free(max(DIRECT_INSTALL_WAIT_S, self.channel.loss_grace_s + 5.0))
         try:
             if claimed and self.lost is None and not self.channel.closed and self.channel.direct_stream is None:
                 self._use_direct_lane(sock, sealing)

@@ -285,6 +285,13 @@ class Channel:
             try:
                 stream_framing.send_message(stream, [header, *frames],
                                             self.direct_sealing[0] if self.direct_sealing else None)
+            except KeyboardInterrupt:
+                # Ctrl-C in the middle of sending (a full socket buffer): the daemon would read the
+                # rest of the lane misframed. It is dropped, as a cut mid-answer is, and answers
+                # due on it are lost; this request did not go.
+                self._cut_streams.add(stream)
+                self._drop_direct_stream("interrupted while sending a request")
+                raise
             except OSError as e:
                 self._drop_direct_stream(e)
                 if self._direct_awaiting:  # their answers were to come on that lane: lost with it
@@ -367,7 +374,8 @@ class Channel:
                 parts = stream_framing.receive_message(stream, protocol.MAX_FRAMES + 1, 1 << 62, 1 << 62, receiving)
             except KeyboardInterrupt:
                 # Ctrl-C in the middle of a message (the waits above are where it almost always
-                # lands, harmlessly): the lane's framing is lost, so requests go by ZeroMQ from now.
+                # lands, harmlessly): the lane's framing is lost, so requests go by ZeroMQ until the link
+                # has opened another lane.
                 if self.direct_stream is stream:
                     self._cut_streams.add(stream)
                     self._drop_direct_stream("interrupted while reading an answer")
