@@ -10,6 +10,7 @@ of the next batch, so a free never overtakes an op that still reads it.
 from __future__ import annotations
 
 import collections
+import contextlib
 import concurrent.futures
 import logging
 import re
@@ -23,6 +24,7 @@ from genie.transport import numerics, protocol
 from genie.transport.channel import RemoteError
 from genie.transport.bulk import tensor_bytes
 from genie.transport.errors import ProtocolError
+from genie.transport.interrupts import held_interrupts
 from genie.transport.tensors import bytes_as_tensor, check_frames, check_shape, frames_to_tensor, laid_out, parse_dtype
 
 from .device_type import DEVICE_TYPE
@@ -213,19 +215,20 @@ class DeviceStream:
         self.ops_captured += 1
         if self.pending_bulk:
             if send_now:
-                body, frames = self._take(fetch=[], report=False)
-                body["wait"] = True  # a hint: answered soon after its bytes land, not queued behind
-                named: list = []  # uploads the batch names in segments itself (see bulk.Lane.send)
+                with held_interrupts():  # a Ctrl-C comes once the batch and its bytes are out (interrupts.py)
+                    body, frames = self._take(fetch=[], report=False)
+                    body["wait"] = True  # a hint: answered soon after its bytes land, not queued behind
+                    named: list = []  # uploads the batch names in segments itself (see bulk.Lane.send)
 
-                def post() -> None:
-                    if named:
-                        body["segments"] = named
-                    if not self.link.post_direct(body, frames, self):
-                        self._post((body, frames), wait=False)
-                # An adopt is the batch's last op, and this thread's next message goes after the
-                # copy: on a daemon that keeps it as received, nothing reads it before then.
-                self._send_pending_bulk(post, write_behind=entry[0] == protocol.ADOPT_OP and self.runs_cpu_kernels,
-                                        records=named)
+                    def post() -> None:
+                        if named:
+                            body["segments"] = named
+                        if not self.link.post_direct(body, frames, self):
+                            self._post((body, frames), wait=False)
+                    # An adopt is the batch's last op, and this thread's next message goes after the
+                    # copy: on a daemon that keeps it as received, nothing reads it before then.
+                    self._send_pending_bulk(post, records=named,
+                                            write_behind=entry[0] == protocol.ADOPT_OP and self.runs_cpu_kernels)
         elif send_now and (len(self.ops) >= self.batch_ops and len(self.ops) >= self._batch_limit()
                            or self.inline_bytes >= self.batch_bytes):
             self._post_unwaited(self._take(fetch=[], report=False))
@@ -432,10 +435,11 @@ class DeviceStream:
             # Not send_now: an entry that filled the batch went out with it, unreported (its
             # answer came back empty, and the op was captured and run a second time).
             self.append(entry, send_now=False)
-            # With bulk bytes to follow, the request cannot go direct (that thread would block on
-            # the answer before sending them).
-            future = self._post(self._take(fetch=[], report=True), wait=True, direct=not self.pending_bulk)
-            self._send_pending_bulk()
+            with held_interrupts() if self.pending_bulk else contextlib.nullcontext():
+                # With bulk bytes to follow, the request cannot go direct (that thread would block
+                # on the answer before sending them).
+                future = self._post(self._take(fetch=[], report=True), wait=True, direct=not self.pending_bulk)
+                self._send_pending_bulk()
         reply = self.link.wait(future)
         self.note_failure(reply)
         self._raise_async_error()
