@@ -379,12 +379,15 @@ class DeviceStream:
         every other one is taken: a bulk transfer left unclaimed, or a shared segment untaken,
         would stay held (the daemon reuses a segment only once the tensor over it is freed)."""
         out, failure = [], None
-        for desc in reply.body["fetched"]:
-            if isinstance(desc, dict) and "bulk" in desc:
-                out.append(self._take_bulk(desc))
-                continue
-            if isinstance(desc, dict) and "segment" in desc:
-                out.append(self._take_named(desc))
+        fetched = reply.body["fetched"]
+        for desc in fetched:
+            if isinstance(desc, dict) and ("bulk" in desc or "segment" in desc):
+                try:
+                    out.append(self._take_bulk(desc) if "bulk" in desc else self._take_named(desc))
+                except BaseException:  # Ctrl-C while waiting for the bytes, or a failure: the
+                    # rest of what the reply names is let go (else held for good)
+                    self.link.abandon_reply(True, {"fetched": fetched[len(out):]})
+                    raise
                 continue
             if isinstance(desc, dict):
                 err = desc.get("error") or {}

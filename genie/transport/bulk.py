@@ -108,12 +108,16 @@ class Arrivals:
     def __init__(self, on_change: Callable[[], None] | None = None) -> None:
         self._done: dict[int, torch.Tensor] = {}
         self._being_written: set[int] = set()  # transfers whose sender is still copying them in (WRITING)
+        self._abandoned: set[int] = set()  # transfers nobody will take: dropped as they come (see abandon)
         self._cond = threading.Condition()
         self.failure: BaseException | None = None
         self.on_change = on_change  # called (on the receiving thread) after each arrival or failure
 
     def put(self, xfer: int, data: torch.Tensor, being_written: bool = False) -> None:
         with self._cond:
+            if xfer in self._abandoned:
+                self._abandoned.discard(xfer)
+                return
             self._done[xfer] = data
             if being_written:
                 self._being_written.add(xfer)
@@ -146,6 +150,15 @@ class Arrivals:
                                         "takes it reads it at once: only a tensor kept as received may be")
             return data
 
+    def abandon(self, xfer: int) -> None:
+        """Nobody will take transfer `xfer` (its reader was interrupted): drop it, now if it is in,
+        else when it comes (until then, or until `clear`, its id is remembered). Left, a 64 MiB
+        download interrupted 30 times held 1.9 GB of the client's memory for good."""
+        with self._cond:
+            if self._done.pop(xfer, None) is None:
+                self._abandoned.add(xfer)
+            self._being_written.discard(xfer)
+
     def ready(self, xfer: int) -> bool:
         with self._cond:
             return xfer in self._done or self.failure is not None
@@ -158,6 +171,7 @@ class Arrivals:
         with self._cond:
             self._done.clear()
             self._being_written.clear()
+            self._abandoned.clear()
 
 
 class Lane:

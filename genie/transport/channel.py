@@ -124,6 +124,7 @@ class Channel:
         # lane after each drop; a cut one is forgotten once no request awaits an answer on it.)
         self._cut_streams: set[socket.socket] = set()
         self.on_direct_dropped = None  # callback(): the direct lane was dropped (the link opens another)
+        self.on_unread_reply = None  # callback(ok, body): a direct answer nobody will read (see forget_reply)
         self._pollers: dict = {}  # the direct lane's socket -> a poll object on it
         self.loss_grace_s = 5.0  # after the direct lane breaks, how long to wait for the link's verdict
         self.busy_poll = BusyPoll(0.0)  # a direct request polls for its answer before blocking (_spin_for_reply)
@@ -355,7 +356,14 @@ class Channel:
         """Nobody will read the answer to direct request `rid` (its waiter was interrupted): drop it
         when it comes, or now if it came already."""
         self._direct_awaiting.pop(rid, None)
-        self._direct_early.pop(rid, None)
+        early = self._direct_early.pop(rid, None)
+        if early is not None:
+            self._unread(early[0], early[1])
+
+    def _unread(self, ok: bool, body) -> None:
+        """A reply dropped unread: the link lets go of what it names (bulk transfers to come)."""
+        if self.on_unread_reply is not None:
+            self.on_unread_reply(ok, body)
 
     def _receive_stream_direct(self, stream, rid, timeout, alive, poll_s) -> Reply:
         poller = self._pollers.get(stream)
@@ -430,6 +438,8 @@ class Channel:
         if got_rid != rid:
             if got_rid in self._direct_awaiting:
                 self._direct_early[got_rid] = (ok, reply_body, parts[1:])
+            else:  # a late answer: its reader gave up (interrupted, or timed out)
+                self._unread(ok, reply_body)
             return None
         return self._settle(ok, reply_body, parts[1:])
 

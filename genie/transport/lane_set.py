@@ -116,7 +116,9 @@ class Assembly:
     def finish(self, xfer: int) -> None:
         """A part begun with `begin` is in; the transfer arrives with its last part."""
         with self._lock:
-            entry = self._open[xfer]
+            entry = self._open.get(xfer)
+            if entry is None:  # cleared meanwhile: the lane set is closing
+                return
             entry[4] -= 1
             if entry[3] or entry[4]:
                 return

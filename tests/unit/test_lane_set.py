@@ -207,3 +207,25 @@ def test_four_lanes_over_tcp_one_over_unix_sockets_unless_asked():
     assert lane_set.lanes_wanted(socket.AF_INET) == lane_set.lanes_wanted(socket.AF_INET6) == lane_set.DEFAULT_TCP_LANES
     assert lane_set.lanes_wanted(socket.AF_UNIX) == 1
     assert lane_set.lanes_wanted(socket.AF_UNIX, 3) == lane_set.lanes_wanted(socket.AF_INET, 3) == 3
+
+
+def test_abandoned_transfers_are_dropped_whether_they_came_before_or_after():
+    arrivals = bulk.Arrivals()
+    arrivals.put(1, torch.zeros(8, dtype=torch.uint8))
+    arrivals.abandon(1)  # it came before: dropped now
+    arrivals.abandon(2)  # it comes after: dropped as it lands
+    arrivals.put(2, torch.zeros(8, dtype=torch.uint8))
+    arrivals.put(3, torch.ones(8, dtype=torch.uint8))
+    assert arrivals.pending_bytes() == 8 and not arrivals.ready(1) and not arrivals.ready(2)
+    assert arrivals.take(3, 1.0).tolist() == [1] * 8
+    arrivals.put(2, torch.zeros(8, dtype=torch.uint8))  # an id is dropped once, not for ever
+    assert arrivals.ready(2)
+
+
+def test_a_part_finishing_after_the_assembly_was_cleared_is_ignored():
+    assembly = lane_set.Assembly(HostBufferPool(0), 1 << 30, bulk.Arrivals())
+    (_, first), _ = lane_set.part_bounds(1 << 20, 2)
+    assembly.begin(7, first, lane_set.pack_part(0, 2, 1 << 20))
+    assembly.clear()  # the set closed while the part was being received
+    assembly.finish(7)  # before: KeyError on the lane's thread
+    assert assembly.pending_bytes() == 0 and not assembly.arrivals.ready(7)
