@@ -129,8 +129,11 @@ for trial in range(10):
     timer.join()
 assert torch.equal(r.cpu(), src)
 torch.remote_accelerator.synchronize()
-time.sleep(0.2)  # the last abandoned bytes land meanwhile
-print("interrupted", interrupted, "held", get_runtime().links[0].bulk_lane.arrivals.pending_bytes())
+arrivals = get_runtime().links[0].bulk_lane.arrivals
+deadline = time.monotonic() + 10
+while arrivals.pending_bytes() and time.monotonic() < deadline:  # the last ones may still be landing
+    time.sleep(0.01)
+print("interrupted", interrupted, "held", arrivals.pending_bytes())
 """
 
 

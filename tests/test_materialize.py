@@ -95,6 +95,29 @@ async def test_async_materialize(dev):
     assert ticks > 0
 
 
+async def test_a_cancelled_materialize_lets_go_of_its_bytes(dev):
+    """`asyncio.wait_for(genie.materialize(t), ...)` timing out (a server dropping a request):
+    the answer still comes, and its bytes are dropped as they land. Before, each was held for
+    good (30 of 32 MiB: 1 GB of the client's memory)."""
+    src = torch.randn(4 << 20)  # 16 MiB: on the bulk lane
+    x = src.to(dev)
+    lane = x._genie.stream.link.bulk_lane
+    assert lane is not None
+    cancelled = 0
+    for _ in range(8):
+        try:
+            await asyncio.wait_for(genie.materialize(x * 1), timeout=0.001)
+        except asyncio.TimeoutError:
+            cancelled += 1
+    assert cancelled >= 4
+    assert torch.equal(await genie.materialize(x), src)
+    for _ in range(200):  # the last cancelled answers may still be landing
+        if lane.arrivals.pending_bytes() == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert lane.arrivals.pending_bytes() == 0
+
+
 def test_batch_materialize_sync(dev):
     xs = [torch.full((2,), float(i), device=dev) for i in range(5)]
     vals = genie.materialize_sync(xs)

@@ -729,6 +729,15 @@ class DaemonLink:
             self.collect_direct()
         return self.wait(self.channel.post_threadsafe(self.runtime.loop.loop, kind, body), timeout)
 
+    def abandon_future(self, future) -> None:
+        """Nobody will take the answer `future` brings (its awaiter was cancelled): let go of what
+        it names once it comes (see abandon_reply)."""
+        if isinstance(future, _Answered):  # a direct request's outcome, in already
+            if future._error is None:
+                self.abandon_reply(True, future._reply.body)
+        else:
+            future.add_done_callback(self._abandon_when_answered)
+
     def _abandon_when_answered(self, future) -> None:
         if not future.cancelled() and future.exception() is None:
             reply = future.result()
@@ -765,11 +774,11 @@ class DaemonLink:
             return future.result(timeout)
         except KeyboardInterrupt:
             # Ctrl-C while blocked: the request runs on; its reply, when it comes, is let go.
-            if hasattr(future, "add_done_callback"):
-                future.add_done_callback(self._abandon_when_answered)
+            if not isinstance(future, _Answered):  # (an outcome in hand is the caller's to take)
+                self.abandon_future(future)
             raise
         except concurrent.futures.TimeoutError:
-            future.add_done_callback(self._abandon_when_answered)
+            self.abandon_future(future)
             raise GenieConnectionError(f"genie-daemon at {self.endpoint} did not answer within {timeout:.0f}s") from None
         except (RemoteError, ChannelClosed) as e:
             raise self._error_from(e) from None
