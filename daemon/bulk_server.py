@@ -206,6 +206,12 @@ class BulkListener:
         lane = self.lane(identity)
         return lane is None or lane.arrivals.ready(xfer)
 
+    def spoken_for(self, identity: bytes, xfers: list[int]) -> None:
+        """A received request will take these uploads (see expire_unclaimed)."""
+        lane = self.lane(identity)
+        if lane is not None and xfers:
+            lane.arrivals.spoken_for(xfers)
+
     def accept_named(self, identity: bytes, records) -> None:
         """Uploads a request named in the client's shared segments (see bulk.Lane.accept_named)."""
         lane = self.lane(identity)
@@ -263,6 +269,16 @@ class BulkListener:
             lanes = list(self._lanes.values())
         return sum(lane.pending_bytes() if isinstance(lane, lane_set.LaneSet) else lane.arrivals.pending_bytes()
                    for lane in lanes)
+
+    def expire_unclaimed(self, max_age_s: float) -> int:
+        """Let go of uploads that no request named within `max_age_s` of their coming (a request
+        sent with its bytes is at most a transfer timeout behind them); the bytes let go."""
+        with self._lock:
+            lanes = list(self._lanes.values())
+        dropped = sum(lane.arrivals.expire(max_age_s) for lane in lanes)
+        if dropped:
+            log.info("let go of %d bytes of uploads no request claimed within %.0fs", dropped, max_age_s)
+        return dropped
 
     def close(self) -> None:
         self._closed = True

@@ -31,6 +31,8 @@ class MemoryQueries:
             "copy_memos": sum(len(c.copy_memos) for c in self.clients.values()),
             "clients": len(self.clients),
             "mailbox_bytes": self.mailbox.bytes,
+            # Uploads in, and not yet taken by the request that reads them (see bulk_server.expire_unclaimed).
+            "upload_bytes_waiting": self.bulk.waiting_bytes() if self.bulk is not None else 0,
             # Tensors this daemon sent to peer daemons, and of those, on lanes (see peers.PeerLinks).
             "peer_bytes_sent": self.peers.bytes_sent if self.peers is not None else 0,
             "peer_lane_bytes_sent": self.peers.lane_bytes_sent if self.peers is not None else 0,

@@ -373,6 +373,8 @@ class DaemonServer(DirectLanes, MemoryQueries):
                 self._reply_error(identity, rid, e)
                 return
             waits = _transfers_awaited(parsed, bulk_refs)
+            if self.bulk is not None:
+                self.bulk.spoken_for(key, [ident for kind, ident in waits if kind == "bulk"])
             if key in self._parked or (waits and not self._transfers_ready(key, waits)):
                 self._park(key, waits, identity, rid, self.executor.run, client, parsed, payload)
                 return
@@ -588,6 +590,8 @@ class DaemonServer(DirectLanes, MemoryQueries):
         while True:
             await asyncio.sleep(max(min(self.client_lease_s / 4, self.mailbox.ttl_s / 4, SWEEP_S), 0.05))
             self.mailbox.expire()
+            if self.bulk is not None:  # as long as a peer's deposit is kept (Mailbox ttl)
+                self.bulk.expire_unclaimed(self.mailbox.ttl_s)
             now = time.monotonic()
             for identity, client in list(self.clients.items()):
                 if identity in self._parked:

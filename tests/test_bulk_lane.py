@@ -471,3 +471,30 @@ def test_an_unreachable_lane_listener_is_tried_once(monkeypatch, caplog):
             assert torch.equal(src.to("remote_accelerator:0").cpu(), src)
         finally:
             genie.shutdown()
+
+
+def test_uploads_no_request_names_are_let_go_after_the_transfer_timeout():
+    """Bytes on the bulk lane that no request ever names (a client interrupted between sending
+    them and the batch that reads them, or one that sends bytes alone) are let go after twice
+    the transfer timeout, as a peer's unclaimed deposit is, instead of held until the client
+    leaves; bytes a request has named wait for it however long it queues."""
+    with DaemonProcess(extra=["--transfer-timeout", "0.5"]) as d:
+        genie.init(d.endpoint)
+        try:
+            def waiting() -> int:
+                return genie.get_runtime().links[0].request("stats", {"dev": 0}).body["upload_bytes_waiting"]
+
+            lane = _lane()
+            lane.send(lane.next_id(), memoryview(bytes(2 << 20)))  # no request will name it
+            deadline = time.monotonic() + 5
+            while waiting() < 2 << 20:
+                assert time.monotonic() < deadline, "the bytes never showed as waiting"
+                time.sleep(0.02)
+            deadline = time.monotonic() + 10
+            while waiting():
+                assert time.monotonic() < deadline, "unclaimed upload bytes were held"
+                time.sleep(0.1)
+            src = torch.randn(BIG)
+            assert torch.equal(src.to("remote_accelerator:0").cpu(), src)  # the lane is in step
+        finally:
+            genie.shutdown()

@@ -135,7 +135,9 @@ def _awaitable(future):
     def copy(done) -> None:
         if mirror.done():
             return
-        if done.exception() is not None:
+        if done.cancelled():
+            mirror.cancel()
+        elif done.exception() is not None:
             mirror.set_exception(done.exception())
         else:
             mirror.set_result(done.result())

@@ -740,8 +740,7 @@ class DaemonLink:
 
     def _abandon_when_answered(self, future) -> None:
         if not future.cancelled() and future.exception() is None:
-            reply = future.result()
-            self.abandon_reply(True, reply.body)
+            self.abandon_reply(True, getattr(future.result(), "body", None))
 
     def abandon_reply(self, ok: bool, body) -> None:
         """(Any thread.) A reply nobody will read (its waiter was interrupted, or gave up): what it

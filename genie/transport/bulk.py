@@ -109,6 +109,8 @@ class Arrivals:
         self._done: dict[int, torch.Tensor] = {}
         self._being_written: set[int] = set()  # transfers whose sender is still copying them in (WRITING)
         self._abandoned: set[int] = set()  # transfers nobody will take: dropped as they come (see abandon)
+        self._landed: dict[int, float] = {}  # time.monotonic() each unclaimed transfer came (see expire)
+        self._spoken_for: set[int] = set()  # transfers a received request will take: never expired
         self._cond = threading.Condition()
         self.failure: BaseException | None = None
         self.on_change = on_change  # called (on the receiving thread) after each arrival or failure
@@ -119,6 +121,7 @@ class Arrivals:
                 self._abandoned.discard(xfer)
                 return
             self._done[xfer] = data
+            self._landed[xfer] = time.monotonic()
             if being_written:
                 self._being_written.add(xfer)
             self._cond.notify_all()
@@ -143,6 +146,8 @@ class Arrivals:
             if xfer not in self._done:
                 raise ConnectionError(f"bulk lane failed before transfer {xfer} arrived: {self.failure}")
             data = self._done.pop(xfer)
+            self._landed.pop(xfer, None)
+            self._spoken_for.discard(xfer)
             if xfer in self._being_written:
                 self._being_written.discard(xfer)
                 if not being_written_ok:
@@ -157,7 +162,28 @@ class Arrivals:
         with self._cond:
             if self._done.pop(xfer, None) is None:
                 self._abandoned.add(xfer)
+            self._landed.pop(xfer, None)
+            self._spoken_for.discard(xfer)
             self._being_written.discard(xfer)
+
+    def spoken_for(self, xfers) -> None:
+        """Requests that take these transfers have come (and may wait long in a queue to run)."""
+        with self._cond:
+            self._spoken_for.update(xfers)
+
+    def expire(self, max_age_s: float) -> int:
+        """Drop transfers that no request has named for over `max_age_s` since they came (no op
+        came for them: a client interrupted between sending bytes and the batch that reads them,
+        or one that sends bytes alone); the bytes dropped."""
+        cutoff = time.monotonic() - max_age_s
+        with self._cond:
+            stale = [xfer for xfer, at in self._landed.items() if at < cutoff and xfer not in self._spoken_for]
+            dropped = 0
+            for xfer in stale:
+                del self._landed[xfer]
+                self._being_written.discard(xfer)
+                dropped += self._done.pop(xfer).nbytes
+            return dropped
 
     def ready(self, xfer: int) -> bool:
         with self._cond:
@@ -172,6 +198,8 @@ class Arrivals:
             self._done.clear()
             self._being_written.clear()
             self._abandoned.clear()
+            self._landed.clear()
+            self._spoken_for.clear()
 
 
 class Lane:

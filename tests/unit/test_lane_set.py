@@ -229,3 +229,17 @@ def test_a_part_finishing_after_the_assembly_was_cleared_is_ignored():
     assembly.clear()  # the set closed while the part was being received
     assembly.finish(7)  # before: KeyError on the lane's thread
     assert assembly.pending_bytes() == 0 and not assembly.arrivals.ready(7)
+
+
+def test_uploads_no_request_named_expire_and_named_ones_wait():
+    arrivals = bulk.Arrivals()
+    arrivals.put(1, torch.zeros(16, dtype=torch.uint8))  # no request will name it
+    arrivals.put(2, torch.zeros(8, dtype=torch.uint8))
+    arrivals.spoken_for([2, 3])  # its request came (and may queue a long time); 3 is still coming
+    assert arrivals.expire(60.0) == 0  # none old enough
+    time.sleep(0.02)
+    assert arrivals.expire(0.01) == 16 and not arrivals.ready(1)
+    arrivals.put(3, torch.ones(4, dtype=torch.uint8))
+    time.sleep(0.02)
+    assert arrivals.expire(0.01) == 0
+    assert arrivals.take(2, 1.0).numel() == 8 and arrivals.take(3, 1.0).numel() == 4
