@@ -120,12 +120,8 @@ class LaneDeposit:
         return laid_out(bytes_as_tensor(raw, self.dtype, self.shape, f"peer transfer {self.xfer}"), self.strides)
 
     def drop(self) -> None:
-        """Never claimed: let its bytes go too, once in (a lane that closed has dropped them)."""
-        if self.ready():
-            try:
-                self.bulk.take_upload(self.identity, self.xfer, 0.0)
-            except ProtocolError:
-                pass
+        """Never claimed: let its bytes go too, now or as they land (a lane that closed has dropped them)."""
+        self.bulk.abandon_upload(self.identity, self.xfer)
 
 
 class PeerLinks:

@@ -569,6 +569,7 @@ class DaemonServer(DirectLanes, MemoryQueries):
                 raise ProtocolError("a deposit names a lane transfer, and this peer has no lane open")
             # Checked now, so that a bad deposit is refused at once rather than when it is claimed.
             checked = None if strides is None else check_strides(strides, shape)
+            self.bulk.spoken_for(key, [xfer])  # the mailbox's ttl governs it from here
             self.mailbox.put(tid, LaneDeposit(self.bulk, key, xfer, dtype, shape, checked))
             return
         if not payload:

@@ -11,10 +11,21 @@ from genie_daemon.peers import LaneDeposit, Mailbox
 
 
 class FakeLanes:
-    """The two calls LaneDeposit makes of the bulk listener, over a dict of arrived transfers."""
+    """The calls LaneDeposit makes of the bulk listener, over a bulk.Arrivals per peer."""
 
     def __init__(self) -> None:
         self.arrived: dict[tuple[bytes, int], torch.Tensor] = {}
+        self.abandoned: set[tuple[bytes, int]] = set()
+
+    def land(self, identity: bytes, xfer: int, data: torch.Tensor) -> None:
+        if (identity, xfer) in self.abandoned:
+            self.abandoned.discard((identity, xfer))
+        else:
+            self.arrived[(identity, xfer)] = data
+
+    def abandon_upload(self, identity: bytes, xfer: int) -> None:
+        if self.arrived.pop((identity, xfer), None) is None:
+            self.abandoned.add((identity, xfer))
 
     def upload_ready(self, identity: bytes, xfer: int) -> bool:
         return (identity, xfer) in self.arrived
@@ -34,7 +45,7 @@ def test_a_lane_deposit_is_ready_once_its_bytes_arrived_and_taken_as_its_dtype_a
     box.put(TID, LaneDeposit(lanes, b"peer", 7, torch.float32, (2, 3)))
     assert box.bytes == 24 and not box.has(TID)
     values = torch.arange(6, dtype=torch.float32)
-    lanes.arrived[(b"peer", 7)] = values.view(torch.uint8).clone()
+    lanes.land(b"peer", 7, values.view(torch.uint8).clone())
     assert box.has(TID)
     got = box.take(TID, 0.0)
     assert got.dtype == torch.float32 and torch.equal(got, values.view(2, 3))
@@ -44,7 +55,7 @@ def test_a_lane_deposit_is_ready_once_its_bytes_arrived_and_taken_as_its_dtype_a
 def test_a_lane_deposit_of_the_wrong_size_is_refused():
     lanes, box = FakeLanes(), Mailbox()
     box.put(TID, LaneDeposit(lanes, b"peer", 1, torch.float32, (4,)))
-    lanes.arrived[(b"peer", 1)] = torch.zeros(12, dtype=torch.uint8)
+    lanes.land(b"peer", 1, torch.zeros(12, dtype=torch.uint8))
     with pytest.raises(ProtocolError, match="holds 12 bytes"):
         box.take(TID, 0.0)
 
@@ -52,10 +63,19 @@ def test_a_lane_deposit_of_the_wrong_size_is_refused():
 def test_an_unclaimed_lane_deposit_expires_with_its_bytes():
     lanes, box = FakeLanes(), Mailbox(ttl_s=0.01)
     box.put(TID, LaneDeposit(lanes, b"peer", 3, torch.uint8, (8,)))
-    lanes.arrived[(b"peer", 3)] = torch.zeros(8, dtype=torch.uint8)
+    lanes.land(b"peer", 3, torch.zeros(8, dtype=torch.uint8))
     time.sleep(0.02)
     box.expire()
     assert box.bytes == 0 and not box.has(TID) and not lanes.arrived
+
+
+def test_a_lane_deposit_that_expires_before_its_bytes_land_drops_them_as_they_do():
+    lanes, box = FakeLanes(), Mailbox(ttl_s=0.01)
+    box.put(TID, LaneDeposit(lanes, b"peer", 4, torch.uint8, (8,)))
+    time.sleep(0.02)
+    box.expire()
+    lanes.land(b"peer", 4, torch.zeros(8, dtype=torch.uint8))  # before: kept for good
+    assert not lanes.arrived and box.bytes == 0
 
 
 def test_lane_deposits_count_against_the_mailbox_bound():
