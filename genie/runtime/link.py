@@ -60,6 +60,15 @@ class _Answered:
             raise self._error
         return self._reply
 
+    def cancelled(self) -> bool:
+        return False
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self._error
+
+    def add_done_callback(self, fn) -> None:
+        fn(self)  # done already, as a finished Future calls it at once
+
 
 class _Posted:
     """A batch sent on the direct socket whose answer is read later (see DaemonLink.post_direct)."""
@@ -529,7 +538,7 @@ class DaemonLink:
         """
         if not self._claim_direct():
             return None
-        rid = None
+        rid = reply = None
         try:
             rid = self.channel.send_direct("exec", body, frames)
             self._read_posted(everything=True)
@@ -540,8 +549,10 @@ class DaemonLink:
             return _Answered(error=self._direct_failure(e))
         except KeyboardInterrupt:
             # Ctrl-C while blocked: the request runs on (as CUDA work does), its answer is dropped
-            # when it comes, and the program carries on with the next op.
-            if rid is not None:
+            # when it comes (or now, if it came just before), and the program carries on.
+            if reply is not None:
+                self.abandon_reply(True, reply.body)
+            elif rid is not None:
                 self.channel.forget_reply(rid)
             raise
         finally:
@@ -732,11 +743,7 @@ class DaemonLink:
     def abandon_future(self, future) -> None:
         """Nobody will take the answer `future` brings (its awaiter was cancelled): let go of what
         it names once it comes (see abandon_reply)."""
-        if isinstance(future, _Answered):  # a direct request's outcome, in already
-            if future._error is None:
-                self.abandon_reply(True, future._reply.body)
-        else:
-            future.add_done_callback(self._abandon_when_answered)
+        future.add_done_callback(self._abandon_when_answered)
 
     def _abandon_when_answered(self, future) -> None:
         if not future.cancelled() and future.exception() is None:
@@ -748,10 +755,16 @@ class DaemonLink:
         are taken and let go (the daemon reuses a segment once the tensor over it is freed).
         Before, each such download was held for good (a 64 MiB `.cpu()` interrupted 30 times:
         1.9 GB of this process's memory)."""
+        if ok and isinstance(body, dict) and isinstance(body.get("fetched"), list):
+            self.abandon_fetched(body["fetched"])
+
+    def abandon_fetched(self, descs: list) -> None:
+        """Let go of the fetched tensors `descs` (a reply's "fetched" entries) that come on the
+        bulk lane or in shared segments (see abandon_reply)."""
         lane = self.bulk_lane
-        if not ok or lane is None or not isinstance(body, dict) or not isinstance(body.get("fetched"), list):
+        if lane is None:
             return
-        for desc in body["fetched"]:
+        for desc in descs:
             if not isinstance(desc, dict):
                 continue
             if type(desc.get("bulk")) is int:
@@ -773,8 +786,7 @@ class DaemonLink:
             return future.result(timeout)
         except KeyboardInterrupt:
             # Ctrl-C while blocked: the request runs on; its reply, when it comes, is let go.
-            if not isinstance(future, _Answered):  # (an outcome in hand is the caller's to take)
-                self.abandon_future(future)
+            self.abandon_future(future)
             raise
         except concurrent.futures.TimeoutError:
             self.abandon_future(future)

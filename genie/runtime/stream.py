@@ -386,7 +386,7 @@ class DeviceStream:
                     out.append(self._take_bulk(desc) if "bulk" in desc else self._take_named(desc))
                 except BaseException:  # Ctrl-C while waiting for the bytes, or a failure: the
                     # rest of what the reply names is let go (else held for good)
-                    self.link.abandon_reply(True, {"fetched": fetched[len(out):]})
+                    self.link.abandon_fetched(fetched[len(out):])
                     raise
                 continue
             if isinstance(desc, dict):
