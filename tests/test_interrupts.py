@@ -79,8 +79,8 @@ t = time.perf_counter(); big.to(d); torch.remote_accelerator.synchronize(); took
 random.seed(0)
 for trial in range(8):
     timer = threading.Timer(random.uniform(0.1, 0.9) * took, lambda: os.kill(os.getpid(), signal.SIGINT))
-    timer.start()
     try:
+        timer.start()  # (its interrupt may come before start() returns)
         r = big.to(d)
         torch.remote_accelerator.synchronize()
         timer.join()
@@ -119,8 +119,8 @@ random.seed(0)
 interrupted = 0
 for trial in range(10):
     timer = threading.Timer(random.uniform(0.0, 0.8) * took, lambda: os.kill(os.getpid(), signal.SIGINT))
-    timer.start()
     try:
+        timer.start()  # (its interrupt may come before start() returns)
         back = (r * 1).cpu()
         timer.join()
         time.sleep(0.01)
