@@ -140,6 +140,10 @@ class DaemonLink:
         # a dropped one is opened again there (see `_direct_lane_dropped`), at most once per
         # DIRECT_REOPEN_GAP_S.
         self._direct_lane_at: tuple | None = None
+        # Reader thread -> the fetched entries of the last reply handed to it, until it has taken
+        # them (see hand_over): a Ctrl-C between the hand-over and the take leaves them here, and
+        # that thread's next reply lets them go.
+        self._handed: dict[int, list] = {}
         self._direct_reopened_at = -DIRECT_REOPEN_GAP_S
 
     async def connect(self, timeout: float, heartbeat: float) -> None:
@@ -543,6 +547,7 @@ class DaemonLink:
             rid = self.channel.send_direct("exec", body, frames)
             self._read_posted(everything=True)
             reply = self.channel.receive_direct(rid, self.runtime.config.request_timeout, alive=self._alive)
+            self.hand_over(reply)
             self._log_timing(reply, stream)
             return _Answered(reply)
         except Exception as e:  # noqa: BLE001 - handed to the waiter like a loop-path failure
@@ -740,6 +745,31 @@ class DaemonLink:
             self.collect_direct()
         return self.wait(self.channel.post_threadsafe(self.runtime.loop.loop, kind, body), timeout)
 
+    def hand_over(self, reply, reader: int | None = None) -> None:
+        """`reply` goes to thread `reader` (this one by default), which takes what it fetched next
+        (`took`). What the previous reply handed to that thread still names was left behind (a
+        Ctrl-C between the hand-over and the take): let go now."""
+        fetched = reply.body.get("fetched") if isinstance(reply.body, dict) else None
+        if not isinstance(fetched, list):
+            return
+        reader = threading.get_ident() if reader is None else reader
+        left = self._handed.get(reader)
+        self._handed[reader] = fetched
+        if left is not None and left is not fetched:
+            # Its bulk transfers only: ids are not reused, so one already taken costs nothing, while
+            # a segment taken already may hold a newer answer's bytes by now.
+            self.abandon_fetched(left, segments=False)
+
+    def _hand_over_answer(self, future, reader: int) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self.hand_over(future.result(), reader)
+
+    def took(self, fetched: list) -> None:
+        """This thread has taken (or let go of) all that `fetched` names (see hand_over)."""
+        reader = threading.get_ident()
+        if self._handed.get(reader) is fetched:
+            del self._handed[reader]
+
     def abandon_future(self, future) -> None:
         """Nobody will take the answer `future` brings (its awaiter was cancelled): let go of what
         it names once it comes (see abandon_reply)."""
@@ -758,9 +788,9 @@ class DaemonLink:
         if ok and isinstance(body, dict) and isinstance(body.get("fetched"), list):
             self.abandon_fetched(body["fetched"])
 
-    def abandon_fetched(self, descs: list) -> None:
+    def abandon_fetched(self, descs: list, segments: bool = True) -> None:
         """Let go of the fetched tensors `descs` (a reply's "fetched" entries) that come on the
-        bulk lane or in shared segments (see abandon_reply)."""
+        bulk lane or (with `segments`) in shared segments (see abandon_reply)."""
         lane = self.bulk_lane
         if lane is None:
             return
@@ -769,7 +799,7 @@ class DaemonLink:
                 continue
             if type(desc.get("bulk")) is int:
                 lane.arrivals.abandon(desc["bulk"])
-            where = desc.get("segment")
+            where = desc.get("segment") if segments else None
             if type(where) is list and len(where) == 2 and all(type(v) is int for v in where):
                 try:
                     lane.take_named(*where)  # dropped at once: handed back
@@ -782,6 +812,8 @@ class DaemonLink:
         timeout = self.runtime.config.request_timeout if timeout is None else timeout
         with self._waits_lock:
             self.blocking_waits += 1
+        reader = threading.get_ident()
+        future.add_done_callback(lambda done: self._hand_over_answer(done, reader))
         try:
             return future.result(timeout)
         except KeyboardInterrupt:

@@ -387,6 +387,7 @@ class DeviceStream:
                 except BaseException:  # Ctrl-C while waiting for the bytes, or a failure: the
                     # rest of what the reply names is let go (else held for good)
                     self.link.abandon_fetched(fetched[len(out):])
+                    self.link.took(fetched)
                     raise
                 continue
             if isinstance(desc, dict):
@@ -402,6 +403,7 @@ class DeviceStream:
             shape = check_shape(shape)
             out.append(laid_out(frames_to_tensor([reply.frames[i].buffer for i in frames], parse_dtype(dtype), shape),
                                  desc[3] if len(desc) == 4 else None))
+        self.link.took(fetched)
         if failure is not None:
             raise failure
         return out
