@@ -276,6 +276,13 @@ class BulkListener:
         return sum(lane.pending_bytes() if isinstance(lane, lane_set.LaneSet) else lane.arrivals.pending_bytes()
                    for lane in lanes)
 
+    def segment_bytes_lent(self) -> int:
+        """Bytes in this daemon's shared segments that clients have not handed back: downloads
+        they still use, or were named in replies and never taken."""
+        with self._lock:
+            lanes = list(self._lanes.values())
+        return sum(lane.segment_bytes_lent() for lane in lanes)
+
     def expire_unclaimed(self, max_age_s: float) -> int:
         """Let go of uploads that no request named within `max_age_s` of their coming (a request
         sent with its bytes is at most a transfer timeout behind them); the bytes let go."""

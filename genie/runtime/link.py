@@ -29,6 +29,10 @@ from genie.transport.errors import ProtocolError
 
 from .stream import DeviceStream, remote_error
 
+# A key no decoded message can hold (msgpack map keys are strings and numbers): set in a reply's
+# fetched entry once its shared segment was taken (see Link.take_named).
+_TAKEN = object()
+
 if TYPE_CHECKING:
     from .runtime import Runtime
 
@@ -756,9 +760,7 @@ class DaemonLink:
         left = self._handed.get(reader)
         self._handed[reader] = fetched
         if left is not None and left is not fetched:
-            # Its bulk transfers only: ids are not reused, so one already taken costs nothing, while
-            # a segment taken already may hold a newer answer's bytes by now.
-            self.abandon_fetched(left, segments=False)
+            self.abandon_fetched(left)
 
     def _hand_over_answer(self, future, reader: int) -> None:
         if not future.cancelled() and future.exception() is None:
@@ -788,9 +790,9 @@ class DaemonLink:
         if ok and isinstance(body, dict) and isinstance(body.get("fetched"), list):
             self.abandon_fetched(body["fetched"])
 
-    def abandon_fetched(self, descs: list, segments: bool = True) -> None:
+    def abandon_fetched(self, descs: list) -> None:
         """Let go of the fetched tensors `descs` (a reply's "fetched" entries) that come on the
-        bulk lane or (with `segments`) in shared segments (see abandon_reply)."""
+        bulk lane or in shared segments and were not taken (see abandon_reply)."""
         lane = self.bulk_lane
         if lane is None:
             return
@@ -798,13 +800,23 @@ class DaemonLink:
             if not isinstance(desc, dict):
                 continue
             if type(desc.get("bulk")) is int:
+                # (Ids are not reused: abandoning one taken already costs nothing.)
                 lane.arrivals.abandon(desc["bulk"])
-            where = desc.get("segment") if segments else None
-            if type(where) is list and len(where) == 2 and all(type(v) is int for v in where):
+            where = desc.get("segment")
+            if type(where) is list and len(where) == 2 and all(type(v) is int for v in where) \
+                    and _TAKEN not in desc:
                 try:
-                    lane.take_named(*where)  # dropped at once: handed back
+                    self.take_named(desc, where)  # dropped at once: handed back
                 except (ProtocolError, ValueError, OSError) as e:
                     log.debug("an unread reply's segment %s: %s", where, e)
+
+    def take_named(self, desc: dict, where: list) -> torch.Tensor:
+        """The bytes a reply's fetched entry `desc` names in shared segment `where`, marked taken:
+        an abandon of that reply leaves the segment alone (handed back since, it may hold a newer
+        answer's bytes)."""
+        data = self.bulk_lane.take_named(*where)
+        desc[_TAKEN] = True
+        return data
 
     def wait(self, future: concurrent.futures.Future, timeout: float | None = None):
         if self.runtime.loop.in_loop_thread():

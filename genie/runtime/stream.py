@@ -427,7 +427,7 @@ class DeviceStream:
         try:
             if lane is None or type(where) is not list or len(where) != 2 or not all(type(v) is int for v in where):
                 raise ProtocolError(f"a fetched tensor named in a shared segment this client cannot read: {where!r}")
-            return laid_out(bytes_as_tensor(lane.take_named(*where), dtype, shape, f"segment {where[0]}"),
+            return laid_out(bytes_as_tensor(self.link.take_named(desc, where), dtype, shape, f"segment {where[0]}"),
                              desc.get("strides"))
         except ProtocolError as e:
             raise GenieConnectionError(f"genie-daemon at {self.link.endpoint}: {e}") from None

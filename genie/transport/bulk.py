@@ -592,6 +592,10 @@ class Lane:
         self.bytes_sent += payload.nbytes
         return [segment.ident, payload.nbytes]
 
+    def segment_bytes_lent(self) -> int:
+        """Bytes of this side's shared segments the peer has not handed back."""
+        return self._outgoing.lent_bytes() if self._outgoing is not None else 0
+
     def take_named(self, segment: int, nbytes: int) -> torch.Tensor:
         """The payload a message named in the peer's `segment` (see `name_in_segment`)."""
         if not self.shared:

@@ -239,6 +239,9 @@ class LaneSet:
     def accept_named(self, records) -> None:
         self.lanes[0].accept_named(records)
 
+    def segment_bytes_lent(self) -> int:
+        return self.lanes[0].segment_bytes_lent()
+
     def pending_bytes(self) -> int:
         return self.arrivals.pending_bytes() + self.assembly.pending_bytes()
 

@@ -169,6 +169,11 @@ class OutgoingSegments:
         with self._lock:
             return sum(s.nbytes for s in self._segments.values())
 
+    def lent_bytes(self) -> int:
+        """Bytes in segments the receiver has not handed back (in use, or never taken)."""
+        with self._lock:
+            return sum(s.nbytes for s in self._segments.values() if s.busy)
+
     def close(self) -> None:
         with self._lock:
             segments, self._segments = list(self._segments.values()), {}
