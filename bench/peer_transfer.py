@@ -11,13 +11,16 @@ size and each pair of daemons, these take turns copy by copy:
 - through the client: `x.cpu().to(dev1)` then `synchronize(1)`;
 - raw socket: the same bytes once over one TCP connection and a one-byte answer (the floor of
   one hop; bench.transport_throughput's baseline), beside the default pair's copies.
+With `--ipc` the daemons listen on ipc:// (one host, one user): a peer then copies large tensors
+into a shared segment the other maps (since 2026-11-28; before, through the Unix socket), measured
+against a pair started with --no-shared-memory, and the raw socket is a Unix socket.
 With `--curve` the daemons run under CURVE (sharing a key pair, as a cluster's daemons do): their
 lanes to each other, and the client's, are sealed (AES-GCM); the raw socket stays plaintext.
 Times are medians over rounds (4x --repeats up to 16 MiB); the ratio to the client path is the
 median of the ratios within a round. Both daemons and the client share this machine's cores. After the rounds, the copy's
 values are checked against the source.
 
-    python -m bench.peer_transfer [--sizes-mb 4,16,64,256] [--repeats 5] [--curve]
+    python -m bench.peer_transfer [--sizes-mb 4,16,64,256] [--repeats 5] [--curve] [--ipc]
 """
 from __future__ import annotations
 
@@ -44,9 +47,11 @@ def _peer_lanes() -> list:
     return [[stats["peer_lanes"][peer], count] for peer, count in stats["peer_lane_counts"].items()]
 
 
-def _pair(extra: list[str]):
-    from daemons import DaemonProcess
+def _pair(extra: list[str], ipc: bool = False):
+    from daemons import DaemonProcess, ipc_endpoint
 
+    if ipc:
+        return DaemonProcess(ipc_endpoint()[0], extra=extra), DaemonProcess(ipc_endpoint()[0], extra=extra)
     return DaemonProcess("tcp://127.0.0.1:0", extra=extra), DaemonProcess("tcp://127.0.0.1:0", extra=extra)
 
 
@@ -61,14 +66,18 @@ def _cluster_keys() -> tuple[dict, list[str]]:
     return client, flags
 
 
-def measure(sizes: list[int], repeats: int, curve: bool = False) -> dict:
+def measure(sizes: list[int], repeats: int, curve: bool = False, ipc: bool = False) -> dict:
     import genie
 
     keys, flags = _cluster_keys() if curve else ({}, [])
-    variants = {"peer, default lanes": [], "peer, one lane": ["--peer-lanes", "1"]}
-    pairs = {name: _pair(extra + flags) for name, extra in variants.items()}
-    raw = RawSocket("tcp", max(sizes))
-    out: dict = {"lanes": {}, "curve": curve}
+    if ipc:  # one lane over a Unix socket either way; shared memory (the default) or not
+        variants = {"peer, shared memory": [], "peer, Unix socket": ["--no-shared-memory"]}
+    else:
+        variants = {"peer, default lanes": [], "peer, one lane": ["--peer-lanes", "1"]}
+    first_variant = next(iter(variants))
+    pairs = {name: _pair(extra + flags, ipc) for name, extra in variants.items()}
+    raw = RawSocket("ipc" if ipc else "tcp", max(sizes))
+    out: dict = {"lanes": {}, "curve": curve, "ipc": ipc}
     try:
         for a, b in pairs.values():
             a.start(), b.start()
@@ -97,7 +106,7 @@ def measure(sizes: list[int], repeats: int, curve: bool = False) -> dict:
                         hop = timed(lambda: (x.cpu().to(DST), torch.remote_accelerator.synchronize(1)))
                         times[name].append(peer)
                         ratios[name].append(hop / peer)
-                        if name == "peer, default lanes":
+                        if name == first_variant:
                             times["through the client"].append(hop)
                             times["raw socket"].append(raw.transfer(n))
                     checks.append(torch.equal(x.to(DST).cpu(), x.cpu()))
@@ -123,12 +132,15 @@ def main(argv=None) -> int:
     p.add_argument("--sizes-mb", default="4,16,64,256")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--curve", action="store_true", help="daemons under CURVE: sealed lanes between them")
+    p.add_argument("--ipc", action="store_true", help="ipc:// daemons on this host: shared memory between them, "
+                   "against --no-shared-memory (the Unix socket)")
     args = p.parse_args(argv)
     sizes = [int(float(s) * (1 << 20)) for s in args.sizes_mb.split(",")]
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-    result = measure(sizes, args.repeats, args.curve)
+    result = measure(sizes, args.repeats, args.curve, args.ipc)
     m = machine()
-    print(f"# daemon to daemon over tcp loopback{', CURVE' if args.curve else ''} -- {m['cpus']} cpus, torch {m['torch']}, "
+    where = "ipc (one host)" if args.ipc else "tcp loopback"
+    print(f"# daemon to daemon over {where}{', CURVE' if args.curve else ''} -- {m['cpus']} cpus, torch {m['torch']}, "
           f"medians of {args.repeats} rounds (ms; GB/s; speed-up over x.cpu().to(dev1))")
     print("lanes from daemon 0 to daemon 1 [kind, connections]:", result["lanes"])
     rows = []
@@ -139,7 +151,8 @@ def main(argv=None) -> int:
                      *(f"{r['speedup_over_client_path'][k]:.2f}x" for k in r["speedup_over_client_path"])))
     first = result[str(sizes[0])]
     print_table(rows, ("size", *first["ms"], *(f"{k}: speed-up" for k in first["speedup_over_client_path"])))
-    print("wrote", write_json("peer_transfer_curve" if args.curve else "peer_transfer",
+    name = "peer_transfer" + ("_curve" if args.curve else "") + ("_ipc" if args.ipc else "")
+    print("wrote", write_json(name,
                               {**result, "repeats": args.repeats}))
     return 0
 

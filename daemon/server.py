@@ -181,7 +181,7 @@ class DaemonServer(DirectLanes, MemoryQueries):
         peer_keys = self.curve.as_client_of(self.curve.public) if self.curve is not None else None
         self._loop = asyncio.get_running_loop()
         self.peers = PeerLinks(self._ctx, self._loop, curve=peer_keys, quiet_s=self.client_lease_s / 2,
-                                lanes=self.peer_lanes)
+                                lanes=self.peer_lanes, shared_memory=self.shared_memory)
         sweeper = asyncio.create_task(self._sweep_idle_clients())
         fd = self._socket.getsockopt(zmq.FD)
         self._loop.add_reader(fd, self._on_readable)

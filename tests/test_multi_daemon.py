@@ -155,6 +155,35 @@ def test_large_daemon_to_daemon_copies_take_a_lane_once_the_peer_offers_one(two_
     assert _daemon_stats(1)["peer_lane_counts"] == {a.endpoint: 4}
 
 
+@pytest.mark.parametrize("shared", [True, False])
+def test_daemons_on_one_host_over_ipc_copy_through_shared_memory(shared):
+    """Two ipc:// daemons of one user: a large copy between them goes in a shared segment of the
+    sender, which the receiver keeps the tensor over until it is freed (then the segment comes
+    back). With --no-shared-memory (on both) it goes through the Unix socket."""
+    from daemons import ipc_endpoint
+
+    extra = [] if shared else ["--no-shared-memory"]
+    with DaemonProcess(ipc_endpoint()[0], extra=extra) as a, DaemonProcess(ipc_endpoint()[0], extra=extra) as b:
+        genie.init(f"{a.endpoint},{b.endpoint}")
+        try:
+            for src, dst, peer in ((0, 1, b), (1, 0, a)):
+                x = torch.randn(1 << 20, device=f"remote_accelerator:{src}")  # 4 MiB
+                expected = _copy_until_a_lane_opens(x, src, dst)
+                assert _daemon_stats(src)["peer_lanes"] == {peer.endpoint: "shared-memory" if shared else "unix"}
+                y = (x * 2).to(f"remote_accelerator:{dst}")
+                assert torch.equal(y.cpu(), expected * 2)
+                lent = _daemon_stats(src)["peer_segment_bytes_lent"]
+                assert lent >= x.nbytes if shared else lent == 0
+                del y
+                torch.remote_accelerator.synchronize(dst)  # the free goes with it
+                deadline = time.monotonic() + 10
+                while _daemon_stats(src)["peer_segment_bytes_lent"] and time.monotonic() < deadline:
+                    time.sleep(0.02)  # the hand-back travels on the lane
+                assert _daemon_stats(src)["peer_segment_bytes_lent"] == 0
+        finally:
+            genie.shutdown()
+
+
 def test_peer_lanes_option_sets_the_connections_and_split_copies_arrive_whole():
     """`genie-daemon --peer-lanes 2`: two connections to each peer; a copy of 16 MiB (from 8 MiB
     payloads are split across the lanes) arrives whole, both ways."""
