@@ -23,8 +23,8 @@ import zmq.asyncio
 
 from genie.transport import bulk, lane_set, protocol, sealed_lane
 from genie.transport.errors import ProtocolError
-from genie.transport.hostmem import HostBufferPool
-from genie.transport.tensors import bytes_as_tensor, dense_span, dtype_name, laid_out, tensor_to_frames
+from genie.transport.hostmem import HostBufferPool, snapshot
+from genie.transport.tensors import bytes_as_tensor, dense, dense_span, dtype_name, is_dense, laid_out, tensor_to_frames
 
 log = logging.getLogger("genie.daemon")
 
@@ -168,7 +168,15 @@ class PeerLinks:
         span = dense_span(tensor.detach())  # channels-last, transposed: as it lies, with its strides
         if span is not None:
             header_body["strides"] = list(tensor.stride())
-        payload = tensor_to_frames(span if span is not None else tensor.detach())
+        source = span if span is not None else tensor.detach()
+        if source.device.type == "cpu":
+            # The bytes leave later (from the loop or a lane thread) while the executor runs the
+            # client's next ops: a copy now, so that a write after the send does not reach them, as
+            # a CUDA copy reads its source in stream order. (Before, `y = x.to(dev1); x.add_(1)`
+            # gave y the written values in 17-30 of 30 tries. A GPU tensor's bytes come to the
+            # host here anyway.)
+            source = snapshot(source) if is_dense(source) else dense(source)
+        payload = tensor_to_frames(source)
         self._loop.call_soon_threadsafe(self._send, endpoint, header_body, payload)
 
     def _socket(self, endpoint: str):

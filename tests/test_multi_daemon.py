@@ -155,6 +155,21 @@ def test_large_daemon_to_daemon_copies_take_a_lane_once_the_peer_offers_one(two_
     assert _daemon_stats(1)["peer_lane_counts"] == {a.endpoint: 4}
 
 
+@pytest.mark.parametrize("numel", [16, 1 << 20])  # inside ZeroMQ; on a lane
+def test_a_write_after_a_move_does_not_reach_the_moved_copy(two_daemons, numel):
+    """`y = x.to(dev1); x.add_(1)`: y holds x as it was at the move, as a CUDA copy reads its
+    source in stream order. Before, the sending daemon read x's memory only when the bytes left,
+    after it had run the write: 17-30 of 30 copies held the written values."""
+    for src, dst in ((0, 1), (1, 0)):
+        for _ in range(10):
+            x = torch.zeros(numel, device=f"remote_accelerator:{src}")
+            y = x.to(f"remote_accelerator:{dst}")
+            x.add_(1)
+            genie.get_runtime().streams[src].flush()  # the write goes to the daemon at once
+            assert y.sum().item() == 0
+            assert x.sum().item() == numel
+
+
 @pytest.mark.parametrize("shared", [True, False])
 def test_daemons_on_one_host_over_ipc_copy_through_shared_memory(shared):
     """Two ipc:// daemons of one user: a large copy between them goes in a shared segment of the

@@ -211,3 +211,67 @@ def test_random_autograd_programs_match_cpu(dev, reference, chunk):
         if not same:
             failures.append(f"seed {seed} ({refused}): {' '.join(taken)}")
     assert not failures, "\n".join(failures)
+
+
+TWO_DEVICES = ["remote_accelerator:0", "remote_accelerator:1"]
+
+
+def _moves(rng, t, pairs):
+    """(name, function) of a `.to()` of `t`: to the other daemon's device, its own, or the CPU and
+    back, maybe with another dtype or memory format. The reference side makes what PyTorch's
+    `.to()` makes between two devices: the tensor itself where nothing has to change, else a copy
+    (conjugation and negation resolved, the layout kept unless a format is asked for)."""
+    import torch._prims_common as prims
+
+    dest = rng.choice(TWO_DEVICES + ["cpu"])
+    back = rng.choice(TWO_DEVICES)
+    wider, narrower = ((torch.complex128, torch.complex64) if t.is_complex() else (torch.float64, torch.float16))
+    dtype = rng.choice([None, None, wider, narrower] + ([] if t.is_complex() else [torch.bfloat16]))
+    fmt = rng.choice([None, None, torch.contiguous_format] + ([torch.channels_last] if t.dim() == 4 else []))
+    remote = next(r for c, r in pairs if c is t)
+    aliased = (dest == str(remote.device) and dtype in (None, t.dtype)
+               and (fmt is None or prims.suggest_memory_format(t) == fmt))
+    options = {k: v for k, v in (("dtype", dtype), ("memory_format", fmt)) if v is not None}
+
+    def move(x):
+        if x.device.type == "cpu":  # the reference
+            if aliased:
+                return x
+            y = x.resolve_conj().resolve_neg().clone(memory_format=fmt or torch.preserve_format)
+            return y.to(dtype) if dtype is not None else y
+        y = x.to(dest, **options)
+        return y.to(back) if dest == "cpu" else y
+    return f"to({dest}, {dtype}, {fmt})", move
+
+
+def run_two_device_program(seed: int, steps: int = 40):
+    """A program of views, writes, ops and moves between two daemons' devices (and the CPU)."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    dtype = torch.complex64 if seed % 3 == 1 else torch.float32
+    cpu = [torch.randn(4, 6, dtype=dtype), torch.randn(6, 4, dtype=dtype), torch.randn(2, 3, 4, 5, dtype=dtype)]
+    pairs = [(c, c.to(rng.choice(TWO_DEVICES))) for c in cpu]
+
+    def choose(rng, c, pairs):
+        draw = rng.random()
+        return (_views(rng, c) if draw < 0.3 else _writes(rng, c, pairs) if draw < 0.6
+                else _moves(rng, c, pairs) if draw < 0.85 else _computes(rng, c))
+
+    return _play(rng, pairs, steps, choose), pairs
+
+
+def test_random_programs_moving_tensors_between_two_daemons_match_cpu(two_daemons):
+    """Moves between daemons (tcp and ipc) mixed with views and in-place writes: a write after a
+    move must not reach the moved copy (it did, before daemons copied what they send to a peer at
+    the send), and dtype and memory-format changes on the way give the CPU's values."""
+    failures = []
+    for seed in range(300):
+        taken, pairs = run_two_device_program(seed)
+        for k, (c, r) in enumerate(pairs):
+            want, got = c.resolve_conj().resolve_neg(), r.resolve_conj().resolve_neg().cpu()
+            tol = 1e-2 if want.dtype in (torch.float16, torch.bfloat16) else 1e-3
+            if (want.dtype, want.shape) != (got.dtype, got.shape) or not torch.allclose(
+                    want, got, atol=tol, rtol=tol, equal_nan=True):
+                failures.append(f"seed {seed}, tensor {k}: {' '.join(taken)}")
+                break
+    assert not failures, "\n".join(failures[:10])
