@@ -24,7 +24,8 @@ import zmq.asyncio
 from genie.transport import bulk, lane_set, protocol, sealed_lane
 from genie.transport.errors import ProtocolError
 from genie.transport.hostmem import HostBufferPool, snapshot
-from genie.transport.tensors import bytes_as_tensor, dense, dense_span, dtype_name, is_dense, laid_out, tensor_to_frames
+from genie.transport.tensors import (bytes_as_tensor, dense, dense_span, dtype_name, is_dense, laid_out, tensor_to_buffer,
+                                     tensor_to_frames)
 
 log = logging.getLogger("genie.daemon")
 
@@ -170,6 +171,10 @@ class PeerLinks:
             header_body["strides"] = list(tensor.stride())
         source = span if span is not None else tensor.detach()
         if source.device.type == "cpu":
+            named = self._in_shared_segment(endpoint, source)
+            if named is not None:  # copied now, into memory the peer reads: the deposit names it
+                self._loop.call_soon_threadsafe(self._deposit_named, endpoint, dict(header_body, segment=named))
+                return
             # The bytes leave later (from the loop or a lane thread) while the executor runs the
             # client's next ops: a copy now, so that a write after the send does not reach them, as
             # a CUDA copy reads its source in stream order. (Before, `y = x.to(dev1); x.add_(1)`
@@ -178,6 +183,22 @@ class PeerLinks:
             source = snapshot(source) if is_dense(source) else dense(source)
         payload = tensor_to_frames(source)
         self._loop.call_soon_threadsafe(self._send, endpoint, header_body, payload)
+
+    def _in_shared_segment(self, endpoint: str, source: torch.Tensor) -> list[int] | None:
+        """(The executor.) `source`'s bytes copied into one of our shared segments that the peer has
+        mapped (our lane to it is shared memory: ipc, one host), as [segment, bytes] for the deposit
+        to name; None where that lane, or a free mapped segment of the size, is not there. The copy
+        is the one the send needs anyway (see `send`), made once instead of twice."""
+        lane = self._lanes.get(endpoint)
+        nbytes = source.numel() * source.element_size()
+        if (lane is None or lane.closed or not lane.shared or not self.lane_min_bytes or nbytes < self.lane_min_bytes
+                or time.monotonic() - self._last_sent.get(endpoint, 0.0) > self.quiet_s):
+            return None
+        return lane.name_in_segment(tensor_to_buffer(source))
+
+    def _deposit_named(self, endpoint: str, body: dict) -> None:
+        self._last_sent[endpoint] = time.monotonic()
+        self._deposit(endpoint, body, [], body["segment"][1])
 
     def _socket(self, endpoint: str):
         sock = self._sockets.get(endpoint)

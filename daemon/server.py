@@ -555,8 +555,10 @@ class DaemonServer(DirectLanes, MemoryQueries):
 
     def _deposit(self, key: bytes, body: dict, payload: list) -> None:
         """A peer daemon's tensor for a transfer: in the message's frames, or (`xfer`) on the lane
-        the peer opened as a client of ours (see peers.PeerLinks)."""
-        from genie.transport.tensors import check_shape, check_strides, frames_to_tensor, laid_out, parse_dtype
+        the peer opened as a client of ours, or (`segment`) in one of the peer's shared segments
+        that lane mapped here (see peers.PeerLinks)."""
+        from genie.transport.tensors import (bytes_as_tensor, check_shape, check_strides, frames_to_tensor, laid_out,
+                                             parse_dtype)
 
         tid, dtype, shape = check_transfer_id(body.get("tid")), parse_dtype(body.get("dtype")), check_shape(body.get("shape"))
         # With strides, the bytes are the tensor's elements in its own memory order (channels-last, ...).
@@ -571,6 +573,15 @@ class DaemonServer(DirectLanes, MemoryQueries):
             checked = None if strides is None else check_strides(strides, shape)
             self.bulk.spoken_for(key, [xfer])  # the mailbox's ttl governs it from here
             self.mailbox.put(tid, LaneDeposit(self.bulk, key, xfer, dtype, shape, checked))
+            return
+        where = body.get("segment")
+        if where is not None:  # copied into one of the peer's shared segments this daemon mapped
+            lane = self.bulk.lane(key) if self.bulk is not None else None
+            if (payload or type(where) is not list or len(where) != 2 or not all(type(v) is int for v in where)
+                    or lane is None or not lane.shared):
+                raise ProtocolError("a deposit names [segment, bytes] of the peer's shared lane, and carries no frames")
+            raw = lane.take_named(*where)
+            self.mailbox.put(tid, laid_out(bytes_as_tensor(raw, dtype, shape, f"segment {where[0]}"), strides))
             return
         if not payload:
             raise ProtocolError("a deposit carries the tensor's frames")

@@ -362,3 +362,19 @@ def test_a_program_keeps_the_settings_it_was_recorded_under(sock, settings, expe
         assert failed is not None and expected in failed["message"], body
     (rid, ok, body), _ = call(sock, [protocol.pack(["ping", 81, {}])])
     assert rid == 81 and ok
+
+
+@pytest.mark.parametrize("segment, frames", [([1, 24], False), ([1, 24], True), ("x", False), ([1], False),
+                                             ([1.5, 24], False)])
+def test_a_deposit_naming_a_shared_segment_without_a_shared_lane_is_refused(sock, segment, frames):
+    """A deposit may name [segment, bytes] of the sender's shared memory (peer daemons on one
+    host); from a sender with no shared lane here, or malformed, it is refused and the daemon
+    carries on."""
+    import secrets
+
+    body = {"tid": secrets.token_hex(16), "dtype": "float32", "shape": [2, 3], "segment": segment}
+    parts = [protocol.pack(["deposit", 48, body])] + ([torch.arange(6.0).numpy().tobytes()] if frames else [])
+    (rid, ok, reply), _ = call(sock, parts)
+    assert rid == 48 and not ok and "segment" in reply["message"], reply
+    (rid, ok, _), _ = call(sock, [protocol.pack(["ping", 49, {}])])
+    assert rid == 49 and ok

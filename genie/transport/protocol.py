@@ -78,7 +78,8 @@ from .tensors import check_frames, check_shape, parse_dtype
 # 3: WRITING records on shared-memory bulk lanes. 4: an op may carry its outputs' planned strides.
 # 5: genie::storage_of names several tensors; a fetched tensor and genie::adopt may carry strides.
 # 6: a deposit (daemon to daemon) may carry strides: its bytes are then in that memory order.
-VERSION = 6
+# 7: a deposit may name [segment, bytes] of the sender's shared segments (peers on one host).
+VERSION = 7
 
 # The longest ping period a client may state in hello (it then promises no pings: 0).
 MAX_HEARTBEAT_S = 3600
