@@ -30,7 +30,7 @@ from genie.transport.errors import ProtocolError
 from .stream import DeviceStream, remote_error
 
 # A key no decoded message can hold (msgpack map keys are strings and numbers): set in a reply's
-# fetched entry once its shared segment was taken (see Link.take_named).
+# fetched entry once its shared segment was taken (see DaemonLink.take_named).
 _TAKEN = object()
 
 if TYPE_CHECKING:
