@@ -339,3 +339,62 @@ def test_random_programs_recorded_and_replayed_match_cpu(dev):
                 failures.append(f"seed {seed}, tensor {k}: {' '.join(taken)}")
                 break
     assert replayed > 50 and not failures, "\n".join(failures[:10])
+
+
+def run_two_device_autograd_program(seed: int, steps: int = 30):
+    """run_autograd_program with moves between two daemons' devices (and dtype changes) among the
+    steps: the backward crosses daemons. The reference side copies where `.to()` copies."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    dtype = torch.complex64 if seed % 2 else torch.float32
+    leaves = [torch.randn(4, 6, dtype=dtype, requires_grad=True), torch.randn(2, 3, 4, dtype=dtype, requires_grad=True)]
+    pairs = [(c, c.detach().to(rng.choice(TWO_DEVICES)).requires_grad_()) for c in leaves]
+    leaves = list(pairs)
+
+    def choose(rng, c, pairs):
+        draw = rng.random()
+        if draw < 0.35:
+            return _views(rng, c)
+        if draw < 0.65:
+            return _computes(rng, c)
+        if draw < 0.9:
+            dest, wider = rng.choice(TWO_DEVICES), rng.choice([None, None, torch.complex128 if c.is_complex() else torch.float64])
+            remote = next(r for cc, r in pairs if cc is c)
+            aliased = dest == str(remote.device) and wider in (None, remote.dtype)
+
+            def move(x):
+                if x.device.type == "cpu":
+                    return x if aliased else (x.to(wider) if wider else x) * 1  # a copy, under autograd
+                return x.to(dest, wider) if wider else x.to(dest)
+            return f"to({dest}, {wider})", move
+        if c.is_leaf or (c._base is not None and c._base.is_leaf) or c.numel() == 0 or any(
+                st == 0 and n > 1 for st, n in zip(c.stride(), c.shape)):
+            return None
+        value = round(rng.uniform(-2, 2), 2)
+        return rng.choice([("mul_", lambda x: x.mul_(value)), ("add_", lambda x: x.add_(value))])
+
+    taken = _play(rng, pairs, steps, choose)
+    losses = [sum(((t.real if t.is_complex() else t).sum() * (i + 1) * 0.01).to(torch.float64).cpu()
+                  for i, t in enumerate(side)) for side in zip(*pairs)]
+    return taken, losses, leaves
+
+
+def test_random_autograd_programs_across_two_daemons_match_cpu(two_daemons):
+    failures, backwards = [], 0
+    for seed in range(100):
+        taken, losses, leaves = run_two_device_autograd_program(seed)
+        refused = []
+        for loss in losses:
+            try:
+                loss.backward()
+                refused.append(None)
+            except RuntimeError as e:
+                refused.append("modified by an inplace operation" in str(e) or str(e))
+        same = refused[0] == refused[1] and torch.allclose(losses[0].detach(), losses[1].detach(), atol=1e-3, rtol=1e-3)
+        if same and refused[0] is None:
+            backwards += 1
+            same = all((c.grad is None) == (r.grad is None) and (c.grad is None or torch.allclose(
+                c.grad, r.grad.cpu(), atol=1e-3, rtol=1e-3)) for c, r in leaves)
+        if not same:
+            failures.append(f"seed {seed} ({refused}): {' '.join(taken)}")
+    assert backwards > 30 and not failures, (backwards, "\n".join(failures[:10]))
