@@ -151,28 +151,52 @@ def test_random_view_and_write_programs_match_cpu(dev, reference, chunk):
     assert not failures, "\n".join(failures)
 
 
-def run_autograd_program(seed: int, dev, steps: int = 30):
-    """Leaves that require grad, random views, ops and in-place writes on non-leaves, one loss:
-    its steps, the losses and the leaves (cpu, remote). A write into a tensor the backward needs
-    makes both sides' backward refuse (version counters), which is part of what is compared."""
+def _autograd_start(seed: int, place) -> tuple:
+    """The rng, the (cpu, remote) pairs of an autograd program (its leaves that require grad, to
+    which the program adds), and a list of the leaves; `place(rng)`: each remote leaf's device."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     dtype = torch.complex64 if seed % 2 else torch.float32
     leaves = [torch.randn(4, 6, dtype=dtype, requires_grad=True), torch.randn(2, 3, 4, dtype=dtype, requires_grad=True)]
-    pairs = [(c, c.detach().to(dev).requires_grad_()) for c in leaves]
-    leaves = list(pairs)
+    pairs = [(c, c.detach().to(place(rng)).requires_grad_()) for c in leaves]
+    return rng, pairs, list(pairs)
+
+
+def _write_into_non_leaf(rng, c):
+    if c.is_leaf or (c._base is not None and c._base.is_leaf) or c.numel() == 0 or any(
+            st == 0 and n > 1 for st, n in zip(c.stride(), c.shape)):
+        return None  # torch refuses in-place writes into leaves and their views, and into expanded tensors
+    value = round(rng.uniform(-2, 2), 2)
+    return rng.choice([("mul_", lambda x: x.mul_(value)), ("add_", lambda x: x.add_(value))])
+
+
+def _backward_outcome(losses: list, leaves: list) -> tuple[bool, list]:
+    """Run both losses' backward: whether the two sides agree (the same refusal, or equal losses
+    and leaf gradients), and what each refused (None: ran)."""
+    refused = []
+    for loss in losses:
+        try:
+            loss.backward()
+            refused.append(None)
+        except RuntimeError as e:
+            refused.append("modified by an inplace operation" in str(e) or str(e))
+    same = refused[0] == refused[1] and torch.allclose(losses[0].detach(), losses[1].detach().cpu(), atol=1e-3,
+                                                       rtol=1e-3, equal_nan=True)
+    if same and refused[0] is None:
+        same = all((c.grad is None) == (r.grad is None) and (c.grad is None or torch.allclose(
+            c.grad, r.grad.cpu(), atol=1e-3, rtol=1e-3, equal_nan=True)) for c, r in leaves)
+    return same, refused
+
+
+def run_autograd_program(seed: int, dev, steps: int = 30):
+    """Leaves that require grad, random views, ops and in-place writes on non-leaves, one loss:
+    its steps, the losses and the leaves (cpu, remote). A write into a tensor the backward needs
+    makes both sides' backward refuse (version counters), which is part of what is compared."""
+    rng, pairs, leaves = _autograd_start(seed, lambda rng: dev)
 
     def choose(rng, c, pairs):
         draw = rng.random()
-        if draw < 0.45:
-            return _views(rng, c)
-        if draw < 0.9:
-            return _computes(rng, c)
-        if c.is_leaf or (c._base is not None and c._base.is_leaf) or c.numel() == 0 or any(
-                st == 0 and n > 1 for st, n in zip(c.stride(), c.shape)):
-            return None  # torch refuses in-place writes into leaves and their views, and into expanded tensors
-        value = round(rng.uniform(-2, 2), 2)
-        return rng.choice([("mul_", lambda x: x.mul_(value)), ("add_", lambda x: x.add_(value))])
+        return _views(rng, c) if draw < 0.45 else _computes(rng, c) if draw < 0.9 else _write_into_non_leaf(rng, c)
 
     taken = _play(rng, pairs, steps, choose)
     losses = [sum((t.real if t.is_complex() else t).sum() * (i + 1) * 0.01 for i, t in enumerate(side))
@@ -196,18 +220,7 @@ def test_random_autograd_programs_match_cpu(dev, reference, chunk):
                                       equal_nan=True):
                     failures.append(f"seed {seed} (loss, against local CUDA): {' '.join(taken)}")
                 continue
-        refused = []
-        for loss in (loss_c, loss_r):
-            try:
-                loss.backward()
-                refused.append(None)
-            except RuntimeError as e:
-                refused.append("modified by an inplace operation" in str(e) or str(e))
-        same = refused[0] == refused[1] and torch.allclose(loss_c.detach(), loss_r.detach().cpu(), atol=1e-3,
-                                                           rtol=1e-3, equal_nan=True)
-        if same and refused[0] is None:
-            same = all((c.grad is None) == (r.grad is None) and (c.grad is None or torch.allclose(
-                c.grad, r.grad.cpu(), atol=1e-3, rtol=1e-3, equal_nan=True)) for c, r in leaves)
+        same, refused = _backward_outcome([loss_c, loss_r], leaves)
         if not same:
             failures.append(f"seed {seed} ({refused}): {' '.join(taken)}")
     assert not failures, "\n".join(failures)
@@ -341,37 +354,30 @@ def test_random_programs_recorded_and_replayed_match_cpu(dev):
     assert replayed > 50 and not failures, "\n".join(failures[:10])
 
 
+def _move_under_autograd(rng, c, pairs):
+    """(name, function) of a `.to()` to one of two daemons' devices, maybe widening the dtype; the
+    reference side (CPU) copies where `.to()` copies."""
+    dest, wider = rng.choice(TWO_DEVICES), rng.choice([None, None, torch.complex128 if c.is_complex() else torch.float64])
+    remote = next(r for cc, r in pairs if cc is c)
+    aliased = dest == str(remote.device) and wider in (None, remote.dtype)
+
+    def move(x):
+        if x.device.type == "cpu":
+            return x if aliased else (x.to(wider) if wider else x) * 1  # a copy, under autograd
+        return x.to(dest, wider) if wider else x.to(dest)
+    return f"to({dest}, {wider})", move
+
+
 def run_two_device_autograd_program(seed: int, steps: int = 30):
     """run_autograd_program with moves between two daemons' devices (and dtype changes) among the
     steps: the backward crosses daemons. The reference side copies where `.to()` copies."""
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
-    dtype = torch.complex64 if seed % 2 else torch.float32
-    leaves = [torch.randn(4, 6, dtype=dtype, requires_grad=True), torch.randn(2, 3, 4, dtype=dtype, requires_grad=True)]
-    pairs = [(c, c.detach().to(rng.choice(TWO_DEVICES)).requires_grad_()) for c in leaves]
-    leaves = list(pairs)
+    rng, pairs, leaves = _autograd_start(seed, lambda rng: rng.choice(TWO_DEVICES))
 
     def choose(rng, c, pairs):
         draw = rng.random()
-        if draw < 0.35:
-            return _views(rng, c)
-        if draw < 0.65:
-            return _computes(rng, c)
-        if draw < 0.9:
-            dest, wider = rng.choice(TWO_DEVICES), rng.choice([None, None, torch.complex128 if c.is_complex() else torch.float64])
-            remote = next(r for cc, r in pairs if cc is c)
-            aliased = dest == str(remote.device) and wider in (None, remote.dtype)
-
-            def move(x):
-                if x.device.type == "cpu":
-                    return x if aliased else (x.to(wider) if wider else x) * 1  # a copy, under autograd
-                return x.to(dest, wider) if wider else x.to(dest)
-            return f"to({dest}, {wider})", move
-        if c.is_leaf or (c._base is not None and c._base.is_leaf) or c.numel() == 0 or any(
-                st == 0 and n > 1 for st, n in zip(c.stride(), c.shape)):
-            return None
-        value = round(rng.uniform(-2, 2), 2)
-        return rng.choice([("mul_", lambda x: x.mul_(value)), ("add_", lambda x: x.add_(value))])
+        if 0.65 <= draw < 0.9:
+            return _move_under_autograd(rng, c, pairs)
+        return _views(rng, c) if draw < 0.35 else _computes(rng, c) if draw < 0.65 else _write_into_non_leaf(rng, c)
 
     taken = _play(rng, pairs, steps, choose)
     losses = [sum(((t.real if t.is_complex() else t).sum() * (i + 1) * 0.01).to(torch.float64).cpu()
@@ -383,18 +389,8 @@ def test_random_autograd_programs_across_two_daemons_match_cpu(two_daemons):
     failures, backwards = [], 0
     for seed in range(100):
         taken, losses, leaves = run_two_device_autograd_program(seed)
-        refused = []
-        for loss in losses:
-            try:
-                loss.backward()
-                refused.append(None)
-            except RuntimeError as e:
-                refused.append("modified by an inplace operation" in str(e) or str(e))
-        same = refused[0] == refused[1] and torch.allclose(losses[0].detach(), losses[1].detach(), atol=1e-3, rtol=1e-3)
-        if same and refused[0] is None:
-            backwards += 1
-            same = all((c.grad is None) == (r.grad is None) and (c.grad is None or torch.allclose(
-                c.grad, r.grad.cpu(), atol=1e-3, rtol=1e-3)) for c, r in leaves)
+        same, refused = _backward_outcome(losses, leaves)
+        backwards += same and refused[0] is None
         if not same:
             failures.append(f"seed {seed} ({refused}): {' '.join(taken)}")
     assert backwards > 30 and not failures, (backwards, "\n".join(failures[:10]))
