@@ -22,7 +22,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from genie.transport import cuda_ipc, protocol, sealed_lane, ucx_lane
+from genie.transport import bulk, cuda_ipc, protocol, sealed_lane, ucx_lane
 from genie.transport.busy_poll import BusyPoll
 from genie.transport.errors import ProtocolError
 from genie.transport.protocol import BulkTensor
@@ -577,8 +577,7 @@ class DaemonServer(DirectLanes, MemoryQueries):
         where = body.get("segment")
         if where is not None:  # copied into one of the peer's shared segments this daemon mapped
             lane = self.bulk.lane(key) if self.bulk is not None else None
-            if (payload or type(where) is not list or len(where) != 2 or not all(type(v) is int for v in where)
-                    or lane is None or not lane.shared):
+            if payload or not bulk.is_segment_name(where) or lane is None or not lane.shared:
                 raise ProtocolError("a deposit names [segment, bytes] of the peer's shared lane, and carries no frames")
             raw = lane.take_named(*where)
             self.mailbox.put(tid, laid_out(bytes_as_tensor(raw, dtype, shape, f"segment {where[0]}"), strides))

@@ -803,8 +803,7 @@ class DaemonLink:
                 # (Ids are not reused: abandoning one taken already costs nothing.)
                 lane.arrivals.abandon(desc["bulk"])
             where = desc.get("segment")
-            if type(where) is list and len(where) == 2 and all(type(v) is int for v in where) \
-                    and _TAKEN not in desc:
+            if bulk.is_segment_name(where) and _TAKEN not in desc:
                 try:
                     self.take_named(desc, where)  # dropped at once: handed back
                 except (ProtocolError, ValueError, OSError) as e:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from genie.errors import GenieConnectionError, RemoteExecutionError, remote_execution_error
-from genie.transport import numerics, protocol
+from genie.transport import bulk, numerics, protocol
 from genie.transport.channel import RemoteError
 from genie.transport.bulk import tensor_bytes
 from genie.transport.errors import ProtocolError
@@ -425,7 +425,7 @@ class DeviceStream:
         lane = self.link.bulk_lane
         where, dtype, shape = desc.get("segment"), parse_dtype(desc.get("dtype")), check_shape(desc.get("shape"))
         try:
-            if lane is None or type(where) is not list or len(where) != 2 or not all(type(v) is int for v in where):
+            if lane is None or not bulk.is_segment_name(where):
                 raise ProtocolError(f"a fetched tensor named in a shared segment this client cannot read: {where!r}")
             return laid_out(bytes_as_tensor(self.link.take_named(desc, where), dtype, shape, f"segment {where[0]}"),
                              desc.get("strides"))

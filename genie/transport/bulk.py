@@ -798,5 +798,11 @@ def accept_sealed(conn: socket.socket, lane_key: bytes) -> tuple[sealed_lane.Dir
     return sealing
 
 
+def is_segment_name(value) -> bool:
+    """Whether `value` is a [segment, bytes] pair as `Lane.name_in_segment` gives (checked before
+    `take_named`, wherever a message names one)."""
+    return type(value) is list and len(value) == 2 and all(type(v) is int for v in value)
+
+
 def new_token() -> bytes:
     return os.urandom(TOKEN_BYTES)
