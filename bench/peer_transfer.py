@@ -14,13 +14,17 @@ size and each pair of daemons, these take turns copy by copy:
 With `--ipc` the daemons listen on ipc:// (one host, one user): a peer then copies large tensors
 into a shared segment the other maps (since 2026-11-28; before, through the Unix socket), measured
 against a pair started with --no-shared-memory, and the raw socket is a Unix socket.
+With `--local` they listen on tcp:// on this host as they run by default there: a peer's lane goes
+to the other's local listener (an abstract Unix socket named in hello) and large tensors travel in
+shared memory, as with `--ipc`; measured against a pair started with --no-local-lane (tcp lanes),
+with a TCP raw socket.
 With `--curve` the daemons run under CURVE (sharing a key pair, as a cluster's daemons do): their
 lanes to each other, and the client's, are sealed (AES-GCM); the raw socket stays plaintext.
 Times are medians over rounds (4x --repeats up to 16 MiB); the ratio to the client path is the
 median of the ratios within a round. Both daemons and the client share this machine's cores. After the rounds, the copy's
 values are checked against the source.
 
-    python -m bench.peer_transfer [--sizes-mb 4,16,64,256] [--repeats 5] [--curve] [--ipc]
+    python -m bench.peer_transfer [--sizes-mb 4,16,64,256] [--repeats 5] [--curve] [--ipc | --local]
 """
 from __future__ import annotations
 
@@ -47,12 +51,12 @@ def _peer_lanes() -> list:
     return [[stats["peer_lanes"][peer], count] for peer, count in stats["peer_lane_counts"].items()]
 
 
-def _pair(extra: list[str], ipc: bool = False):
+def _pair(extra: list[str], ipc: bool = False, local: bool = False):
     from daemons import DaemonProcess, ipc_endpoint
 
     if ipc:
         return DaemonProcess(ipc_endpoint()[0], extra=extra), DaemonProcess(ipc_endpoint()[0], extra=extra)
-    return DaemonProcess("tcp://127.0.0.1:0", extra=extra), DaemonProcess("tcp://127.0.0.1:0", extra=extra)
+    return tuple(DaemonProcess("tcp://127.0.0.1:0", extra=extra, local_lane=local) for _ in range(2))
 
 
 def _cluster_keys() -> tuple[dict, list[str]]:
@@ -66,18 +70,20 @@ def _cluster_keys() -> tuple[dict, list[str]]:
     return client, flags
 
 
-def measure(sizes: list[int], repeats: int, curve: bool = False, ipc: bool = False) -> dict:
+def measure(sizes: list[int], repeats: int, curve: bool = False, ipc: bool = False, local: bool = False) -> dict:
     import genie
 
     keys, flags = _cluster_keys() if curve else ({}, [])
     if ipc:  # one lane over a Unix socket either way; shared memory (the default) or not
         variants = {"peer, shared memory": [], "peer, Unix socket": ["--no-shared-memory"]}
+    elif local:
+        variants = {"peer, local lane": [], "peer, tcp lanes": ["--no-local-lane"]}
     else:
         variants = {"peer, default lanes": [], "peer, one lane": ["--peer-lanes", "1"]}
     first_variant = next(iter(variants))
-    pairs = {name: _pair(extra + flags, ipc) for name, extra in variants.items()}
+    pairs = {name: _pair(extra + flags, ipc, local) for name, extra in variants.items()}
     raw = RawSocket("ipc" if ipc else "tcp", max(sizes))
-    out: dict = {"lanes": {}, "curve": curve, "ipc": ipc}
+    out: dict = {"lanes": {}, "curve": curve, "ipc": ipc, "local": local}
     try:
         for a, b in pairs.values():
             a.start(), b.start()
@@ -134,12 +140,16 @@ def main(argv=None) -> int:
     p.add_argument("--curve", action="store_true", help="daemons under CURVE: sealed lanes between them")
     p.add_argument("--ipc", action="store_true", help="ipc:// daemons on this host: shared memory between them, "
                    "against --no-shared-memory (the Unix socket)")
+    p.add_argument("--local", action="store_true", help="tcp:// daemons on this host with their local lanes "
+                   "(shared memory), against --no-local-lane (tcp lanes)")
     args = p.parse_args(argv)
+    if args.ipc and args.local:
+        p.error("--ipc and --local are two different pairs: one at a time")
     sizes = [int(float(s) * (1 << 20)) for s in args.sizes_mb.split(",")]
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-    result = measure(sizes, args.repeats, args.curve, args.ipc)
+    result = measure(sizes, args.repeats, args.curve, args.ipc, args.local)
     m = machine()
-    where = "ipc (one host)" if args.ipc else "tcp loopback"
+    where = "ipc (one host)" if args.ipc else "tcp loopback" + (", local lanes" if args.local else "")
     print(f"# daemon to daemon over {where}{', CURVE' if args.curve else ''} -- {m['cpus']} cpus, torch {m['torch']}, "
           f"medians of {args.repeats} rounds (ms; GB/s; speed-up over x.cpu().to(dev1))")
     print("lanes from daemon 0 to daemon 1 [kind, connections]:", result["lanes"])
@@ -151,7 +161,7 @@ def main(argv=None) -> int:
                      *(f"{r['speedup_over_client_path'][k]:.2f}x" for k in r["speedup_over_client_path"])))
     first = result[str(sizes[0])]
     print_table(rows, ("size", *first["ms"], *(f"{k}: speed-up" for k in first["speedup_over_client_path"])))
-    name = "peer_transfer" + ("_curve" if args.curve else "") + ("_ipc" if args.ipc else "")
+    name = "peer_transfer" + ("_curve" if args.curve else "") + ("_ipc" if args.ipc else "") + ("_local" if args.local else "")
     print("wrote", write_json(name,
                               {**result, "repeats": args.repeats}))
     return 0

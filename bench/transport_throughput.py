@@ -16,6 +16,9 @@ sealed lanes); the raw socket and pyzmq baselines stay plaintext, so the ratio i
 Over tcp Genie runs as by default: four bulk lanes (connections), payloads from 8 MiB split across
 them (see genie/transport/lane_set.py); `--only lanes` (in the default run; from 4 MiB) measures it
 with one lane (GENIE_BULK_LANES=1) beside. The raw socket is one connection throughout.
+Those tcp daemons run with --no-local-lane, as from another host; `--only local` (in the default
+run) measures a tcp daemon as it runs for a client on its own host: lanes on its local Unix socket,
+payloads in shared memory, against the same TCP raw socket.
 The four take turns in rounds of a few transfers each, and Genie's ratio to the raw socket is the
 median over rounds of the ratio within a round, so that each ratio compares times taken under the
 same conditions (this shared machine's speed drifts by tens of percent from one second to the
@@ -281,8 +284,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-mb", type=float, default=1024)
     p.add_argument("--min-mb", type=float, default=0)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--only", default="tcp,ipc,curve,lanes",
-                   help="transports to measure: tcp, ipc, curve (tcp with CURVE), lanes (tcp with one bulk lane)")
+    p.add_argument("--only", default="tcp,ipc,curve,lanes,local",
+                   help="transports to measure: tcp, ipc, curve (tcp with CURVE), lanes (tcp with one bulk lane), "
+                        "local (a tcp daemon's local lane: shared memory with a client on its host)")
     args = p.parse_args(argv)
     sizes = [s for s in SIZES if args.min_mb * 2**20 <= s <= args.max_mb * 2**20]
     kinds = set(args.only.split(","))
@@ -294,6 +298,7 @@ def main(argv=None) -> int:
     results = {}
     for kind, variants in (("tcp", [("tcp", [])]),
                            ("lanes", [("tcp, 1 lane", [])]),
+                           ("local", [("tcp, local lane", [])]),
                            ("ipc", [("ipc", []), ("ipc, no shared memory", ["--no-shared-memory"])]),
                            ("curve", [("tcp, CURVE, sealed lane", []), ("tcp, CURVE, all in ZeroMQ", [])])):
         if kind not in kinds:
@@ -305,7 +310,7 @@ def main(argv=None) -> int:
                           and (kind != "lanes" or n >= 4 << 20)]
             if not sizes_here:
                 continue
-            with DaemonProcess(listen, extra=extra + daemon_flags) as d:
+            with DaemonProcess(listen, extra=extra + daemon_flags, local_lane=kind == "local") as d:
                 t = interleaved_times("ipc" if kind == "ipc" else "tcp", d.endpoint, sizes_here, args.repeats,
                                       client_keys, sealed="all in ZeroMQ" not in label,
                                       lanes=1 if kind == "lanes" else 0)

@@ -33,7 +33,7 @@ BULK_POOL_BYTES = 2 << 30  # most bytes of idle receive buffers the daemon keeps
 class BulkListener:
     def __init__(self, zmq_endpoint: str, is_known_client: Callable[[bytes], bool], max_transfer: int,
                  pool_bytes: int = BULK_POOL_BYTES, send_timeout_s: float = 60.0,
-                 shared_memory: bool = True, tcp_port: int = 0,
+                 shared_memory: bool = True, tcp_port: int = 0, local_lane: bool = True,
                  lane_key_of: Callable[[bytes], bytes | None] | None = None) -> None:
         address = bulk.listen_address_for(zmq_endpoint)
         if address is None:
@@ -53,6 +53,11 @@ class BulkListener:
             self.advertised = ["unix", where]
         self._path = where if kind == "unix" else None
         self._sock.listen(64)
+        # Beside a plaintext tcp listener, a local one (an abstract Unix socket) for clients and
+        # peers on this host, whose lanes can then use shared memory; named in hello (local_offer).
+        self._local_sock, self.local_offer = None, None
+        if kind == "tcp" and local_lane and shared_memory and lane_key_of is None and shared_segments.supported():
+            self._listen_locally()
         self._is_known = is_known_client
         self.max_transfer = max_transfer
         self.pool = HostBufferPool(pool_bytes)
@@ -68,14 +73,32 @@ class BulkListener:
         # Given direct-lane connections (see genie.transport.stream_framing), from a greeting thread,
         # with their (sending, receiving) sealed_lane directions on a sealed listener (else None).
         self.on_direct: Callable[[socket.socket, bytes, tuple | None], None] | None = None
-        threading.Thread(target=self._accept_loop, name="genie-bulk-accept", daemon=True).start()
+        threading.Thread(target=self._accept_loop, args=(self._sock,), name="genie-bulk-accept", daemon=True).start()
+        if self._local_sock is not None:
+            threading.Thread(target=self._accept_loop, args=(self._local_sock,), name="genie-bulk-accept-local",
+                             daemon=True).start()
+
+    def _listen_locally(self) -> None:
+        name = bulk.local_lane_name()
+        offer = bulk.local_lane_offer(name) if name is not None else None
+        if offer is None:
+            return
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(name)
+            sock.listen(64)
+        except OSError as e:
+            sock.close()
+            log.info("no local lane listener (clients on this host use the tcp lanes): %s", e)
+            return
+        self._local_sock, self.local_offer = sock, offer
 
     # ------------------------------------------------------------ connections
 
-    def _accept_loop(self) -> None:
+    def _accept_loop(self, listener: socket.socket) -> None:
         while not self._closed:
             try:
-                conn, _ = self._sock.accept()
+                conn, _ = listener.accept()
             except OSError:
                 return
             threading.Thread(target=self._greet, args=(conn,), name="genie-bulk-greet", daemon=True).start()
@@ -295,10 +318,12 @@ class BulkListener:
 
     def close(self) -> None:
         self._closed = True
-        try:
-            self._sock.close()
-        except OSError:
-            pass
+        for listener in (self._sock, self._local_sock):
+            try:
+                if listener is not None:
+                    listener.close()
+            except OSError:
+                pass
         with self._lock:
             lanes, self._lanes = list(self._lanes.values()), {}
             self._attached.notify_all()

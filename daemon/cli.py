@@ -97,6 +97,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    default=os.environ.get("GENIE_SHARED_MEMORY", "1") == "0",
                    help="refuse shared-memory segments for large payloads on ipc:// bulk lanes (they then go "
                         "through the Unix socket); env GENIE_SHARED_MEMORY=0")
+    p.add_argument("--no-local-lane", action="store_true", default=os.environ.get("GENIE_LOCAL_LANE", "1") == "0",
+                   help="a tcp:// daemon takes the lanes of clients and peers on its own host over TCP too, "
+                        "not on its local Unix socket with shared memory; env GENIE_LOCAL_LANE=0")
     p.add_argument("--ucx", choices=ucx_lane.MODES, default=os.environ.get("GENIE_UCX", "auto").lower(),
                    help="bulk payloads over UCX (the ucxx library): auto = on hosts with an RDMA device; "
                         "on = whenever ucxx is importable (clients need GENIE_UCX=on too); off")
@@ -150,7 +153,7 @@ async def _run(args: argparse.Namespace) -> tuple[str, str] | None:
                           curve=security_from(args), transfer_timeout=args.transfer_timeout,
                           kv_dir=args.kv_dir, spin_s=max(0.0, args.spin_us) / 1e6,
                           cuda_ipc_allowed=not args.no_cuda_ipc, shared_memory=not args.no_shared_memory,
-                          ucx=args.ucx, lane_port=args.lane_port, peer_lanes=args.peer_lanes)
+                          local_lane=not args.no_local_lane, ucx=args.ucx, lane_port=args.lane_port, peer_lanes=args.peer_lanes)
     try:
         endpoint = server.bind()
     except OSError as e:

@@ -267,13 +267,34 @@ class PeerLinks:
     async def _open_lane(self, endpoint: str, body: dict) -> None:
         address = bulk.connect_address(body.get("bulk"), endpoint)
         key = body.get("lane_key")
+
         if address is None or (self._curve is not None and (key is None or not sealed_lane.available())):
             return  # no lane offered (or none this daemon can seal): deposits carry their frames
+        # A tcp peer on this host offers its local listener too: shared memory, as between ipc peers.
+        local = bulk.local_lane_address(body.get("local_lane")) if self.shared_memory and key is None else None
         self._opening.add(endpoint)
         try:
-            await self._open_lanes(endpoint, address, key)
+            lane = None if local is None else await self._loop.run_in_executor(None, self._open_local_lane,
+                                                                               endpoint, local)
+            if lane is not None:
+                self._lanes[endpoint] = lane
+                log.info("lane to peer %s: %s (on this host)", endpoint, lane.path)
+            else:
+                await self._open_lanes(endpoint, address, key)
         finally:
             self._opening.discard(endpoint)
+
+    def _open_local_lane(self, endpoint: str, local) -> bulk.Lane | None:
+        """A shared-memory lane to a tcp peer's local listener, or None (then its tcp lanes)."""
+        try:
+            lane = bulk.open_client_lane(local, self._tokens[endpoint], HostBufferPool(0), 1 << 40, 10.0, shared=True)
+        except (OSError, ConnectionError) as e:
+            log.info("no local lane to peer %s: %s", endpoint, e)
+            return None
+        if not lane.shared:
+            lane.close()
+            return None
+        return lane
 
     async def _open_lanes(self, endpoint: str, address, key) -> None:
         open_lane = functools.partial(bulk.open_client_lane, address, self._tokens[endpoint], HostBufferPool(0),

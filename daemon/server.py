@@ -45,7 +45,8 @@ class DaemonServer(DirectLanes, MemoryQueries):
     def __init__(self, endpoint: str, devices: list[torch.device], client_lease_s: float = 60.0,
                  memory_limit: int = 0, bulk_lanes: bool = True, curve=None, transfer_timeout: float = 120.0,
                  kv_dir: str | None = None, spin_s: float = 0.0, cuda_ipc_allowed: bool = True,
-                 shared_memory: bool = True, ucx: str = "auto", lane_port: int = 0, peer_lanes: int = 0) -> None:
+                 shared_memory: bool = True, ucx: str = "auto", lane_port: int = 0, peer_lanes: int = 0,
+                 local_lane: bool = True) -> None:
         self.endpoint = endpoint
         self.peer_lanes = peer_lanes  # bulk lanes to each peer daemon (0: lane_set.lanes_wanted's default)
         self.lane_port = lane_port  # the lanes' TCP listener (0: any free port)
@@ -54,6 +55,7 @@ class DaemonServer(DirectLanes, MemoryQueries):
         self.ucx_gpu_memory = "no: no UCX lane"  # whether its lanes move GPU memory, in words (check_device_memory)
         self.cuda_ipc_allowed = cuda_ipc_allowed
         self.shared_memory = shared_memory  # shared-memory segments on ipc:// bulk lanes
+        self.local_lane = local_lane  # a tcp daemon's local lane listener, for clients on this host
         self.ipc_offer: dict | None = None  # hello's cuda_ipc: set once bound, where handles are accepted
         self._busy_poll = BusyPoll(spin_s)  # an idle daemon polls for the next request before sleeping
         self.curve = curve  # ServerKeys: CURVE on, only allow-listed clients; None: plaintext, open
@@ -141,6 +143,7 @@ class DaemonServer(DirectLanes, MemoryQueries):
             self.bulk = BulkListener(self.bound_endpoint, lambda token: token in self.clients,
                                      max_transfer=self.memory_limit or total,
                                      shared_memory=self.shared_memory and not sealed, tcp_port=self.lane_port,
+                                     local_lane=self.local_lane,
                                      lane_key_of=self._lane_key_of if sealed else None)
         except OSError as e:
             if self.lane_port:  # asked for by the operator (a firewall's open port): not quietly another
@@ -347,6 +350,8 @@ class DaemonServer(DirectLanes, MemoryQueries):
             hello = {"version": protocol.VERSION, "devices": self.device_info}
             if self.bulk is not None:
                 hello["bulk"] = self.bulk.advertised
+                if self.bulk.local_offer is not None:
+                    hello["local_lane"] = self.bulk.local_offer
                 if self.curve is not None:  # sent encrypted by CURVE; a new one at each hello
                     client.lane_key = hello["lane_key"] = sealed_lane.new_lane_key()
             if self.ucx is not None:

@@ -94,15 +94,17 @@ def _rss(pid: int) -> int:
         return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
 
 
-@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+@pytest.mark.parametrize("transport", ["tcp", "ipc", "tcp-local"])
 def test_the_lane_listener_survives_hostile_connections_and_holds_nothing_after(transport):
+    """tcp-local: a tcp daemon's local listener (an abstract Unix socket), which its clients on
+    this host use (see tests/test_local_lane.py)."""
     import genie
     from genie.runtime import get_runtime
 
-    listen, tmp = ("tcp://127.0.0.1:0", None) if transport == "tcp" else ipc_endpoint()
+    listen, tmp = ("tcp://127.0.0.1:0", None) if transport.startswith("tcp") else ipc_endpoint()
     r = random.Random(f"lanes-{transport}")
     host = torch.randn(1 << 20)  # 4 MiB: on the bulk lane (in shared memory over ipc)
-    with DaemonProcess(listen, extra=["--transfer-timeout", "2"]) as daemon:
+    with DaemonProcess(listen, extra=["--transfer-timeout", "2"], local_lane=transport == "tcp-local") as daemon:
         try:
             rss_before = None
             for round_start in range(0, CONNECTIONS, 40):
@@ -110,6 +112,7 @@ def test_the_lane_listener_survives_hostile_connections_and_holds_nothing_after(
                 link = get_runtime().links[0]
                 assert link.bulk_lane is not None
                 sock = link.bulk_lane.sock
+                assert (sock.family == socket.AF_UNIX) == (transport != "tcp")
                 address = (sock.family, sock.getpeername())
                 if rss_before is None:
                     assert torch.equal((host.to("remote_accelerator:0") * 2).cpu(), host * 2)

@@ -170,15 +170,22 @@ def test_a_write_after_a_move_does_not_reach_the_moved_copy(two_daemons, numel):
             assert x.sum().item() == numel
 
 
-@pytest.mark.parametrize("shared", [True, False])
-def test_daemons_on_one_host_over_ipc_copy_through_shared_memory(shared):
-    """Two ipc:// daemons of one user: a large copy between them goes in a shared segment of the
-    sender, which the receiver keeps the tensor over until it is freed (then the segment comes
-    back). With --no-shared-memory (on both) it goes through the Unix socket."""
+@pytest.mark.parametrize("listen, shared", [("ipc", True), ("ipc", False), ("tcp", True)])
+def test_daemons_on_one_host_copy_through_shared_memory(listen, shared):
+    """Two daemons of one user on one host: a large copy between them goes in a shared segment of
+    the sender, which the receiver keeps the tensor over until it is freed (then the segment comes
+    back). ipc:// daemons lane over their Unix socket, tcp:// ones over their local lane (an
+    abstract Unix socket named in hello). With --no-shared-memory (on both) it goes through the
+    Unix socket."""
     from daemons import ipc_endpoint
 
     extra = [] if shared else ["--no-shared-memory"]
-    with DaemonProcess(ipc_endpoint()[0], extra=extra) as a, DaemonProcess(ipc_endpoint()[0], extra=extra) as b:
+
+    def start():
+        return DaemonProcess(ipc_endpoint()[0] if listen == "ipc" else "tcp://127.0.0.1:0", extra=extra,
+                             local_lane=True)
+
+    with start() as a, start() as b:
         genie.init(f"{a.endpoint},{b.endpoint}")
         try:
             for src, dst, peer in ((0, 1, b), (1, 0, a)):

@@ -195,7 +195,8 @@ class DaemonLink:
         self.devices = devices
         if self.runtime.config.cuda_ipc:
             self.cuda_ipc_offer = reply.body.get("cuda_ipc")
-        await self._open_lanes(reply.body.get("bulk"), reply.body.get("ucx"), timeout, reply.body.get("lane_key"))
+        await self._open_lanes(reply.body.get("bulk"), reply.body.get("ucx"), timeout, reply.body.get("lane_key"),
+                               reply.body.get("local_lane"))
         if isinstance(self.bulk_lane, ucx_lane.UcxLane):
             self._take_gpu_memory_offer(reply.body.get("ucx_devices"), reply.body.get("ucx_gpu_memory"))
         await self._probe_link()
@@ -208,9 +209,10 @@ class DaemonLink:
         if not watch.cancelled() and watch.exception() is not None:
             log.debug("reachability watch of %s: %s", self.endpoint, watch.exception())
 
-    async def _open_lanes(self, advertised, ucx_port, timeout: float, lane_key=None) -> None:
+    async def _open_lanes(self, advertised, ucx_port, timeout: float, lane_key=None, local_offer=None) -> None:
         """The bulk lane (UCX where chosen, see ucx_lane) and the direct lane, both to the daemon's
-        lane listeners; under CURVE both sealed, with the key hello gave (see _open_sealed_lanes)."""
+        lane listeners; under CURVE both sealed, with the key hello gave (see _open_sealed_lanes).
+        A tcp daemon on this host offers a local listener too: lanes there use shared memory."""
         config = self.runtime.config
         address = bulk.connect_address(advertised, self.endpoint)
         if address is None:
@@ -233,6 +235,12 @@ class DaemonLink:
                     log.warning("no UCX lane to %s (the socket lane carries large payloads): %s", self.endpoint, e)
             else:
                 log.info("bulk lane to %s: socket, not UCX: %s", self.endpoint, why)
+        local = bulk.local_lane_address(local_offer) if config.shared_memory else None
+        if config.bulk_min_bytes > 0 and self.bulk_lane is None and local is not None:
+            self.bulk_lane = await self._open_local_lane(local, timeout)
+            if self.bulk_lane is not None:
+                self.bulk_min_bytes = config.shared_min_bytes
+                address = local  # the direct lane goes there too
         unreachable = None  # the lanes' listener could not be reached: both lanes go to it
         if config.bulk_min_bytes > 0 and self.bulk_lane is None:
             try:
@@ -262,6 +270,23 @@ class DaemonLink:
                 self._direct_lane_at = (address, None)
             except (OSError, ConnectionError) as e:
                 log.warning("no direct lane to %s (blocking requests go over ZeroMQ): %s", self.endpoint, e)
+
+    async def _open_local_lane(self, local, timeout: float):
+        """A shared-memory bulk lane to a tcp daemon's local listener, or None (the tcp lanes then):
+        another network namespace (a container) cannot reach it, another user gets no shared memory."""
+        loop = asyncio.get_running_loop()
+        try:
+            lane = await loop.run_in_executor(None, bulk.open_client_lane, local, self.token,
+                                              self.runtime.host_pool, 1 << 40, min(timeout, 10.0), True)
+        except (OSError, ConnectionError) as e:
+            log.info("no local lane to %s (the tcp lanes carry large payloads): %s", self.endpoint, e)
+            return None
+        if not lane.shared:
+            lane.close()
+            log.info("no shared memory with %s (the tcp lanes carry large payloads)", self.endpoint)
+            return None
+        log.info("bulk lane to %s: shared memory (the daemon runs on this host)", self.endpoint)
+        return lane
 
     async def _open_sealed_lanes(self, address, lane_key, timeout: float) -> None:
         """Under CURVE: the bulk and direct lanes sealed (sealed_lane), or none where the daemon

@@ -36,9 +36,11 @@ import ctypes
 import functools
 import logging
 import os
+import re
 import select
 import socket
 import struct
+import sys
 import threading
 import time
 import types
@@ -701,6 +703,38 @@ def connect_address(advertised: object, zmq_endpoint: str) -> tuple[int, object]
     if kind == "unix" and isinstance(where, str) and zmq_endpoint.startswith("ipc://"):
         return (socket.AF_UNIX, where)
     return None
+
+
+# A daemon listening on tcp also listens on an abstract Unix socket of this form (Linux), which it
+# names in hello (`local_lane`) for clients and peers on its host: lanes there can use shared
+# memory, where a TCP connection cannot pass a segment's file descriptor.
+_LOCAL_LANE_NAME = re.compile(r"\0genie-lanes-[0-9]{1,10}-[0-9a-f]{16}")
+
+
+def local_lane_name() -> str | None:
+    """A fresh abstract socket name for the local lane listener, or None off Linux (no abstract names)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    return f"\0genie-lanes-{os.getpid()}-{os.urandom(8).hex()}"
+
+
+def local_lane_offer(name: str) -> dict | None:
+    """What a tcp daemon says in hello about its local lane listener `name`: who may use it."""
+    host = shared_segments.host_id()
+    return None if host is None else {"host": host, "uid": os.getuid(), "path": name}
+
+
+def local_lane_address(offered: object) -> tuple[int, str] | None:
+    """Client (or peer) side: the daemon's local lane listener as a connect address, where the offer
+    comes from a daemon on this host running as this user; None otherwise, or for a malformed offer.
+    Only a name of Genie's own form is connected to: a daemon cannot point us at another service."""
+    if (not isinstance(offered, dict) or offered.get("host") != shared_segments.host_id()
+            or offered.get("uid") != os.getuid()):
+        return None
+    name = offered.get("path")
+    if type(name) is not str or _LOCAL_LANE_NAME.fullmatch(name) is None:
+        return None
+    return (socket.AF_UNIX, name)
 
 
 def widen_buffers(sock: socket.socket) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import ProtocolError
+from .shared_segments import host_id
 from .tensors import check_shape, parse_dtype
 
 HANDLE_MAX_BYTES = 128          # torch's handle: cudaIpcMemHandle_t (64 bytes), with a short prefix
@@ -30,15 +31,6 @@ EVENT_HANDLE_BYTES = 64         # cudaIpcEventHandle_t
 REF_COUNTER_SLOTS = 10000       # torch's CUDA_IPC_REF_COUNTER_FILE_SIZE
 _REF_COUNTER_NAME = re.compile(r"/torch_\d{1,10}_\d{1,12}_\d{1,12}")
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
-
-
-def host_id() -> str | None:
-    """This kernel's boot id: equal in two processes only when they run on one machine."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
 
 
 def gpu_uuid(index: int) -> str:

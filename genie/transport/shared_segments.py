@@ -48,6 +48,16 @@ def supported() -> bool:
             and hasattr(fcntl, "F_GET_SEALS") and hasattr(socket, "send_fds") and hasattr(socket, "SO_PEERCRED"))
 
 
+def host_id() -> str | None:
+    """This kernel's boot id: equal in two processes only when they run on one machine (containers
+    on one host share it, though not always a network or mount namespace)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
 def same_user(sock) -> bool:
     """Whether the process at the other end of Unix socket `sock` runs as this process's user."""
     try:
