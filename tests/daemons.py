@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import collections
+import contextlib
+import dataclasses
 import os
 import shutil
 import socket
@@ -12,6 +14,33 @@ import threading
 import time
 
 READY = "GENIE_DAEMON_READY"
+
+
+def keygen(directory, name: str) -> tuple[str, str]:
+    """A CURVE key pair made by `genie-daemon keygen` in `directory` (a pathlib.Path): the paths of
+    its public and secret key files."""
+    out = subprocess.run([sys.executable, "-m", "genie_daemon", "keygen", str(directory), "--name", name],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return str(directory / f"{name}.key"), str(directory / f"{name}.key_secret")
+
+
+@contextlib.contextmanager
+def connected(endpoint: str, **config):
+    """genie connected to `endpoint` alone with `config` fields changed (genie.config.Config); its
+    link. Disconnected, and the config restored, afterwards."""
+    import genie
+    from genie.runtime import get_runtime
+
+    rt = get_runtime()
+    saved = rt.config
+    rt.config = dataclasses.replace(saved, **config)
+    try:
+        genie.init(endpoint)
+        yield rt.links[0]
+    finally:
+        genie.shutdown()
+        rt.config = saved
 
 
 class DaemonProcess:

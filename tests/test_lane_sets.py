@@ -2,7 +2,6 @@
 them both ways, plain and sealed; joins the daemon refuses; a lane lost mid-use."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import shutil
@@ -16,24 +15,11 @@ import torch
 import zmq
 
 import genie
-from daemons import DaemonProcess, ipc_endpoint
+from daemons import DaemonProcess, connected, ipc_endpoint, keygen
 from genie.runtime import get_runtime
 from genie.transport import bulk, lane_set, sealed_lane
 
 BIG = 3 << 20  # float32 elements: 12 MiB, above the 8 MiB striping threshold both ways
-
-
-@contextlib.contextmanager
-def _connected(endpoint: str, **config):
-    rt = get_runtime()
-    saved = rt.config
-    rt.config = dataclasses.replace(saved, **config)
-    try:
-        genie.init(endpoint)
-        yield rt.links[0]
-    finally:
-        genie.shutdown()
-        rt.config = saved
 
 
 def _round_trip_uses_every_lane(lane) -> None:
@@ -58,31 +44,31 @@ def test_tcp_clients_split_large_payloads_over_four_lanes_by_default(dev):
 
 
 def test_one_lane_when_asked_and_over_unix_sockets(daemon_endpoint):
-    with _connected(daemon_endpoint, bulk_lanes=1):
+    with connected(daemon_endpoint, bulk_lanes=1):
         assert genie.transport_info()["links"][daemon_endpoint]["bulk_lanes"] == 1
         assert isinstance(get_runtime().links[0].bulk_lane, bulk.Lane)
     ipc, tmpdir = ipc_endpoint()
     try:
-        with DaemonProcess(ipc, extra=["--no-shared-memory"]) as d, _connected(d.endpoint):
+        with DaemonProcess(ipc, extra=["--no-shared-memory"]) as d, connected(d.endpoint):
             info = genie.transport_info()["links"][d.endpoint]
             assert info["path"] == "zmq+bulk-unix" and info["bulk_lanes"] == 1
             src = torch.randn(BIG)
             assert torch.equal((src.to("remote_accelerator:0") + 1).cpu(), src + 1)
-        with DaemonProcess(ipc, extra=["--no-shared-memory"]) as d, _connected(d.endpoint, bulk_lanes=3):
+        with DaemonProcess(ipc, extra=["--no-shared-memory"]) as d, connected(d.endpoint, bulk_lanes=3):
             _round_trip_uses_every_lane(get_runtime().links[0].bulk_lane)
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 def test_smaller_striping_threshold_and_odd_sizes_arrive_whole(daemon_endpoint):
-    with _connected(daemon_endpoint, bulk_lanes=3, stripe_min_bytes=1 << 20):
+    with connected(daemon_endpoint, bulk_lanes=3, stripe_min_bytes=1 << 20):
         for n in (1 << 18, (1 << 18) + 1, (5 << 18) + 7):
             src = torch.randn(n)
             assert torch.equal((src.to("remote_accelerator:0") - 1).cpu(), src - 1)
 
 
 def test_the_daemon_refuses_joins_it_cannot_place_and_carries_on(daemon_endpoint):
-    with _connected(daemon_endpoint, bulk_lanes=2) as link:
+    with connected(daemon_endpoint, bulk_lanes=2) as link:
         address = (socket.AF_INET, link.bulk_lane.sock.getpeername())
         with pytest.raises(ConnectionError):  # a token it does not know
             bulk.connect_greeted(address, bulk.MAGIC_JOIN, os.urandom(bulk.TOKEN_BYTES), timeout=10.0)
@@ -103,20 +89,13 @@ def test_the_daemon_refuses_joins_it_cannot_place_and_carries_on(daemon_endpoint
             s.close()
 
 
-def _keygen(directory, name):
-    out = subprocess.run([sys.executable, "-m", "genie_daemon", "keygen", str(directory), "--name", name],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    return str(directory / f"{name}.key"), str(directory / f"{name}.key_secret")
-
-
 @pytest.mark.skipif(not zmq.has("curve") or not sealed_lane.available(),
                     reason="needs a libzmq built with CURVE and the cryptography package")
 def test_sealed_lanes_join_only_with_the_lane_key_and_carry_striped_payloads(tmp_path):
     allow = tmp_path / "allowed"
     allow.mkdir()
-    server_public, server_secret = _keygen(tmp_path, "daemon")
-    client_public, client_secret = _keygen(tmp_path, "client")
+    server_public, server_secret = keygen(tmp_path, "daemon")
+    client_public, client_secret = keygen(tmp_path, "client")
     os.replace(client_public, allow / "client.key")
     with DaemonProcess(extra=["--curve-secret", server_secret, "--allow-keys", str(allow)]) as d:
         rt = get_runtime()
@@ -164,6 +143,6 @@ def test_a_client_killed_mid_striped_upload_leaves_the_daemon_serving_others():
         finally:
             uploader.kill()
             uploader.wait(10)
-        with _connected(d.endpoint) as link:
+        with connected(d.endpoint) as link:
             _round_trip_uses_every_lane(link.bulk_lane)
         assert d.proc.poll() is None

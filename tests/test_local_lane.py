@@ -4,33 +4,18 @@ an ipc:// daemon) instead of through TCP. Anyone else, or a client that cannot r
 (another network namespace), keeps the tcp lanes; the offer is checked before it is used."""
 from __future__ import annotations
 
-import contextlib
-import dataclasses
+import os
 import socket
 
 import pytest
 import torch
 
 import genie
-from daemons import DaemonProcess
-from genie.runtime import get_runtime
+from daemons import DaemonProcess, connected
 from genie.transport import bulk, lane_set, shared_segments
 
 pytestmark = pytest.mark.skipif(not shared_segments.supported() or bulk.local_lane_name() is None,
                                 reason="needs Linux shared-memory segments and abstract Unix sockets")
-
-
-@contextlib.contextmanager
-def _connected(endpoint: str, **config):
-    rt = get_runtime()
-    saved = rt.config
-    rt.config = dataclasses.replace(saved, **config)
-    try:
-        genie.init(endpoint)
-        yield rt.links[0]
-    finally:
-        genie.shutdown()
-        rt.config = saved
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +34,9 @@ def _round_trip(n: int = 1 << 20) -> None:
 
 
 def test_a_client_on_the_daemons_host_moves_payloads_in_shared_memory(local_daemon):
-    with _connected(local_daemon.endpoint) as link:
+    with connected(local_daemon.endpoint) as link:
         info = genie.transport_info()["links"][local_daemon.endpoint]
-        assert info["path"] == "zmq+bulk-shared-memory" and info["direct_lane"]
+        assert info["path"] == "zmq+bulk-shared-memory" and info["direct_lane"] and info["local_lane"]
         assert link.bulk_lane.sock.family == socket.AF_UNIX
         _round_trip()
         x = torch.randn(1 << 22, device="remote_accelerator:0")  # 16 MiB down: a segment of the daemon's
@@ -62,15 +47,16 @@ def test_a_client_on_the_daemons_host_moves_payloads_in_shared_memory(local_daem
 
 
 def test_a_client_that_asks_for_no_shared_memory_keeps_the_tcp_lanes(local_daemon):
-    with _connected(local_daemon.endpoint, shared_memory=False) as link:
-        assert genie.transport_info()["links"][local_daemon.endpoint]["path"] == "zmq+bulk-tcp"
+    with connected(local_daemon.endpoint, shared_memory=False) as link:
+        info = genie.transport_info()["links"][local_daemon.endpoint]
+        assert info["path"] == "zmq+bulk-tcp" and not info["local_lane"]
         assert len(link.bulk_lane.lanes) == lane_set.DEFAULT_TCP_LANES
         _round_trip()
 
 
 def test_an_offer_from_another_host_or_user_is_not_taken(local_daemon, monkeypatch):
     monkeypatch.setattr(shared_segments, "host_id", lambda: "another-host")
-    with _connected(local_daemon.endpoint):
+    with connected(local_daemon.endpoint):
         assert genie.transport_info()["links"][local_daemon.endpoint]["path"] == "zmq+bulk-tcp"
         _round_trip()
 
@@ -80,14 +66,14 @@ def test_an_unreachable_local_listener_falls_back_to_tcp(local_daemon, monkeypat
     socket is not there): the connect is refused at once, and the tcp lanes are opened."""
     monkeypatch.setattr(bulk, "local_lane_address",
                         lambda offered: (socket.AF_UNIX, "\0genie-lanes-1-0000000000000000"))
-    with _connected(local_daemon.endpoint) as link:
+    with connected(local_daemon.endpoint) as link:
         assert genie.transport_info()["links"][local_daemon.endpoint]["path"] == "zmq+bulk-tcp"
         assert link.bulk_lane.sock.family != socket.AF_UNIX
         _round_trip()
 
 
 def test_a_daemon_started_with_no_local_lane_offers_none():
-    with DaemonProcess("tcp://127.0.0.1:0") as d, _connected(d.endpoint):  # the tests' --no-local-lane
+    with DaemonProcess("tcp://127.0.0.1:0") as d, connected(d.endpoint):  # the tests' --no-local-lane
         assert genie.transport_info()["links"][d.endpoint]["path"] == "zmq+bulk-tcp"
 
 
@@ -99,3 +85,42 @@ def test_offers_are_checked_before_use():
                 {**good, "path": "\0some-other-service"}, {**good, "path": good["path"] + "0"},
                 {**good, "path": b"\0genie-lanes-1-0000000000000000"}, {k: v for k, v in good.items() if k != "path"}):
         assert bulk.local_lane_address(bad) is None, bad
+
+
+
+def _greet_as(uid: int | None, address, greeting: bytes) -> bytes:
+    """The daemon's one-byte answer to `greeting` on `address`, sent from a child process running
+    as `uid` (forked: the interpreter lives under /root, which another user cannot run)."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: sockets only, then out without running any of the parent's cleanup
+        answer = b"?"
+        try:
+            if uid is not None:
+                os.setgid(uid), os.setuid(uid)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(10)
+            sock.connect(address)
+            sock.sendall(greeting)
+            answer = sock.recv(1) or b"-"
+        finally:
+            os.write(write_end, answer)
+            os._exit(0)
+    os.close(write_end)
+    try:
+        return os.read(read_end, 1)
+    finally:
+        os.close(read_end)
+        os.waitpid(pid, 0)
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root, to act as another user")
+def test_another_user_on_the_host_gets_no_shared_memory_even_with_the_token(local_daemon):
+    """An abstract socket has no file permissions: any local user can connect. A greeting with a
+    live client's token (as if it leaked), asking for shared memory from another uid, is taken as
+    a plain lane: the daemon checks the peer's credentials (SO_PEERCRED) before it agrees."""
+    with connected(local_daemon.endpoint) as link:
+        address = link.bulk_lane.sock.getpeername()
+        greeting = bulk.MAGIC_SHARED + link.token
+        assert _greet_as(None, address, greeting) == bulk.ACCEPTED_SHARED
+        assert _greet_as(65534, address, greeting) == bulk.ACCEPTED

@@ -5,8 +5,9 @@ by side with the same program on the CPU. At the end every device tensor equals 
 every download still holds what it read: a download over shared memory is the daemon's segment
 mapped here, so a segment handed back or reused too early would show.
 
-Paths: tcp lanes (four, payloads from 8 MiB split across them), an ipc daemon's shared memory,
-a tcp daemon's local lane (shared memory too), and the Unix socket (`--no-shared-memory`).
+Paths: tcp lanes (four, payloads from 8 MiB split across them), sealed lanes under CURVE, an ipc
+daemon's shared memory, a tcp daemon's local lane (shared memory too), and the Unix socket
+(`--no-shared-memory`).
 Seeded; a failure names the seed and its steps. GENIE_RANDOM_TRANSFERS=N runs N seeds per path."""
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ import shutil
 
 import pytest
 import torch
+import zmq
 
 import genie
-from daemons import DaemonProcess, ipc_endpoint
+from daemons import DaemonProcess, ipc_endpoint, keygen
+from genie.transport import sealed_lane
 
 SEEDS = range(int(os.environ.get("GENIE_RANDOM_TRANSFERS", "12")))
 DEV = "remote_accelerator:0"
@@ -131,6 +134,24 @@ def _run_seeds() -> None:
 def test_random_transfer_programs_over_tcp_lanes_match_cpu(dev):
     assert genie.transport_info()["links"][genie.get_runtime().links[0].endpoint]["path"] == "zmq+bulk-tcp"
     _run_seeds()
+
+
+@pytest.mark.skipif(not zmq.has("curve") or not sealed_lane.available(),
+                    reason="needs a libzmq built with CURVE and the cryptography package")
+def test_random_transfer_programs_over_sealed_lanes_match_cpu(tmp_path):
+    """Under CURVE: payloads from 128 KiB on sealed lanes (AES-GCM records), split across four."""
+    allow = tmp_path / "allowed"
+    allow.mkdir()
+    server_public, server_secret = keygen(tmp_path, "daemon")
+    client_public, client_secret = keygen(tmp_path, "client")
+    os.replace(client_public, allow / "client.key")
+    with DaemonProcess(extra=["--curve-secret", server_secret, "--allow-keys", str(allow)]) as d:
+        genie.init(d.endpoint, client_key=client_secret, server_key=server_public)
+        try:
+            assert genie.transport_info()["links"][d.endpoint]["path"] == "zmq+bulk-tcp-sealed"
+            _run_seeds()
+        finally:
+            genie.shutdown()
 
 
 @pytest.mark.parametrize("path", ["ipc shared memory", "tcp local lane", "unix socket"])

@@ -13,7 +13,7 @@ import torch
 import zmq
 
 import genie
-from daemons import DaemonProcess, RecordingProxy, child_pythonpath
+from daemons import DaemonProcess, RecordingProxy, child_pythonpath, keygen
 from genie import GenieConnectionError
 from genie.runtime import get_runtime
 from genie.transport import bulk, protocol, sealed_lane, stream_framing
@@ -23,23 +23,16 @@ pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="needs a libzmq bui
 MARKER = b"GENIE-PLAINTEXT-MARKER-0123456789"
 
 
-def _keygen(directory, name):
-    out = subprocess.run([sys.executable, "-m", "genie_daemon", "keygen", str(directory), "--name", name],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    return str(directory / f"{name}.key"), str(directory / f"{name}.key_secret")
-
-
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory):
     root = tmp_path_factory.mktemp("keys")
     allow = root / "allowed"
     allow.mkdir()
-    server_public, server_secret = _keygen(root, "daemon")
-    good_public, good_secret = _keygen(root, "alice")
-    _, bad_secret = _keygen(root, "mallory")
+    server_public, server_secret = keygen(root, "daemon")
+    good_public, good_secret = keygen(root, "alice")
+    _, bad_secret = keygen(root, "mallory")
     os.replace(good_public, allow / "alice.key")  # only alice's public key is allowed
-    _, other_server_secret = _keygen(root, "impostor")
+    _, other_server_secret = keygen(root, "impostor")
     return dict(server_public=server_public, server_secret=server_secret, allow=str(allow),
                 good=good_secret, bad=bad_secret, impostor_public=str(root / "impostor.key"))
 

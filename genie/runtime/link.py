@@ -137,6 +137,7 @@ class DaemonLink:
         self.token = bulk.new_token()  # this client's routing id on the daemon; also opens its bulk lane
         self.bulk_lane: bulk.Lane | None = None
         self.bulk_min_bytes = 0  # payloads at least this big take the bulk lane (set with the lane)
+        self.local_lane = False  # the lanes go to a tcp daemon's local listener (same host: shared memory)
         self.cuda_ipc_offer: dict | None = None  # hello's cuda_ipc: the daemon takes handles from this host
         self.ucx_gpu_memory = "no: no UCX lane to this daemon"  # whether its UCX lane moves GPU memory, in words
         self._cuda_ipc_ok: dict[int, bool] = {}  # client GPU index -> whether its tensors go by CUDA IPC
@@ -240,6 +241,7 @@ class DaemonLink:
             self.bulk_lane = await self._open_local_lane(local, timeout)
             if self.bulk_lane is not None:
                 self.bulk_min_bytes = config.shared_min_bytes
+                self.local_lane = True
                 address = local  # the direct lane goes there too
         unreachable = None  # the lanes' listener could not be reached: both lanes go to it
         if config.bulk_min_bytes > 0 and self.bulk_lane is None:

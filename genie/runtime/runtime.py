@@ -275,6 +275,7 @@ class Runtime:
                 "bulk_lanes": 0 if lane is None or lane.closed else len(getattr(lane, "lanes", (lane,))),
                 "gpu_memory_over_ucx": link.ucx_gpu_memory,
                 "direct_lane": link.channel is not None and link.channel.direct_stream is not None,
+                "local_lane": link.local_lane,
                 "encrypted": self.curve is not None,
             }
         return {"links": links, "local": local_capabilities(self.config.ucx)}
