@@ -53,10 +53,12 @@ class BulkListener:
             self.advertised = ["unix", where]
         self._path = where if kind == "unix" else None
         self._sock.listen(64)
-        # Beside a plaintext tcp listener, a local one (an abstract Unix socket) for clients and
-        # peers on this host, whose lanes can then use shared memory; named in hello (local_offer).
+        # Beside a tcp listener, a local one (an abstract Unix socket) for clients and peers on this
+        # host, whose lanes can then use shared memory; named in hello (local_offer). Under CURVE it
+        # takes plain lanes too, from the daemon's own user only: their bytes never leave the
+        # kernel, and such a process can read this one's memory anyway.
         self._local_sock, self.local_offer = None, None
-        if kind == "tcp" and local_lane and shared_memory and lane_key_of is None and shared_segments.supported():
+        if kind == "tcp" and local_lane and shared_memory and shared_segments.supported():
             self._listen_locally()
         self._is_known = is_known_client
         self.max_transfer = max_transfer
@@ -73,9 +75,10 @@ class BulkListener:
         # Given direct-lane connections (see genie.transport.stream_framing), from a greeting thread,
         # with their (sending, receiving) sealed_lane directions on a sealed listener (else None).
         self.on_direct: Callable[[socket.socket, bytes, tuple | None], None] | None = None
-        threading.Thread(target=self._accept_loop, args=(self._sock,), name="genie-bulk-accept", daemon=True).start()
+        threading.Thread(target=self._accept_loop, args=(self._sock, False), name="genie-bulk-accept",
+                         daemon=True).start()
         if self._local_sock is not None:
-            threading.Thread(target=self._accept_loop, args=(self._local_sock,), name="genie-bulk-accept-local",
+            threading.Thread(target=self._accept_loop, args=(self._local_sock, True), name="genie-bulk-accept-local",
                              daemon=True).start()
 
     def _listen_locally(self) -> None:
@@ -95,21 +98,21 @@ class BulkListener:
 
     # ------------------------------------------------------------ connections
 
-    def _accept_loop(self, listener: socket.socket) -> None:
+    def _accept_loop(self, listener: socket.socket, local: bool) -> None:
         while not self._closed:
             try:
                 conn, _ = listener.accept()
             except OSError:
                 return
-            threading.Thread(target=self._greet, args=(conn,), name="genie-bulk-greet", daemon=True).start()
+            threading.Thread(target=self._greet, args=(conn, local), name="genie-bulk-greet", daemon=True).start()
 
-    def _greet(self, conn: socket.socket) -> None:
+    def _greet(self, conn: socket.socket, local: bool = False) -> None:
         try:
             conn.settimeout(GREETING_TIMEOUT_S)
             greeting = bulk.recv_exactly(conn, len(bulk.MAGIC) + bulk.TOKEN_BYTES)
             token, magic = greeting[len(bulk.MAGIC):], greeting[:len(bulk.MAGIC)]
             sealing, shared, direct, joining = None, False, False, None
-            if self._lane_key_of is not None:
+            if self._lane_key_of is not None and not local:
                 direct = magic == stream_framing.MAGIC_SEALED and self.on_direct is not None
                 joins = magic == bulk.MAGIC_SEALED_JOIN
                 lane_key = self._lane_key_of(token) if magic == bulk.MAGIC_SEALED or direct or joins else None
@@ -122,6 +125,8 @@ class BulkListener:
                 known = (bulk.MAGIC, bulk.MAGIC_SHARED, bulk.MAGIC_JOIN)
                 if (magic not in known and not direct) or not self._is_known(token):
                     raise ProtocolError("bad bulk greeting or unknown client")
+                if self._lane_key_of is not None and not shared_segments.same_user(conn):
+                    raise ProtocolError("under CURVE the local lanes are only for the daemon's own user")
                 joining = self._set_to_join(token) if magic == bulk.MAGIC_JOIN else None
                 shared = (magic == bulk.MAGIC_SHARED and self.shared_memory and conn.family == socket.AF_UNIX
                           and shared_segments.supported() and shared_segments.same_user(conn))

@@ -96,10 +96,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-shared-memory", action="store_true",
                    default=os.environ.get("GENIE_SHARED_MEMORY", "1") == "0",
                    help="refuse shared-memory segments for large payloads on ipc:// bulk lanes (they then go "
-                        "through the Unix socket); env GENIE_SHARED_MEMORY=0")
+                        "through the Unix socket), and offer no local lane on tcp://; env GENIE_SHARED_MEMORY=0")
     p.add_argument("--no-local-lane", action="store_true", default=os.environ.get("GENIE_LOCAL_LANE", "1") == "0",
-                   help="a tcp:// daemon takes the lanes of clients and peers on its own host over TCP too, "
-                        "not on its local Unix socket with shared memory; env GENIE_LOCAL_LANE=0")
+                   help="a tcp:// daemon takes the lanes of clients and peers on its own host over TCP too "
+                        "(sealed under CURVE), not on its local Unix socket with shared memory; env GENIE_LOCAL_LANE=0")
     p.add_argument("--ucx", choices=ucx_lane.MODES, default=os.environ.get("GENIE_UCX", "auto").lower(),
                    help="bulk payloads over UCX (the ucxx library): auto = on hosts with an RDMA device; "
                         "on = whenever ucxx is importable (clients need GENIE_UCX=on too); off")

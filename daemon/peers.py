@@ -267,11 +267,12 @@ class PeerLinks:
     async def _open_lane(self, endpoint: str, body: dict) -> None:
         address = bulk.connect_address(body.get("bulk"), endpoint)
         key = body.get("lane_key")
-
-        if address is None or (self._curve is not None and (key is None or not sealed_lane.available())):
+        # A tcp peer on this host offers its local listener too: shared memory, as between ipc
+        # peers (plain under CURVE as well: the peer takes such lanes from its own user only).
+        local = bulk.local_lane_address(body.get("local_lane")) if self.shared_memory else None
+        if address is None or (local is None and self._curve is not None
+                               and (key is None or not sealed_lane.available())):
             return  # no lane offered (or none this daemon can seal): deposits carry their frames
-        # A tcp peer on this host offers its local listener too: shared memory, as between ipc peers.
-        local = bulk.local_lane_address(body.get("local_lane")) if self.shared_memory and key is None else None
         self._opening.add(endpoint)
         try:
             lane = None if local is None else await self._loop.run_in_executor(None, self._open_local_lane,
@@ -279,7 +280,7 @@ class PeerLinks:
             if lane is not None:
                 self._lanes[endpoint] = lane
                 log.info("lane to peer %s: %s (on this host)", endpoint, lane.path)
-            else:
+            elif self._curve is None or (key is not None and sealed_lane.available()):
                 await self._open_lanes(endpoint, address, key)
         finally:
             self._opening.discard(endpoint)

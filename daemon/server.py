@@ -142,7 +142,7 @@ class DaemonServer(DirectLanes, MemoryQueries):
             sealed = self.curve is not None
             self.bulk = BulkListener(self.bound_endpoint, lambda token: token in self.clients,
                                      max_transfer=self.memory_limit or total,
-                                     shared_memory=self.shared_memory and not sealed, tcp_port=self.lane_port,
+                                     shared_memory=self.shared_memory, tcp_port=self.lane_port,
                                      local_lane=self.local_lane,
                                      lane_key_of=self._lane_key_of if sealed else None)
         except OSError as e:

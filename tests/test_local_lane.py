@@ -9,9 +9,10 @@ import socket
 
 import pytest
 import torch
+import zmq
 
 import genie
-from daemons import DaemonProcess, connected
+from daemons import DaemonProcess, connected, keygen
 from genie.transport import bulk, lane_set, shared_segments
 
 pytestmark = pytest.mark.skipif(not shared_segments.supported() or bulk.local_lane_name() is None,
@@ -124,3 +125,49 @@ def test_another_user_on_the_host_gets_no_shared_memory_even_with_the_token(loca
         greeting = bulk.MAGIC_SHARED + link.token
         assert _greet_as(None, address, greeting) == bulk.ACCEPTED_SHARED
         assert _greet_as(65534, address, greeting) == bulk.ACCEPTED
+
+
+@pytest.fixture(scope="module")
+def curve_daemon(tmp_path_factory):
+    """A tcp daemon under CURVE with its local lane, and genie.init's key arguments for it."""
+    root = tmp_path_factory.mktemp("local-curve")
+    allow = root / "allowed"
+    allow.mkdir()
+    server_public, server_secret = keygen(root, "daemon")
+    client_public, client_secret = keygen(root, "client")
+    os.replace(client_public, allow / "client.key")
+    with DaemonProcess(extra=["--curve-secret", server_secret, "--allow-keys", str(allow)], local_lane=True) as d:
+        yield d, {"client_key": client_secret, "server_key": server_public}
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="needs a libzmq built with CURVE")
+def test_under_curve_a_client_on_the_host_uses_the_local_lane(curve_daemon):
+    """ZeroMQ stays encrypted; the lanes go to the local listener, plain (the bytes never leave
+    the kernel) and with shared memory, instead of sealed over TCP."""
+    daemon, keys = curve_daemon
+    genie.init(daemon.endpoint, **keys)
+    try:
+        info = genie.transport_info()["links"][daemon.endpoint]
+        assert info["encrypted"] and info["local_lane"] and info["path"] == "zmq+bulk-shared-memory"
+        assert info["direct_lane"]
+        _round_trip(1 << 22)
+        assert (torch.ones(3, device="remote_accelerator:0") + 1).sum().item() == 6.0
+    finally:
+        genie.shutdown()
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="needs a libzmq built with CURVE")
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root, to act as another user")
+def test_under_curve_the_local_lanes_refuse_another_user_even_with_the_token(curve_daemon):
+    """Under CURVE a plain lane is for the daemon's own user only: another uid's greeting, even
+    with a live client's token, is closed unanswered (a plain tcp daemon would give it a plain lane)."""
+    daemon, keys = curve_daemon
+    genie.init(daemon.endpoint, **keys)
+    try:
+        link = genie.get_runtime().links[0]
+        address = link.bulk_lane.sock.getpeername()
+        for magic in (bulk.MAGIC_SHARED, bulk.MAGIC):
+            assert _greet_as(65534, address, magic + link.token) == b"-"
+        assert _greet_as(None, address, bulk.MAGIC_SHARED + link.token) == bulk.ACCEPTED_SHARED
+    finally:
+        genie.shutdown()

@@ -213,14 +213,16 @@ class DaemonLink:
     async def _open_lanes(self, advertised, ucx_port, timeout: float, lane_key=None, local_offer=None) -> None:
         """The bulk lane (UCX where chosen, see ucx_lane) and the direct lane, both to the daemon's
         lane listeners; under CURVE both sealed, with the key hello gave (see _open_sealed_lanes).
-        A tcp daemon on this host offers a local listener too: lanes there use shared memory."""
+        A tcp daemon on this host offers a local listener too, plain and sealed daemons alike: lanes
+        there use shared memory (see _open_local_lanes)."""
         config = self.runtime.config
         address = bulk.connect_address(advertised, self.endpoint)
         if address is None:
             return
         loop = asyncio.get_running_loop()
         if self.runtime.curve is not None:
-            await self._open_sealed_lanes(address, lane_key, timeout)
+            if not await self._open_local_lanes(local_offer, timeout):
+                await self._open_sealed_lanes(address, lane_key, timeout)
             return
         if config.bulk_min_bytes > 0 and type(ucx_port) is int and 0 < ucx_port < 65536:
             use, why = ucx_lane.wanted(config.ucx)
@@ -236,13 +238,8 @@ class DaemonLink:
                     log.warning("no UCX lane to %s (the socket lane carries large payloads): %s", self.endpoint, e)
             else:
                 log.info("bulk lane to %s: socket, not UCX: %s", self.endpoint, why)
-        local = bulk.local_lane_address(local_offer) if config.shared_memory else None
-        if config.bulk_min_bytes > 0 and self.bulk_lane is None and local is not None:
-            self.bulk_lane = await self._open_local_lane(local, timeout)
-            if self.bulk_lane is not None:
-                self.bulk_min_bytes = config.shared_min_bytes
-                self.local_lane = True
-                address = local  # the direct lane goes there too
+        if self.bulk_lane is None and await self._open_local_lanes(local_offer, timeout):
+            return
         unreachable = None  # the lanes' listener could not be reached: both lanes go to it
         if config.bulk_min_bytes > 0 and self.bulk_lane is None:
             try:
@@ -273,22 +270,38 @@ class DaemonLink:
             except (OSError, ConnectionError) as e:
                 log.warning("no direct lane to %s (blocking requests go over ZeroMQ): %s", self.endpoint, e)
 
-    async def _open_local_lane(self, local, timeout: float):
-        """A shared-memory bulk lane to a tcp daemon's local listener, or None (the tcp lanes then):
-        another network namespace (a container) cannot reach it, another user gets no shared memory."""
+    async def _open_local_lanes(self, local_offer, timeout: float) -> bool:
+        """The bulk lane (shared memory) and the direct lane to a tcp daemon's local listener, where
+        it offered one for this host and user; whether the bulk lane opened (if not, the tcp lanes
+        are opened instead: another network namespace, a container, cannot reach the listener).
+        Under CURVE these lanes are plain: their bytes never leave the kernel, and the daemon takes
+        them only from processes of its own user."""
+        config = self.runtime.config
+        local = bulk.local_lane_address(local_offer) if config.shared_memory and config.bulk_min_bytes > 0 else None
+        if local is None:
+            return False
         loop = asyncio.get_running_loop()
         try:
             lane = await loop.run_in_executor(None, bulk.open_client_lane, local, self.token,
                                               self.runtime.host_pool, 1 << 40, min(timeout, 10.0), True)
         except (OSError, ConnectionError) as e:
             log.info("no local lane to %s (the tcp lanes carry large payloads): %s", self.endpoint, e)
-            return None
+            return False
         if not lane.shared:
             lane.close()
             log.info("no shared memory with %s (the tcp lanes carry large payloads)", self.endpoint)
-            return None
+            return False
         log.info("bulk lane to %s: shared memory (the daemon runs on this host)", self.endpoint)
-        return lane
+        self.bulk_lane, self.bulk_min_bytes, self.local_lane = lane, config.shared_min_bytes, True
+        if config.direct_lane:
+            try:
+                sock, sealing = await loop.run_in_executor(None, self._connect_direct_lane, local, None,
+                                                           min(timeout, 10.0))
+                self._use_direct_lane(sock, sealing)
+                self._direct_lane_at = (local, None)
+            except (OSError, ConnectionError) as e:
+                log.warning("no direct lane to %s (blocking requests go over ZeroMQ): %s", self.endpoint, e)
+        return True
 
     async def _open_sealed_lanes(self, address, lane_key, timeout: float) -> None:
         """Under CURVE: the bulk and direct lanes sealed (sealed_lane), or none where the daemon
