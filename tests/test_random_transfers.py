@@ -7,8 +7,8 @@ mapped here, so a segment handed back or reused too early would show.
 
 Paths: tcp lanes (four, payloads from 8 MiB split across them), sealed lanes under CURVE, an ipc
 daemon's shared memory, a tcp daemon's local lane (shared memory too), and the Unix socket
-(`--no-shared-memory`).
-Seeded; a failure names the seed and its steps. GENIE_RANDOM_TRANSFERS=N runs N seeds per path."""
+(`--no-shared-memory`); and large tensors moved between two tcp daemons, over their local lanes
+(shared memory) and over tcp lanes. Seeded; a failure names the seed and its steps. GENIE_RANDOM_TRANSFERS=N runs N seeds per path."""
 from __future__ import annotations
 
 import gc
@@ -170,3 +170,54 @@ def test_random_transfer_programs_over_host_paths_match_cpu(path):
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+TWO = ("remote_accelerator:0", "remote_accelerator:1")
+
+
+def run_moving_program(seed: int, steps: int = 30) -> str | None:
+    """Large tensors moved between two daemons' devices (views too), some written right after the
+    move (the write must not reach the moved copy), with ops and frees; None, or what went wrong."""
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    pairs, taken = [], []
+    for _ in range(steps):
+        if not pairs or rng.random() < 0.2:
+            t, dev = _new_host_tensor(rng, g), rng.choice(TWO)
+            pairs.append((t.clone(), t.to(dev)))
+            taken.append(f"up{tuple(t.shape)}:{str(t.dtype)[6:]}->{dev[-1]}")
+            continue
+        k = rng.randrange(len(pairs))
+        c, r = pairs[k]
+        name, view = _view(rng, c)
+        op = rng.choice(["move", "move_then_write", "mul_", "compute", "free"])
+        taken.append(f"{k}.{op}.{name}")
+        if op.startswith("move"):
+            pairs.append((view(c).clone(), view(r).to(TWO[1 - TWO.index(str(r.device))])))
+            if op == "move_then_write":
+                view(c).add_(5), view(r).add_(5)
+        elif op == "mul_":
+            view(c).mul_(2), view(r).mul_(2)
+        elif op == "compute":
+            pairs.append(((view(c) + 1) * 2, (view(r) + 1) * 2))
+        elif op == "free":
+            pairs.pop(k)
+    for i, (c, r) in enumerate(pairs):
+        if not _same(c, r.cpu()):
+            return f"seed {seed}: tensor {i} differs: {' '.join(taken)}"
+    return None
+
+
+@pytest.mark.parametrize("local_lane", [True, False], ids=["local lanes", "tcp lanes"])
+def test_random_programs_moving_large_tensors_between_two_daemons_match_cpu(local_lane):
+    """Two tcp daemons on this host: their copies to each other go in shared memory (local lanes)
+    or on tcp lanes (--no-local-lane)."""
+    with DaemonProcess(local_lane=local_lane) as a, DaemonProcess(local_lane=local_lane) as b:
+        genie.init(f"{a.endpoint},{b.endpoint}")
+        try:
+            failures = [f for f in map(run_moving_program, SEEDS) if f is not None]
+            assert not failures, "\n".join(failures)
+            stream = genie.get_runtime().streams[0]
+            lanes = stream.link.request("stats", {"dev": stream.local_index}).body["peer_lanes"]
+            assert lanes == {b.endpoint: "shared-memory" if local_lane else "tcp"}
+        finally:
+            genie.shutdown()
