@@ -181,14 +181,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_a_client_given_keys_reconnects_with_them_when_its_daemon_comes_back(keys, monkeypatch):
+@pytest.mark.parametrize("local_lane", [False, True])
+def test_a_client_given_keys_reconnects_with_them_when_its_daemon_comes_back(keys, monkeypatch, local_lane):
     # genie.init's keys, not only GENIE_CURVE_* ones, carry over a reconnect (before, the
-    # reconnect connected without them and a CURVE daemon never answered).
+    # reconnect connected without them and a CURVE daemon never answered). With the daemon's local
+    # lane, the new daemon's (a new abstract socket) is the one opened.
     rt = get_runtime()
     monkeypatch.setattr(rt, "config", dataclasses.replace(rt.config, connect_refused_timeout=0.5, connect_timeout=5.0))
     extra = ["--curve-secret", keys["server_secret"], "--allow-keys", keys["allow"]]
     endpoint = f"tcp://127.0.0.1:{_free_port()}"
-    first = DaemonProcess(endpoint, extra=extra)
+    first = DaemonProcess(endpoint, extra=extra, local_lane=local_lane)
     first.start()
     try:
         genie.init(endpoint, client_key=keys["good"], server_key=keys["server_public"])
@@ -197,9 +199,12 @@ def test_a_client_given_keys_reconnects_with_them_when_its_daemon_comes_back(key
         first.proc.wait(10)
         with pytest.raises(genie.GenieConnectionError):
             torch.ones(2, device="remote_accelerator:0").sum().item()  # lost, and nothing there yet
-        with DaemonProcess(endpoint, extra=extra):
+        with DaemonProcess(endpoint, extra=extra, local_lane=local_lane):
             assert torch.ones(3, device="remote_accelerator:0").sum().item() == 3.0
-            assert genie.transport_info()["links"][endpoint]["encrypted"] is True
+            info = genie.transport_info()["links"][endpoint]
+            assert info["encrypted"] is True and info["local_lane"] is local_lane
+            big = torch.randn(1 << 20)  # 4 MiB: on the (new) bulk lane
+            assert torch.equal((big.to("remote_accelerator:0") + 1).cpu(), big + 1)
     finally:
         genie.shutdown()
         first.stop()
