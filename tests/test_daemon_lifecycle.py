@@ -2,6 +2,7 @@
 import signal
 import time
 
+import pytest
 import zmq
 
 from daemons import DaemonProcess
@@ -110,7 +111,7 @@ x = torch.full((10_000_000,), 2.0, device="remote_accelerator:0")  # 40 MB on th
 x.sum().item()
 if sys.argv[2] == "close-lane":  # the direct lane fails, the process lives on (over ZeroMQ)
     genie.get_runtime().links[0].channel.direct_stream.shutdown(socket.SHUT_RDWR)
-print("ready", flush=True)
+print("ready", genie.transport_info()["links"][sys.argv[1]]["local_lane"], flush=True)
 if sys.argv[2] == "close-lane":
     time.sleep(7)  # longer than a killed client's grace (4 pings of 1 s)
     print(x.sum().item(), flush=True)
@@ -126,16 +127,18 @@ def _holder(endpoint: str, mode: str):
     return subprocess.Popen([sys.executable, "-c", _HOLDER, endpoint, mode], stdout=subprocess.PIPE, text=True)
 
 
-def test_a_killed_client_s_memory_is_freed_within_seconds():
+@pytest.mark.parametrize("local_lane", [False, True], ids=["tcp lanes", "local lane"])
+def test_a_killed_client_s_memory_is_freed_within_seconds(local_lane):
     # The default lease is 60 s; a client that dies (SIGKILL, the OOM killer) closed its direct
     # lane and stopped its pings: the daemon frees its memory seconds later, as CUDA does at once.
+    # The same where its lanes went to the daemon's local listener (a client on its host).
     ctx = zmq.Context()
-    with DaemonProcess() as d:
+    with DaemonProcess(local_lane=local_lane) as d:
         watcher = client(ctx, d.endpoint)
         baseline = request(watcher, "stats", 1)[2]["allocated"]
         holder = _holder(d.endpoint, "hold")
         try:
-            assert holder.stdout.readline().strip() == "ready"
+            assert holder.stdout.readline().strip() == f"ready {local_lane}"
             assert request(watcher, "stats", 2)[2]["allocated"] >= baseline + 40_000_000
             holder.send_signal(signal.SIGKILL)
             holder.wait(10)
@@ -155,7 +158,7 @@ def test_a_live_client_whose_direct_lane_closed_keeps_its_memory():
     with DaemonProcess() as d:
         holder = _holder(d.endpoint, "close-lane")
         try:
-            assert holder.stdout.readline().strip() == "ready"
+            assert holder.stdout.readline().strip() == "ready False"
             assert holder.stdout.readline().strip() == "20000000.0"  # its tensor outlived the grace
             assert holder.wait(30) == 0
         finally:
