@@ -11,7 +11,8 @@ Client -> daemon header: ``[kind, request_id, body]``
   hello  {} -> also {bulk: ["tcp", port] | ["unix", path]} when the daemon offers a bulk lane (see `bulk`)
   hello  {} -> also {cuda_ipc: {host, uid, gpus}} when it accepts CUDA IPC handles (see `cuda_ipc`)
   hello  {} -> also {local_lane: {host, uid, path}} when a tcp daemon also takes lanes on an abstract
-            Unix socket, for clients and peers on its host as its user (see `bulk.local_lane_address`)
+            Unix socket, for clients and peers on its host as its user (see `bulk.local_lane_address`);
+            plain lanes there, under CURVE too (then from the daemon's own uid only, by SO_PEERCRED)
   exec   {dev, stream, ops, frees, fetch, report, bulk_min?, wait?, num?} -> {fetched: [...], report: value | None, time: [t0, t1]}
          (wait: true says the client is blocked on this reply, so an idle daemon may run it at once;
          num: the numerics settings its ops run under, absent for PyTorch's defaults: see `numerics`)
