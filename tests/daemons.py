@@ -25,6 +25,18 @@ def keygen(directory, name: str) -> tuple[str, str]:
     return str(directory / f"{name}.key"), str(directory / f"{name}.key_secret")
 
 
+def curve_pair(directory) -> tuple[list[str], dict]:
+    """A daemon key pair and a client's, made in `directory` (a pathlib.Path), the client's public
+    key allowed: (the daemon's flags, genie.init's key arguments)."""
+    allow = directory / "allowed"
+    allow.mkdir()
+    server_public, server_secret = keygen(directory, "daemon")
+    client_public, client_secret = keygen(directory, "client")
+    os.replace(client_public, allow / "client.key")
+    return (["--curve-secret", server_secret, "--allow-keys", str(allow)],
+            {"client_key": client_secret, "server_key": server_public})
+
+
 @contextlib.contextmanager
 def connected(endpoint: str, **config):
     """genie connected to `endpoint` alone with `config` fields changed (genie.config.Config); its

@@ -15,7 +15,7 @@ import torch
 import zmq
 
 import genie
-from daemons import DaemonProcess, connected, ipc_endpoint, keygen
+from daemons import DaemonProcess, connected, curve_pair, ipc_endpoint
 from genie.runtime import get_runtime
 from genie.transport import bulk, lane_set, sealed_lane
 
@@ -92,17 +92,13 @@ def test_the_daemon_refuses_joins_it_cannot_place_and_carries_on(daemon_endpoint
 @pytest.mark.skipif(not zmq.has("curve") or not sealed_lane.available(),
                     reason="needs a libzmq built with CURVE and the cryptography package")
 def test_sealed_lanes_join_only_with_the_lane_key_and_carry_striped_payloads(tmp_path):
-    allow = tmp_path / "allowed"
-    allow.mkdir()
-    server_public, server_secret = keygen(tmp_path, "daemon")
-    client_public, client_secret = keygen(tmp_path, "client")
-    os.replace(client_public, allow / "client.key")
-    with DaemonProcess(extra=["--curve-secret", server_secret, "--allow-keys", str(allow)]) as d:
+    flags, keys = curve_pair(tmp_path)
+    with DaemonProcess(extra=flags) as d:
         rt = get_runtime()
         saved = rt.config
         rt.config = dataclasses.replace(saved, bulk_lanes=3)
         try:
-            genie.init(d.endpoint, client_key=client_secret, server_key=server_public)
+            genie.init(d.endpoint, **keys)
             link = rt.links[0]
             assert genie.transport_info()["links"][d.endpoint]["path"] == "zmq+bulk-tcp-sealed"
             assert len(link.bulk_lane.lanes) == 3

@@ -12,7 +12,7 @@ import torch
 import zmq
 
 import genie
-from daemons import DaemonProcess, connected, keygen
+from daemons import DaemonProcess, connected, curve_pair
 from genie.transport import bulk, lane_set, shared_segments
 
 pytestmark = pytest.mark.skipif(not shared_segments.supported() or bulk.local_lane_name() is None,
@@ -130,14 +130,9 @@ def test_another_user_on_the_host_gets_no_shared_memory_even_with_the_token(loca
 @pytest.fixture(scope="module")
 def curve_daemon(tmp_path_factory):
     """A tcp daemon under CURVE with its local lane, and genie.init's key arguments for it."""
-    root = tmp_path_factory.mktemp("local-curve")
-    allow = root / "allowed"
-    allow.mkdir()
-    server_public, server_secret = keygen(root, "daemon")
-    client_public, client_secret = keygen(root, "client")
-    os.replace(client_public, allow / "client.key")
-    with DaemonProcess(extra=["--curve-secret", server_secret, "--allow-keys", str(allow)], local_lane=True) as d:
-        yield d, {"client_key": client_secret, "server_key": server_public}
+    flags, keys = curve_pair(tmp_path_factory.mktemp("local-curve"))
+    with DaemonProcess(extra=flags, local_lane=True) as d:
+        yield d, keys
 
 
 @pytest.mark.skipif(not zmq.has("curve"), reason="needs a libzmq built with CURVE")

@@ -21,7 +21,7 @@ import torch
 import zmq
 
 import genie
-from daemons import DaemonProcess, ipc_endpoint, keygen
+from daemons import DaemonProcess, curve_pair, ipc_endpoint
 from genie.transport import sealed_lane
 
 SEEDS = range(int(os.environ.get("GENIE_RANDOM_TRANSFERS", "12")))
@@ -140,13 +140,9 @@ def test_random_transfer_programs_over_tcp_lanes_match_cpu(dev):
                     reason="needs a libzmq built with CURVE and the cryptography package")
 def test_random_transfer_programs_over_sealed_lanes_match_cpu(tmp_path):
     """Under CURVE: payloads from 128 KiB on sealed lanes (AES-GCM records), split across four."""
-    allow = tmp_path / "allowed"
-    allow.mkdir()
-    server_public, server_secret = keygen(tmp_path, "daemon")
-    client_public, client_secret = keygen(tmp_path, "client")
-    os.replace(client_public, allow / "client.key")
-    with DaemonProcess(extra=["--curve-secret", server_secret, "--allow-keys", str(allow)]) as d:
-        genie.init(d.endpoint, client_key=client_secret, server_key=server_public)
+    flags, keys = curve_pair(tmp_path)
+    with DaemonProcess(extra=flags) as d:
+        genie.init(d.endpoint, **keys)
         try:
             assert genie.transport_info()["links"][d.endpoint]["path"] == "zmq+bulk-tcp-sealed"
             _run_seeds()

@@ -262,13 +262,7 @@ class DaemonLink:
             log.warning("no direct lane to %s (blocking requests go over ZeroMQ): its listener is the bulk "
                         "lane's, unreachable", self.endpoint)
         elif config.direct_lane:
-            try:
-                sock, sealing = await loop.run_in_executor(None, self._connect_direct_lane, address, None,
-                                                           min(timeout, 10.0))
-                self._use_direct_lane(sock, sealing)
-                self._direct_lane_at = (address, None)
-            except (OSError, ConnectionError) as e:
-                log.warning("no direct lane to %s (blocking requests go over ZeroMQ): %s", self.endpoint, e)
+            await self._open_direct_lane(address, None, timeout)
 
     async def _open_local_lanes(self, local_offer, timeout: float) -> bool:
         """The bulk lane (shared memory) and the direct lane to a tcp daemon's local listener, where
@@ -294,13 +288,7 @@ class DaemonLink:
         log.info("bulk lane to %s: shared memory (the daemon runs on this host)", self.endpoint)
         self.bulk_lane, self.bulk_min_bytes, self.local_lane = lane, config.shared_min_bytes, True
         if config.direct_lane:
-            try:
-                sock, sealing = await loop.run_in_executor(None, self._connect_direct_lane, local, None,
-                                                           min(timeout, 10.0))
-                self._use_direct_lane(sock, sealing)
-                self._direct_lane_at = (local, None)
-            except (OSError, ConnectionError) as e:
-                log.warning("no direct lane to %s (blocking requests go over ZeroMQ): %s", self.endpoint, e)
+            await self._open_direct_lane(local, None, timeout)
         return True
 
     async def _open_sealed_lanes(self, address, lane_key, timeout: float) -> None:
@@ -326,13 +314,7 @@ class DaemonLink:
                 log.warning("no sealed bulk lane to %s (large payloads go over ZeroMQ, encrypted by CURVE): %s",
                             self.endpoint, e)
         if config.direct_lane:
-            try:
-                sock, sealing = await loop.run_in_executor(None, self._connect_direct_lane, address, lane_key,
-                                                           min(timeout, 10.0))
-                self._use_direct_lane(sock, sealing)
-                self._direct_lane_at = (address, lane_key)
-            except (OSError, ConnectionError, ProtocolError) as e:
-                log.warning("no sealed direct lane to %s (blocking requests go over ZeroMQ): %s", self.endpoint, e)
+            await self._open_direct_lane(address, lane_key, timeout)
 
     async def _join_more_lanes(self, address, timeout: float, lane_key: bytes | None = None) -> None:
         """The bulk lane becomes a lane_set.LaneSet of GENIE_BULK_LANES connections (sealed ones
@@ -350,6 +332,19 @@ class DaemonLink:
                                               config.stripe_min_bytes))
         if failure is not None:
             log.warning("%d of %d bulk lanes to %s: %s", len(self.bulk_lane.lanes), wanted, self.endpoint, failure)
+
+    async def _open_direct_lane(self, address, lane_key: bytes | None, timeout: float) -> None:
+        """The direct lane to the lane listener at `address` (sealed with `lane_key` under CURVE), or
+        a warning: blocking requests then go over ZeroMQ."""
+        try:
+            sock, sealing = await asyncio.get_running_loop().run_in_executor(
+                None, self._connect_direct_lane, address, lane_key, min(timeout, 10.0))
+        except (OSError, ConnectionError, ProtocolError) as e:
+            log.warning("no %sdirect lane to %s (blocking requests go over ZeroMQ): %s",
+                        "sealed " if lane_key is not None else "", self.endpoint, e)
+            return
+        self._use_direct_lane(sock, sealing)
+        self._direct_lane_at = (address, lane_key)
 
     def _connect_direct_lane(self, address, lane_key: bytes | None, timeout: float):
         """(Blocking.) A new direct-lane socket to the lane listener at `address`, and its sealing
