@@ -68,6 +68,9 @@ class BulkListener:
         # Sealed lanes only (a CURVE daemon): a client's lane key, given to it in hello (None: none given).
         self._lane_key_of = lane_key_of
         self._lanes: dict[bytes, bulk.Lane] = {}
+        # Clients that connected to the local listener as this daemon's user (SO_PEERCRED): on this
+        # host, of this user, for certain (a tcp daemon takes CUDA IPC handles only from them).
+        self.local_users: set[bytes] = set()
         self._lock = threading.Lock()
         self._attached = threading.Condition(self._lock)  # a client's first lane was attached
         self._closed = False
@@ -125,8 +128,11 @@ class BulkListener:
                 known = (bulk.MAGIC, bulk.MAGIC_SHARED, bulk.MAGIC_JOIN)
                 if (magic not in known and not direct) or not self._is_known(token):
                     raise ProtocolError("bad bulk greeting or unknown client")
-                if self._lane_key_of is not None and not shared_segments.same_user(conn):
+                own_user = local and shared_segments.same_user(conn)
+                if self._lane_key_of is not None and not own_user:
                     raise ProtocolError("under CURVE the local lanes are only for the daemon's own user")
+                if own_user:
+                    self.local_users.add(token)  # before the answer: the client's next request may rely on it
                 joining = self._set_to_join(token) if magic == bulk.MAGIC_JOIN else None
                 shared = (magic == bulk.MAGIC_SHARED and self.shared_memory and conn.family == socket.AF_UNIX
                           and shared_segments.supported() and shared_segments.same_user(conn))
@@ -221,6 +227,7 @@ class BulkListener:
         return [sock for lane in lanes for sock in getattr(lane, "sockets", (lane.sock,)) if sock is not None]
 
     def drop(self, identity: bytes) -> None:
+        self.local_users.discard(identity)
         with self._lock:
             lane = self._lanes.pop(identity, None)
         if lane is not None:

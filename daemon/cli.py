@@ -92,7 +92,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "default 1000 with 2 or more CPUs); env GENIE_SPIN_US")
     p.add_argument("--no-cuda-ipc", action="store_true", default=os.environ.get("GENIE_CUDA_IPC", "1") == "0",
                    help="refuse CUDA IPC handles from clients on this host (they then send bytes); "
-                        "handles are only ever accepted on an ipc:// or loopback endpoint")
+                        "handles are only ever accepted on an ipc:// or loopback endpoint, or from clients "
+                        "on the local lane (this daemon's user, on this host)")
     p.add_argument("--no-shared-memory", action="store_true",
                    default=os.environ.get("GENIE_SHARED_MEMORY", "1") == "0",
                    help="refuse shared-memory segments for large payloads on ipc:// bulk lanes (they then go "

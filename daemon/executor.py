@@ -10,6 +10,7 @@ import logging
 import math
 import secrets
 import time
+from typing import Callable
 
 import msgpack
 import torch
@@ -125,7 +126,8 @@ class Executor(StorageOps, ProgramOps, RandomOps):
         rnn_cells.register()  # CPU kernels for the fused LSTM/GRU cell ops torch picks for clients' devices
         sync_batch_norm.register()  # CPU kernels for nn.SyncBatchNorm's CUDA-only ops
         self.has_cuda = any(d.type == "cuda" for d in devices)
-        self.cuda_ipc_offered = False  # set by the server: clients on this host may take GPU tensors by handle
+        # Set by the server: whether a client (by identity) may take GPU tensors by CUDA IPC handle.
+        self.cuda_ipc_with: Callable[[bytes], bool] = lambda identity: False
         # (op name, numerics settings) run on a GPU before (see quick_to_start): other settings pick
         # other kernels (a first TF32 matmul took 3.8-4.6 s on an H100 where FP32 ones had run).
         self._warm_ops: set[tuple[str, str]] = set()
@@ -489,7 +491,7 @@ class Executor(StorageOps, ProgramOps, RandomOps):
         if len(call.args) != 1 or not isinstance(call.args[0], HandleRef):
             raise ProtocolError(f"{SHARE_CUDA_OP} takes one handle")
         found = held(client, call.args[0])
-        if not self.cuda_ipc_offered or found.device.type != "cuda":
+        if found.device.type != "cuda" or not self.cuda_ipc_with(client.identity):
             return None
         return protocol.encode_cuda_ipc(cuda_ipc.describe(found))
 

@@ -34,6 +34,8 @@ class MemoryQueries:
             # Uploads in, and not yet taken by the request that reads them (see bulk_server.expire_unclaimed).
             "upload_bytes_waiting": self.bulk.waiting_bytes() if self.bulk is not None else 0,
             "segment_bytes_lent": self.bulk.segment_bytes_lent() if self.bulk is not None else 0,
+            # Clients whose lanes came to a tcp daemon's local listener from its own user.
+            "local_lane_clients": len(self.bulk.local_users) if self.bulk is not None else 0,
             # Tensors this daemon sent to peer daemons, and of those, on lanes (see peers.PeerLinks).
             "peer_bytes_sent": self.peers.bytes_sent if self.peers is not None else 0,
             "peer_lane_bytes_sent": self.peers.lane_bytes_sent if self.peers is not None else 0,

@@ -117,13 +117,15 @@ class DaemonServer(DirectLanes, MemoryQueries):
         self._socket = sock
         self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._socket_file = _ipc_socket_file(self.bound_endpoint)
-        if self.cuda_ipc_allowed and self.executor.has_cuda:
-            self.ipc_offer = cuda_ipc.offer(self.bound_endpoint)
-            self.executor.cuda_ipc_offered = self.ipc_offer is not None
-            log.info("CUDA IPC from clients on this host: %s", "accepted" if self.ipc_offer else
-                     "off (the daemon listens beyond this host)")
         if self.bulk_lanes:
             self._open_lanes()
+        if self.cuda_ipc_allowed and self.executor.has_cuda:
+            local_lane = self.bulk is not None and self.bulk.local_offer is not None
+            self.ipc_offer = cuda_ipc.offer(self.bound_endpoint, local_lane)
+            self.executor.cuda_ipc_with = self._takes_cuda_ipc
+            log.info("CUDA IPC from clients on this host: %s", "off (the daemon listens beyond this host and has "
+                     "no local lane)" if self.ipc_offer is None else "accepted from those on its local lane"
+                     if self.ipc_offer.get("local_lane") else "accepted")
         return self.bound_endpoint
 
     def _start_authenticator(self) -> None:
@@ -169,6 +171,14 @@ class DaemonServer(DirectLanes, MemoryQueries):
             log.warning("no UCX lane (%s): %s", why, e)
             return
         log.info("UCX lane listening on port %d: %s; GPU memory over UCX: %s", self.ucx.port, why, self.ucx_gpu_memory)
+
+    def _takes_cuda_ipc(self, token: bytes) -> bool:
+        """Whether CUDA IPC handles may go between this daemon and client `token`: offered at all,
+        and where the daemon listens beyond this host, the client's lanes came to the local
+        listener from this daemon's user (which a remote peer cannot fake)."""
+        if self.ipc_offer is None:
+            return False
+        return not self.ipc_offer.get("local_lane") or (self.bulk is not None and token in self.bulk.local_users)
 
     def _lane_key_of(self, token: bytes) -> bytes | None:
         """(A greeting thread.) The lane key hello gave this client, if it is connected."""
@@ -366,9 +376,10 @@ class DaemonServer(DirectLanes, MemoryQueries):
                 parsed = protocol.parse_exec(request.body)
                 shared = tuple(m for m in bulk_refs if type(m) is cuda_ipc.SharedCudaTensor)
                 if shared:
-                    if self.ipc_offer is None:
-                        raise ProtocolError("this daemon takes no CUDA IPC handles (it has no GPU, or it listens "
-                                            "beyond this host, or --no-cuda-ipc): send the tensor's bytes")
+                    if not self._takes_cuda_ipc(key):
+                        raise ProtocolError("this daemon takes no CUDA IPC handles from this client (it has no "
+                                            "GPU, or --no-cuda-ipc, or it listens beyond this host and the client's "
+                                            "lanes did not come to its local listener): send the tensor's bytes")
                     parsed = dataclasses.replace(parsed, shared=shared)
                 if parsed.segments:
                     if self.bulk is None:

@@ -38,6 +38,7 @@ def test_a_client_on_the_daemons_host_moves_payloads_in_shared_memory(local_daem
     with connected(local_daemon.endpoint) as link:
         info = genie.transport_info()["links"][local_daemon.endpoint]
         assert info["path"] == "zmq+bulk-shared-memory" and info["direct_lane"] and info["local_lane"]
+        assert link.request("stats", {"dev": 0}).body["local_lane_clients"] == 1  # proven of this host and user
         assert link.bulk_lane.sock.family == socket.AF_UNIX
         _round_trip()
         x = torch.randn(1 << 22, device="remote_accelerator:0")  # 16 MiB down: a segment of the daemon's
@@ -51,6 +52,7 @@ def test_a_client_that_asks_for_no_shared_memory_keeps_the_tcp_lanes(local_daemo
     with connected(local_daemon.endpoint, shared_memory=False) as link:
         info = genie.transport_info()["links"][local_daemon.endpoint]
         assert info["path"] == "zmq+bulk-tcp" and not info["local_lane"]
+        assert link.request("stats", {"dev": 0}).body["local_lane_clients"] == 0
         assert len(link.bulk_lane.lanes) == lane_set.DEFAULT_TCP_LANES
         _round_trip()
 
@@ -123,8 +125,13 @@ def test_another_user_on_the_host_gets_no_shared_memory_even_with_the_token(loca
     with connected(local_daemon.endpoint) as link:
         address = link.bulk_lane.sock.getpeername()
         greeting = bulk.MAGIC_SHARED + link.token
-        assert _greet_as(None, address, greeting) == bulk.ACCEPTED_SHARED
         assert _greet_as(65534, address, greeting) == bulk.ACCEPTED
+        assert _greet_as(None, address, greeting) == bulk.ACCEPTED_SHARED
+    # Nor does another uid's lane there count as proof of this host and user (which would let a
+    # daemon listening beyond this host take CUDA IPC handles from that client).
+    with connected(local_daemon.endpoint, shared_memory=False) as link:  # on the tcp lanes
+        assert _greet_as(65534, address, bulk.MAGIC_SHARED + link.token) == bulk.ACCEPTED
+        assert link.request("stats", {"dev": 0}).body["local_lane_clients"] == 0
 
 
 @pytest.fixture(scope="module")

@@ -198,6 +198,8 @@ class DaemonLink:
             self.cuda_ipc_offer = reply.body.get("cuda_ipc")
         await self._open_lanes(reply.body.get("bulk"), reply.body.get("ucx"), timeout, reply.body.get("lane_key"),
                                reply.body.get("local_lane"))
+        if cuda_ipc.needs_local_lane(self.cuda_ipc_offer) and not self.local_lane:
+            self.cuda_ipc_offer = None  # a daemon beyond this host takes handles only over its local lane
         if isinstance(self.bulk_lane, ucx_lane.UcxLane):
             self._take_gpu_memory_offer(reply.body.get("ucx_devices"), reply.body.get("ucx_gpu_memory"))
         await self._probe_link()

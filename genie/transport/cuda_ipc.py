@@ -10,7 +10,9 @@ stream: device-to-device copies only (a snapshot on the client's GPU, then the d
 no host memory, no socket bytes.
 
 Only a daemon that listens on this host alone (an ipc:// path or a loopback address) accepts
-handles: opening one maps another process's GPU memory, and its reference counter names a
+handles from any client that offers them; one that listens beyond this host takes them only from
+clients whose lanes came to its local listener (an abstract Unix socket, see
+bulk.local_lane_address) from the daemon's own user, which proves both. The reasons: opening one maps another process's GPU memory, and its reference counter names a
 shared-memory file, which no remote peer may choose; and only from clients of its own user
 (the counter file's owner), so it never changes counters its user could not. Every field is
 checked before torch sees it. Nothing here needs CUDA until a handle is made or opened.
@@ -47,16 +49,26 @@ def local_only(endpoint: str) -> bool:
     return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
-def offer(endpoint: str) -> dict | None:
-    """What a daemon says in its hello about accepting handles, or None where it cannot."""
-    if not torch.cuda.is_available() or not local_only(endpoint):
+def offer(endpoint: str, local_lane: bool = False) -> dict | None:
+    """What a daemon says in its hello about accepting handles, or None where it cannot. A daemon
+    that listens beyond this host takes them only from clients whose lanes came to its local
+    listener from its own user (`local_lane`: it has one; see bulk.local_lane_address), said in the
+    offer, since only such a lane proves a client shares the host and the user."""
+    on_host = local_only(endpoint)
+    if not torch.cuda.is_available() or not (on_host or local_lane):
         return None
     host = host_id()
     if host is None:
         return None
     import os
 
-    return {"host": host, "uid": os.getuid(), "gpus": [gpu_uuid(i) for i in range(torch.cuda.device_count())]}
+    offered = {"host": host, "uid": os.getuid(), "gpus": [gpu_uuid(i) for i in range(torch.cuda.device_count())]}
+    return offered if on_host else {**offered, "local_lane": True}
+
+
+def needs_local_lane(offered) -> bool:
+    """Client side: whether the daemon takes handles only from clients on its local lane."""
+    return isinstance(offered, dict) and offered.get("local_lane") is True
 
 
 def usable(offered, device: torch.device) -> bool:

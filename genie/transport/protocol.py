@@ -9,7 +9,9 @@ Client -> daemon header: ``[kind, request_id, body]``
          (heartbeat?: seconds between the client's pings, 0 for none: a client that promised pings, whose
           direct lane closed and that then stays silent for several of them, is gone and its memory freed)
   hello  {} -> also {bulk: ["tcp", port] | ["unix", path]} when the daemon offers a bulk lane (see `bulk`)
-  hello  {} -> also {cuda_ipc: {host, uid, gpus}} when it accepts CUDA IPC handles (see `cuda_ipc`)
+  hello  {} -> also {cuda_ipc: {host, uid, gpus, local_lane?}} when it accepts CUDA IPC handles (see `cuda_ipc`;
+            local_lane: true, from a daemon listening beyond this host, which takes them only from
+            clients whose lanes came to its local listener from its own user)
   hello  {} -> also {local_lane: {host, uid, path}} when a tcp daemon also takes lanes on an abstract
             Unix socket, for clients and peers on its host as its user (see `bulk.local_lane_address`);
             plain lanes there, under CURVE too (then from the daemon's own uid only, by SO_PEERCRED)

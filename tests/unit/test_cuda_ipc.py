@@ -78,6 +78,38 @@ def test_no_offer_without_cuda(monkeypatch):
     assert cuda_ipc.offer("ipc:///tmp/x.sock") is None
 
 
+def test_beyond_this_host_handles_are_offered_only_over_the_local_lane(monkeypatch):
+    """A daemon listening on the network offers handles only where it has a local listener, and
+    says that only clients on it may send them; one on a loopback or ipc endpoint offers them to all."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(cuda_ipc, "gpu_uuid", lambda index: GPU)
+    monkeypatch.setattr(cuda_ipc, "host_id", lambda: "this-host")
+    assert cuda_ipc.offer("tcp://0.0.0.0:5555") is None
+    network = cuda_ipc.offer("tcp://0.0.0.0:5555", local_lane=True)
+    assert network["gpus"] == [GPU] and cuda_ipc.needs_local_lane(network)
+    for endpoint in ("tcp://127.0.0.1:5555", "ipc:///tmp/x.sock"):
+        assert not cuda_ipc.needs_local_lane(cuda_ipc.offer(endpoint, local_lane=True))
+    assert not cuda_ipc.needs_local_lane(None) and not cuda_ipc.needs_local_lane({"local_lane": 1})
+
+
+def test_the_daemon_takes_handles_beyond_this_host_only_from_clients_on_its_local_lane():
+    from types import SimpleNamespace
+
+    from genie_daemon.server import DaemonServer
+
+    def server(offer, local_users=()):
+        return SimpleNamespace(ipc_offer=offer, bulk=SimpleNamespace(local_users=set(local_users)))
+
+    takes = DaemonServer._takes_cuda_ipc
+    on_host = {"host": "h", "uid": 0, "gpus": [GPU]}
+    network = {**on_host, "local_lane": True}
+    assert not takes(server(None, [b"a"]), b"a")
+    assert takes(server(on_host), b"a")
+    assert takes(server(network, [b"a"]), b"a") and not takes(server(network, [b"a"]), b"b")
+    assert not takes(SimpleNamespace(ipc_offer=network, bulk=None), b"a")
+
+
 def test_an_offer_from_another_host_or_user_is_not_used(monkeypatch):
     import os
 
