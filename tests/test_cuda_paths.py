@@ -228,3 +228,21 @@ def test_side_stream_forward_and_backward_on_the_gpu(gpu_daemon):
     torch.tanh(x_cpu @ w_cpu).pow(2).sum().backward()
     torch.testing.assert_close(w.grad.cpu(), w_cpu.grad, rtol=1e-3, atol=1e-3)
     assert end.query() and start.elapsed_time(end) > 0
+
+
+@pytest.mark.parametrize("local_lane", [True, False], ids=["local lane", "tcp lanes"])
+def test_a_daemon_listening_beyond_this_host_takes_handles_only_over_its_local_lane(local_lane):
+    """A daemon on `tcp://0.0.0.0` (--insecure: no keys in a test) offers CUDA IPC only to clients
+    whose lanes came to its local listener; a client on its tcp lanes (GENIE_SHARED_MEMORY=0 here)
+    sends bytes. Either way the values arrive."""
+    from daemons import connected
+
+    with DaemonProcess("tcp://0.0.0.0:0", extra=["--device", "cuda:0", "--insecure"], local_lane=True) as d:
+        endpoint = d.endpoint.replace("0.0.0.0", "127.0.0.1")
+        with connected(endpoint, shared_memory=local_lane) as link:
+            assert genie.transport_info()["links"][endpoint]["local_lane"] is local_lane
+            assert (link.cuda_ipc_offer is not None) is local_lane
+            src = torch.randn(1 << 20, device="cuda")
+            before = _daemon_stats()["cuda_ipc_imports"]["tensors"]
+            torch.testing.assert_close((src.to("remote_accelerator:0") * 2).cpu(), src.cpu() * 2)
+            assert _daemon_stats()["cuda_ipc_imports"]["tensors"] == before + (1 if local_lane else 0)
