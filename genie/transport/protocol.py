@@ -84,7 +84,8 @@ from .tensors import check_frames, check_shape, parse_dtype
 # 5: genie::storage_of names several tensors; a fetched tensor and genie::adopt may carry strides.
 # 6: a deposit (daemon to daemon) may carry strides: its bytes are then in that memory order.
 # 7: a deposit may name [segment, bytes] of the sender's shared segments (peers on one host).
-VERSION = 7
+# 8: hello's local_lane; its cuda_ipc host is a digest of the boot id (and may say local_lane).
+VERSION = 8
 
 # The longest ping period a client may state in hello (it then promises no pings: 0).
 MAX_HEARTBEAT_S = 3600

@@ -21,6 +21,7 @@ can already signal or trace each other.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import mmap
 import os
 import socket
@@ -49,13 +50,15 @@ def supported() -> bool:
 
 
 def host_id() -> str | None:
-    """This kernel's boot id: equal in two processes only when they run on one machine (containers
-    on one host share it, though not always a network or mount namespace)."""
+    """A digest of this kernel's boot id: equal in two processes only when they run on one machine
+    (containers on one host share it, though not always a network or mount namespace). Daemons
+    say it in hello, to clients on the network too: a digest, not the id itself."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip() or None
+            boot_id = f.read().strip()
     except OSError:
         return None
+    return hashlib.sha256(b"genie-host:" + boot_id.encode()).hexdigest() if boot_id else None
 
 
 def same_user(sock) -> bool:
