@@ -38,6 +38,10 @@ class DirectLane:
     identity: bytes
     reader: stream_framing.MessageReader | stream_framing.SealedMessageReader
     writer: stream_framing.MessageWriter
+    # Set when an answer could not be written (the client cut the lane, or left): later answers are
+    # dropped, and the lane is still read to its end, since requests the client wrote before the
+    # cut wait in it and must run, in order (a Unix socket refuses writes to a peer gone at once).
+    write_failed: bool = False
 
     def __post_init__(self) -> None:
         self.identity_frame = stream_framing.Frame(self.identity)  # heads each request, as a ZeroMQ routing id would
@@ -100,10 +104,12 @@ class DirectLanes:
             self._schedule_drain()
 
     def _send_direct(self, lane: "DirectLane", parts: list) -> None:
+        if lane.write_failed:
+            return  # nobody reads this lane any more (see DirectLane.write_failed)
         try:
             lane.writer.write(parts)
         except ConnectionError as e:
-            self._close_direct(lane, e)
+            self._stop_writing(lane, e)
             return
         if lane.writer.pending:  # the client is slow to read: the rest goes when it can take it
             self._loop.add_writer(lane.sock.fileno(), self._flush_direct, lane)
@@ -112,10 +118,20 @@ class DirectLanes:
         try:
             lane.writer.flush()
         except ConnectionError as e:
-            self._close_direct(lane, e)
+            self._stop_writing(lane, e)
             return
         if not lane.writer.pending:
             self._loop.remove_writer(lane.sock.fileno())
+
+    def _stop_writing(self, lane: "DirectLane", why) -> None:
+        """An answer could not be written: no more answers go on this lane, but requests already in
+        it are still read and run (the reader closes the lane at its end)."""
+        lane.write_failed = True
+        try:
+            self._loop.remove_writer(lane.sock.fileno())
+        except (ValueError, OSError):
+            pass
+        log.info("direct lane of %s takes no more answers: %s", lane.identity.hex(), why)
 
     def _close_direct(self, lane: "DirectLane", why) -> None:
         if self._direct.get(lane.identity) is lane:

@@ -30,6 +30,25 @@ def dev(daemon_endpoint):
 
 
 @pytest.fixture
+def tcp_lanes(dev):
+    """`dev`, for tests of the tcp lanes themselves: skipped where the session daemon gave this
+    process its local lane instead (GENIE_TEST_LOCAL_LANE=1, see tests/daemons.py)."""
+    import genie
+
+    if genie.get_runtime().links[0].local_lane:
+        pytest.skip("tests the tcp lanes; the session daemon runs with its local lane (GENIE_TEST_LOCAL_LANE=1)")
+    return dev
+
+
+@pytest.fixture
+def tcp_lane_endpoint(daemon_endpoint):
+    """`daemon_endpoint`, for tests of its tcp lanes: skipped where it runs with its local lane."""
+    if os.environ.get("GENIE_TEST_LOCAL_LANE") == "1":
+        pytest.skip("tests the tcp lanes; the session daemon runs with its local lane (GENIE_TEST_LOCAL_LANE=1)")
+    return daemon_endpoint
+
+
+@pytest.fixture
 def reference(dev):
     """Where a test's reference side runs: this process's GPU where the session daemon computes on
     CUDA and this process has CUDA too (the same kernels; scripts/gpu_node_check.sh), else the CPU."""
@@ -62,7 +81,7 @@ def two_daemons(daemon_endpoint):
     from daemons import ipc_endpoint
 
     ipc, tmpdir = ipc_endpoint()
-    with DaemonProcess("tcp://127.0.0.1:0") as a, DaemonProcess(ipc) as b:
+    with DaemonProcess("tcp://127.0.0.1:0", local_lane=False) as a, DaemonProcess(ipc) as b:
         assert a.endpoint.startswith("tcp://") and b.endpoint.startswith("ipc://")
         genie.init(f"{a.endpoint},{b.endpoint}")
         try:

@@ -57,13 +57,16 @@ def connected(endpoint: str, **config):
 
 class DaemonProcess:
     def __init__(self, listen: str = "tcp://127.0.0.1:0", extra: list[str] | None = None,
-                 use_console_script: bool = True, local_lane: bool = False) -> None:
+                 use_console_script: bool = True, local_lane: bool | None = None) -> None:
         # The console script only when it is this interpreter's (another install's on PATH would
         # run other code, or another Python without torch).
         exe = shutil.which("genie-daemon", path=os.path.dirname(sys.executable)) if use_console_script else None
         cmd = [exe] if exe else [sys.executable, "-m", "genie_daemon"]
         # A tcp daemon's tests run over TCP lanes, as from another host, unless they ask for the
         # local lane (shared memory for clients on the daemon's host; ipc daemons test that path too).
+        # GENIE_TEST_LOCAL_LANE=1 gives every tcp daemon that does not say its local lane.
+        if local_lane is None:
+            local_lane = os.environ.get("GENIE_TEST_LOCAL_LANE") == "1"
         local = [] if local_lane or not listen.startswith("tcp://") else ["--no-local-lane"]
         self.cmd = [*cmd, "--listen", listen, "--threads", "1", "--log-level", "WARNING", *local, *(extra or [])]
         self.proc: subprocess.Popen | None = None

@@ -23,7 +23,8 @@ def _lane():
     return genie.get_runtime().links[0].bulk_lane
 
 
-def test_large_tensors_travel_on_the_tcp_bulk_lane(dev):
+def test_large_tensors_travel_on_the_tcp_bulk_lane(tcp_lanes):
+    dev = tcp_lanes
     info = genie.transport_info()
     assert next(iter(info["links"].values()))["path"] == "zmq+bulk-tcp"
     lane = _lane()
@@ -245,7 +246,8 @@ def test_daemon_survives_a_shared_lane_sending_a_file_that_is_no_segment():
         assert (x + 1).sum().item() == 8.0  # and still serves the client (its payloads go by ZeroMQ now)
 
 
-def test_bulk_download_lands_in_a_recycled_buffer_without_a_copy(dev):
+def test_bulk_download_lands_in_a_recycled_buffer_without_a_copy(tcp_lanes):
+    dev = tcp_lanes
     pool = genie.get_runtime().host_pool
     x = torch.randn(BIG, device=dev)
     first = x.cpu()
@@ -269,7 +271,8 @@ def test_without_a_bulk_lane_large_payloads_go_over_zeromq():
             genie.shutdown()
 
 
-def test_daemon_refuses_a_bulk_connection_from_an_unknown_client(dev):
+def test_daemon_refuses_a_bulk_connection_from_an_unknown_client(tcp_lanes):
+    dev = tcp_lanes
     port = _lane().sock.getpeername()[1]
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
         s.sendall(bulk.MAGIC + b"\x00" * 16)  # a token no client owns
@@ -429,7 +432,7 @@ def _free_port() -> int:
 def test_lane_port_fixes_where_both_lanes_connect():
     """--lane-port: a firewall can open the lanes' port beside the --listen one (by default it is any free port)."""
     port = _free_port()
-    with DaemonProcess(extra=["--lane-port", str(port)]) as d:
+    with DaemonProcess(extra=["--lane-port", str(port)], local_lane=False) as d:
         genie.init(d.endpoint)
         try:
             link = genie.get_runtime().links[0]
@@ -459,7 +462,7 @@ def test_an_unreachable_lane_listener_is_tried_once(monkeypatch, caplog):
     attempts = []
     real_greeted = bulk.connect_greeted
     monkeypatch.setattr(bulk, "connect_greeted", lambda *a, **k: attempts.append(a) or real_greeted(*a, **k))
-    with DaemonProcess() as d:
+    with DaemonProcess(local_lane=False) as d:
         with caplog.at_level("WARNING", logger="genie"):
             genie.init(d.endpoint)
         try:

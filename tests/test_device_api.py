@@ -242,9 +242,10 @@ def _nothing():
     return contextlib.nullcontext()
 
 
-def test_empty_cache_lets_go_of_idle_buffers(dev):
+def test_empty_cache_lets_go_of_idle_buffers(tcp_lanes):
     """torch.remote_accelerator.empty_cache(), as code written for torch.cuda calls it: the daemon
     drops buffers it keeps for reuse (here: the bulk lane's receive buffer of an 8 MiB upload)."""
+    dev = tcp_lanes
     ra = torch.remote_accelerator
     x = torch.ones(2 << 20).to(dev)  # 8 MiB: over the bulk lane, into a recycled receive buffer
     assert x.sum().item() == 2 << 20

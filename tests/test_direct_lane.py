@@ -31,13 +31,18 @@ class FakeClient:
         self.dealer.send(protocol.pack(["hello", 70000, {"version": protocol.VERSION}]))
         assert self.dealer.poll(10_000), "no hello answer"
         self.dealer.recv()
-        address = bulk.connect_address(["tcp", link.bulk_lane.sock.getpeername()[1]], link.endpoint)
-        self.sock, _ = bulk.connect_greeted(address, stream_framing.MAGIC, self.token, 10.0)
+        self.sock, _ = bulk.connect_greeted(_lane_address(link), stream_framing.MAGIC, self.token, 10.0)
 
     def close(self) -> None:
         self.sock.close()
         self.dealer.close()
         self.ctx.term()
+
+
+def _lane_address(link) -> tuple:
+    """The lane listener `link`'s bulk lane went to (a tcp port, or a local lane's Unix socket)."""
+    sock = link.bulk_lane.sock
+    return (sock.family, sock.getpeername())
 
 
 def test_blocking_reads_go_on_the_direct_lane(dev):
@@ -78,9 +83,8 @@ def test_a_message_on_the_direct_lane_gets_its_answer(dev):
 
 def test_an_unknown_token_gets_no_direct_lane(dev):
     link = _link()
-    address = bulk.connect_address(["tcp", link.bulk_lane.sock.getpeername()[1]], link.endpoint)
     with pytest.raises(ConnectionError):
-        bulk.connect_greeted(address, stream_framing.MAGIC, bulk.new_token(), 10.0)
+        bulk.connect_greeted(_lane_address(link), stream_framing.MAGIC, bulk.new_token(), 10.0)
 
 
 @pytest.mark.parametrize("garbage", [

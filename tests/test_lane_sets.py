@@ -31,7 +31,7 @@ def _round_trip_uses_every_lane(lane) -> None:
         assert member.bytes_received - received >= src.nbytes // len(lane.lanes) - lane_set.PART_ALIGN
 
 
-def test_tcp_clients_split_large_payloads_over_four_lanes_by_default(dev):
+def test_tcp_clients_split_large_payloads_over_four_lanes_by_default(tcp_lanes):
     info = genie.transport_info()["links"]
     assert next(iter(info.values()))["bulk_lanes"] == lane_set.DEFAULT_TCP_LANES
     lane = get_runtime().links[0].bulk_lane
@@ -67,7 +67,8 @@ def test_smaller_striping_threshold_and_odd_sizes_arrive_whole(daemon_endpoint):
             assert torch.equal((src.to("remote_accelerator:0") - 1).cpu(), src - 1)
 
 
-def test_the_daemon_refuses_joins_it_cannot_place_and_carries_on(daemon_endpoint):
+def test_the_daemon_refuses_joins_it_cannot_place_and_carries_on(tcp_lane_endpoint):
+    daemon_endpoint = tcp_lane_endpoint
     with connected(daemon_endpoint, bulk_lanes=2) as link:
         address = (socket.AF_INET, link.bulk_lane.sock.getpeername())
         with pytest.raises(ConnectionError):  # a token it does not know
@@ -93,7 +94,7 @@ def test_the_daemon_refuses_joins_it_cannot_place_and_carries_on(daemon_endpoint
                     reason="needs a libzmq built with CURVE and the cryptography package")
 def test_sealed_lanes_join_only_with_the_lane_key_and_carry_striped_payloads(tmp_path):
     flags, keys = curve_pair(tmp_path)
-    with DaemonProcess(extra=flags) as d:
+    with DaemonProcess(extra=flags, local_lane=False) as d:
         rt = get_runtime()
         saved = rt.config
         rt.config = dataclasses.replace(saved, bulk_lanes=3)
@@ -129,7 +130,7 @@ while True:
 
 
 def test_a_client_killed_mid_striped_upload_leaves_the_daemon_serving_others():
-    with DaemonProcess() as d:
+    with DaemonProcess(local_lane=False) as d:
         uploader = subprocess.Popen([sys.executable, "-c", _UPLOADER, d.endpoint], stdout=subprocess.PIPE, text=True)
         try:
             assert uploader.stdout.readline().strip() == "ready"

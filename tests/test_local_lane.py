@@ -76,7 +76,7 @@ def test_an_unreachable_local_listener_falls_back_to_tcp(local_daemon, monkeypat
 
 
 def test_a_daemon_started_with_no_local_lane_offers_none():
-    with DaemonProcess("tcp://127.0.0.1:0") as d, connected(d.endpoint):  # the tests' --no-local-lane
+    with DaemonProcess("tcp://127.0.0.1:0", local_lane=False) as d, connected(d.endpoint):
         assert genie.transport_info()["links"][d.endpoint]["path"] == "zmq+bulk-tcp"
 
 

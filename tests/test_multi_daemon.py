@@ -209,7 +209,8 @@ def test_daemons_on_one_host_copy_through_shared_memory(listen, shared):
 def test_peer_lanes_option_sets_the_connections_and_split_copies_arrive_whole():
     """`genie-daemon --peer-lanes 2`: two connections to each peer; a copy of 16 MiB (from 8 MiB
     payloads are split across the lanes) arrives whole, both ways."""
-    with DaemonProcess(extra=["--peer-lanes", "2"]) as a, DaemonProcess(extra=["--peer-lanes", "2"]) as b:
+    with DaemonProcess(extra=["--peer-lanes", "2"], local_lane=False) as a, \
+            DaemonProcess(extra=["--peer-lanes", "2"], local_lane=False) as b:
         genie.init(f"{a.endpoint},{b.endpoint}")
         try:
             for src, dst, peer in ((0, 1, b), (1, 0, a)):

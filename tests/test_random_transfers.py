@@ -131,7 +131,7 @@ def _run_seeds() -> None:
     assert not failures, "\n".join(failures)
 
 
-def test_random_transfer_programs_over_tcp_lanes_match_cpu(dev):
+def test_random_transfer_programs_over_tcp_lanes_match_cpu(tcp_lanes):
     assert genie.transport_info()["links"][genie.get_runtime().links[0].endpoint]["path"] == "zmq+bulk-tcp"
     _run_seeds()
 
@@ -141,7 +141,7 @@ def test_random_transfer_programs_over_tcp_lanes_match_cpu(dev):
 def test_random_transfer_programs_over_sealed_lanes_match_cpu(tmp_path):
     """Under CURVE: payloads from 128 KiB on sealed lanes (AES-GCM records), split across four."""
     flags, keys = curve_pair(tmp_path)
-    with DaemonProcess(extra=flags) as d:
+    with DaemonProcess(extra=flags, local_lane=False) as d:
         genie.init(d.endpoint, **keys)
         try:
             assert genie.transport_info()["links"][d.endpoint]["path"] == "zmq+bulk-tcp-sealed"

@@ -45,7 +45,8 @@ def short_connect(monkeypatch):
 
 @pytest.fixture(scope="module")
 def curve_daemon(keys):
-    with DaemonProcess(extra=["--curve-secret", keys["server_secret"], "--allow-keys", keys["allow"]]) as d:
+    with DaemonProcess(extra=["--curve-secret", keys["server_secret"], "--allow-keys", keys["allow"]],
+                       local_lane=False) as d:  # its clients' lanes: sealed tcp ones
         yield d
 
 

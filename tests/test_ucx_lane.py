@@ -82,7 +82,7 @@ def _advertised_port() -> int:
 def test_without_an_rdma_device_auto_keeps_the_socket_lane_and_says_why(monkeypatch):
     rt = genie.get_runtime()
     monkeypatch.setattr(rt, "config", dataclasses.replace(rt.config, ucx="auto"))
-    with DaemonProcess(extra=["--ucx", "on"]) as d:  # the daemon offers UCX; the client declines it
+    with DaemonProcess(extra=["--ucx", "on"], local_lane=False) as d:  # the daemon offers UCX; the client declines it
         genie.init(d.endpoint)
         try:
             info = genie.transport_info()
