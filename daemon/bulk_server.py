@@ -128,14 +128,14 @@ class BulkListener:
                 known = (bulk.MAGIC, bulk.MAGIC_SHARED, bulk.MAGIC_JOIN)
                 if (magic not in known and not direct) or not self._is_known(token):
                     raise ProtocolError("bad bulk greeting or unknown client")
-                own_user = local and shared_segments.same_user(conn)
-                if self._lane_key_of is not None and not own_user:
+                same_user = conn.family == socket.AF_UNIX and shared_segments.same_user(conn)
+                if self._lane_key_of is not None and not (local and same_user):
                     raise ProtocolError("under CURVE the local lanes are only for the daemon's own user")
-                if own_user:
+                if local and same_user:
                     self.local_users.add(token)  # before the answer: the client's next request may rely on it
                 joining = self._set_to_join(token) if magic == bulk.MAGIC_JOIN else None
-                shared = (magic == bulk.MAGIC_SHARED and self.shared_memory and conn.family == socket.AF_UNIX
-                          and shared_segments.supported() and shared_segments.same_user(conn))
+                shared = (magic == bulk.MAGIC_SHARED and self.shared_memory and same_user
+                          and shared_segments.supported())
             self._prepare(conn)
             # Each lane is in place before the client hears it was taken (plain lanes; a sealed
             # one's answer went before its HELLO): what the client sends next may use it.

@@ -270,8 +270,8 @@ class PeerLinks:
         # A tcp peer on this host offers its local listener too: shared memory, as between ipc
         # peers (plain under CURVE as well: the peer takes such lanes from its own user only).
         local = bulk.local_lane_address(body.get("local_lane")) if self.shared_memory else None
-        if address is None or (local is None and self._curve is not None
-                               and (key is None or not sealed_lane.available())):
+        sealable = self._curve is None or (key is not None and sealed_lane.available())
+        if address is None or (local is None and not sealable):
             return  # no lane offered (or none this daemon can seal): deposits carry their frames
         self._opening.add(endpoint)
         try:
@@ -280,7 +280,7 @@ class PeerLinks:
             if lane is not None:
                 self._lanes[endpoint] = lane
                 log.info("lane to peer %s: %s (on this host)", endpoint, lane.path)
-            elif self._curve is None or (key is not None and sealed_lane.available()):
+            elif sealable:
                 await self._open_lanes(endpoint, address, key)
         finally:
             self._opening.discard(endpoint)
@@ -288,14 +288,10 @@ class PeerLinks:
     def _open_local_lane(self, endpoint: str, local) -> bulk.Lane | None:
         """A shared-memory lane to a tcp peer's local listener, or None (then its tcp lanes)."""
         try:
-            lane = bulk.open_client_lane(local, self._tokens[endpoint], HostBufferPool(0), 1 << 40, 10.0, shared=True)
+            return bulk.open_shared_lane(local, self._tokens[endpoint], HostBufferPool(0), 10.0)
         except (OSError, ConnectionError) as e:
             log.info("no local lane to peer %s: %s", endpoint, e)
             return None
-        if not lane.shared:
-            lane.close()
-            return None
-        return lane
 
     async def _open_lanes(self, endpoint: str, address, key) -> None:
         open_lane = functools.partial(bulk.open_client_lane, address, self._tokens[endpoint], HostBufferPool(0),

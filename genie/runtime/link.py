@@ -278,13 +278,12 @@ class DaemonLink:
             return False
         loop = asyncio.get_running_loop()
         try:
-            lane = await loop.run_in_executor(None, bulk.open_client_lane, local, self.token,
-                                              self.runtime.host_pool, 1 << 40, min(timeout, 10.0), True)
+            lane = await loop.run_in_executor(None, bulk.open_shared_lane, local, self.token,
+                                              self.runtime.host_pool, min(timeout, 10.0))
         except (OSError, ConnectionError) as e:
             log.info("no local lane to %s (the tcp lanes carry large payloads): %s", self.endpoint, e)
             return False
-        if not lane.shared:
-            lane.close()
+        if lane is None:
             log.info("no shared memory with %s (the tcp lanes carry large payloads)", self.endpoint)
             return False
         log.info("bulk lane to %s: shared memory (the daemon runs on this host)", self.endpoint)

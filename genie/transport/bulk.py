@@ -791,6 +791,16 @@ def open_client_lane(address: tuple[int, object], token: bytes, pool: HostBuffer
     return Lane(sock, pool, max_transfer, name="client", shared=answer == ACCEPTED_SHARED)
 
 
+def open_shared_lane(address: tuple[int, object], token: bytes, pool: HostBufferPool, timeout: float) -> Lane | None:
+    """A bulk lane to a Unix-socket listener with shared memory, or None (the lane closed again)
+    where the daemon did not agree to it; connection errors are raised."""
+    lane = open_client_lane(address, token, pool, 1 << 40, timeout, shared=True)
+    if lane.shared:
+        return lane
+    lane.close()
+    return None
+
+
 def connect_sealed(address: tuple[int, object], token: bytes, lane_key: bytes, timeout: float,
                    magic: bytes = MAGIC_SEALED) -> tuple[socket.socket, tuple[sealed_lane.Direction, sealed_lane.Direction]]:
     """A sealed lane's connection (a bulk lane; with stream_framing.MAGIC_SEALED, a direct lane):
