@@ -11,6 +11,18 @@ sys.path.insert(0, os.path.dirname(__file__))
 from daemons import DaemonProcess  # noqa: E402
 
 
+@pytest.fixture
+def zmq_ctx():
+    """A ZeroMQ context for a raw client, destroyed (its sockets closed at linger 0) however the test
+    ends. Left to the garbage collector with a socket open (a failed assert between a socket's
+    creation and its close), a context hangs in term(), and the whole run with it."""
+    import zmq
+
+    ctx = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
 @pytest.fixture(scope="session")
 def daemon_endpoint():
     with DaemonProcess() as d:

@@ -101,7 +101,7 @@ def test_a_connect_timeout_says_whether_anything_was_listening(quick_connect):
             genie.init(f"tcp://127.0.0.1:{port}")
     finally:
         silent.close(linger=0)
-        ctx.term()
+        ctx.destroy(linger=0)
 
 
 @pytest.fixture

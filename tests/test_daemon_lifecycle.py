@@ -41,10 +41,9 @@ def test_a_stopped_daemon_removes_its_ipc_socket_file(tmp_path):
     assert not (tmp_path / "d.sock.bulk").exists()
 
 
-def test_bye_and_lease_expiry_free_client_memory():
-    ctx = zmq.Context()
+def test_bye_and_lease_expiry_free_client_memory(zmq_ctx):
     with DaemonProcess(extra=["--client-lease", "1"]) as d:
-        watcher, leaver, silent = (client(ctx, d.endpoint) for _ in range(3))
+        watcher, leaver, silent = (client(zmq_ctx, d.endpoint) for _ in range(3))
         baseline = request(watcher, "stats", 1)[2]["allocated"]
         alloc = [["aten::ones", [[1000]], {}, 1]]
         for s in (leaver, silent):
@@ -62,13 +61,11 @@ def test_bye_and_lease_expiry_free_client_memory():
         assert request(watcher, "stats", 7)[2]["allocated"] == baseline
         for s in (watcher, leaver, silent):
             s.close()
-    ctx.term()
 
 
-def test_sigterm_drains_work_in_flight_and_answers_it():
-    ctx = zmq.Context()
+def test_sigterm_drains_work_in_flight_and_answers_it(zmq_ctx):
     with DaemonProcess() as d:
-        s = client(ctx, d.endpoint)
+        s = client(zmq_ctx, d.endpoint)
         # About a second of matmuls, then a fetch: in flight when the signal arrives.
         ops = [["aten::ones", [[256, 256]], {}, 1]]
         ops += [["aten::mm", [protocol.encode_handle(1), protocol.encode_handle(1)], {}, 1] for _ in range(1500)]
@@ -81,13 +78,11 @@ def test_sigterm_drains_work_in_flight_and_answers_it():
         assert rid == 7 and ok and "error" not in body["fetched"][0], body
         assert d.proc.wait(10) == 0
         s.close()
-    ctx.term()
 
 
-def test_a_request_waiting_for_a_transfer_does_not_hold_up_other_clients():
-    ctx = zmq.Context()
+def test_a_request_waiting_for_a_transfer_does_not_hold_up_other_clients(zmq_ctx):
     with DaemonProcess(extra=["--transfer-timeout", "2"]) as d:
-        waiter, other = client(ctx, d.endpoint), client(ctx, d.endpoint)
+        waiter, other = client(zmq_ctx, d.endpoint), client(zmq_ctx, d.endpoint)
         # genie::recv of a transfer that never comes: parked off the executor until the timeout.
         waiter.send_multipart([protocol.pack(["exec", 1, {"ops": [["genie::recv", ["0" * 32], {}, 1]], "fetch": [1]}])])
         time.sleep(0.2)
@@ -101,7 +96,6 @@ def test_a_request_waiting_for_a_transfer_does_not_hold_up_other_clients():
         assert stats["parked_requests"] == 0
         for s in (waiter, other):
             s.close()
-    ctx.term()
 
 
 _HOLDER = """
@@ -128,13 +122,12 @@ def _holder(endpoint: str, mode: str):
 
 
 @pytest.mark.parametrize("local_lane", [False, True], ids=["tcp lanes", "local lane"])
-def test_a_killed_client_s_memory_is_freed_within_seconds(local_lane):
+def test_a_killed_client_s_memory_is_freed_within_seconds(local_lane, zmq_ctx):
     # The default lease is 60 s; a client that dies (SIGKILL, the OOM killer) closed its direct
     # lane and stopped its pings: the daemon frees its memory seconds later, as CUDA does at once.
     # The same where its lanes went to the daemon's local listener (a client on its host).
-    ctx = zmq.Context()
     with DaemonProcess(local_lane=local_lane) as d:
-        watcher = client(ctx, d.endpoint)
+        watcher = client(zmq_ctx, d.endpoint)
         baseline = request(watcher, "stats", 1)[2]["allocated"]
         holder = _holder(d.endpoint, "hold")
         try:
@@ -151,7 +144,6 @@ def test_a_killed_client_s_memory_is_freed_within_seconds(local_lane):
             holder.kill()
             holder.wait(10)
             watcher.close()
-    ctx.term()
 
 
 def test_a_live_client_whose_direct_lane_closed_keeps_its_memory():
@@ -166,10 +158,9 @@ def test_a_live_client_whose_direct_lane_closed_keeps_its_memory():
             holder.wait(10)
 
 
-def test_hello_validates_the_heartbeat():
-    ctx = zmq.Context()
+def test_hello_validates_the_heartbeat(zmq_ctx):
     with DaemonProcess() as d:
-        s = client(ctx, d.endpoint)
+        s = client(zmq_ctx, d.endpoint)
         for bad in ("1", -1, 1e9, [1]):
             _, ok, body = request(s, "hello", 1, {"version": protocol.VERSION, "heartbeat": bad})
             assert not ok and "heartbeat" in body["message"]
@@ -186,4 +177,3 @@ def test_hello_validates_the_heartbeat():
              "print((torch.ones(2, device='remote_accelerator:0') + 1).tolist())", d.endpoint],
             capture_output=True, text=True, timeout=120, env={**os.environ, "GENIE_HEARTBEAT": "7200"})
         assert done.stdout.strip() == "[2.0, 2.0]", done.stderr[-2000:]
-    ctx.term()

@@ -16,11 +16,12 @@ def sock(daemon_endpoint):
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.RCVTIMEO, TIMEOUT_MS)
     s.connect(daemon_endpoint)
-    yield s
-    s.send_multipart([protocol.pack(["bye", 999, {}])])
-    s.recv_multipart()
-    s.close()
-    ctx.term()
+    try:
+        yield s
+        s.send_multipart([protocol.pack(["bye", 999, {}])])
+        s.recv_multipart()
+    finally:
+        ctx.destroy(linger=0)
 
 
 def call(sock, frames):

@@ -45,7 +45,7 @@ def test_idle_polling_returns_as_soon_as_a_request_is_queued_and_backs_off_after
         assert time.perf_counter() - started < 0.025
     finally:
         client.close(0)
-        ctx.term()
+        ctx.destroy(linger=0)
         srv._socket.close(0)
         srv._worker.shutdown(wait=False)
 

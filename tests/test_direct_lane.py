@@ -24,19 +24,24 @@ class FakeClient:
     def __init__(self, link) -> None:
         self.token = bulk.new_token()
         self.ctx = zmq.Context()
-        self.dealer = self.ctx.socket(zmq.DEALER)
-        self.dealer.setsockopt(zmq.ROUTING_ID, self.token)
-        self.dealer.setsockopt(zmq.LINGER, 0)
-        self.dealer.connect(link.endpoint)
-        self.dealer.send(protocol.pack(["hello", 70000, {"version": protocol.VERSION}]))
-        assert self.dealer.poll(10_000), "no hello answer"
-        self.dealer.recv()
-        self.sock, _ = bulk.connect_greeted(_lane_address(link), stream_framing.MAGIC, self.token, 10.0)
+        self.sock = None
+        try:
+            self.dealer = self.ctx.socket(zmq.DEALER)
+            self.dealer.setsockopt(zmq.ROUTING_ID, self.token)
+            self.dealer.setsockopt(zmq.LINGER, 0)
+            self.dealer.connect(link.endpoint)
+            self.dealer.send(protocol.pack(["hello", 70000, {"version": protocol.VERSION}]))
+            assert self.dealer.poll(10_000), "no hello answer"
+            self.dealer.recv()
+            self.sock, _ = bulk.connect_greeted(_lane_address(link), stream_framing.MAGIC, self.token, 10.0)
+        except BaseException:
+            self.close()  # a context collected with its socket open would hang the run in term()
+            raise
 
     def close(self) -> None:
-        self.sock.close()
-        self.dealer.close()
-        self.ctx.term()
+        if self.sock is not None:
+            self.sock.close()
+        self.ctx.destroy(linger=0)
 
 
 def _lane_address(link) -> tuple:

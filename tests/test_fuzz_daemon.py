@@ -207,8 +207,21 @@ class RawClient:
         return body
 
     def close(self) -> None:
-        self.sock.close()
-        self.ctx.term()
+        self.ctx.destroy(linger=0)  # closes the socket too; safe to call twice
+
+
+@pytest.fixture
+def raw_clients():
+    """Makes RawClients, all closed however the test ends (see conftest.zmq_ctx)."""
+    made = []
+
+    def make(endpoint: str) -> RawClient:
+        made.append(RawClient(endpoint))
+        return made[-1]
+
+    yield make
+    for client in made:
+        client.close()
 
 
 def _held(stats: dict) -> dict:
@@ -216,12 +229,12 @@ def _held(stats: dict) -> dict:
                                   "kv_sessions", "kv_bytes", "copy_memos")}
 
 
-def test_daemon_survives_10k_hostile_messages_and_returns_to_baseline(fuzz_daemon):
+def test_daemon_survives_10k_hostile_messages_and_returns_to_baseline(fuzz_daemon, raw_clients):
     pid = fuzz_daemon.proc.pid
-    observer = RawClient(fuzz_daemon.endpoint)
+    observer = raw_clients(fuzz_daemon.endpoint)
     baseline = _held(observer.stats())
     rss_before = _rss(pid)
-    fuzzer = RawClient(fuzz_daemon.endpoint)
+    fuzzer = raw_clients(fuzz_daemon.endpoint)
     replies = {"ok": 0, "error": 0}
 
     @settings(max_examples=MESSAGES, derandomize=True, database=None, deadline=None,

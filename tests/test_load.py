@@ -38,7 +38,7 @@ def _stats(endpoint: str) -> dict:
         return {k: body[k] for k in ("resident", "handles", "mailbox_bytes", "parked_requests")}
     finally:
         sock.close()
-        ctx.term()
+        ctx.destroy(linger=0)
 
 
 @pytest.mark.parametrize("transport, clients, requests", [

@@ -17,13 +17,12 @@ def limited_daemon(daemon_endpoint):
     genie.init(daemon_endpoint)  # back to the session daemon for later tests
 
 
-def test_limit_error_isolation_and_baseline(limited_daemon):
+def test_limit_error_isolation_and_baseline(limited_daemon, zmq_ctx):
     import zmq
     from genie.transport import protocol
 
     # A second, independent client (raw protocol) keeps a tensor on the same daemon.
-    ctx = zmq.Context()
-    other = ctx.socket(zmq.DEALER)
+    other = zmq_ctx.socket(zmq.DEALER)
     other.setsockopt(zmq.RCVTIMEO, 10_000)
     other.setsockopt(zmq.LINGER, 0)
     other.connect(limited_daemon)
@@ -58,5 +57,3 @@ def test_limit_error_isolation_and_baseline(limited_daemon):
     del small, big
     gc.collect()
     assert ra.memory_allocated() == baseline
-    other.close()
-    ctx.term()

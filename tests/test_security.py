@@ -134,7 +134,7 @@ def test_an_unlisted_key_cannot_execute_anything(keys, curve_daemon):
         assert sock.poll(2000) == 0
     finally:
         sock.close(0)
-        ctx.term()
+        ctx.destroy(linger=0)
 
 
 @pytest.mark.parametrize("encrypted", [False, True])

@@ -47,7 +47,7 @@ def test_a_client_refuses_a_daemon_that_speaks_another_version():
         stop.set()
         thread.join(5)
         router.close(0)
-        ctx.term()
+        ctx.destroy(linger=0)
     assert done.returncode != 0
     assert f"speaks protocol version {protocol.VERSION - 1} and this client {protocol.VERSION}" in done.stderr
     assert any(kind == "hello" and body.get("version") == protocol.VERSION for kind, body in seen)  # its own
