@@ -497,7 +497,9 @@ class DaemonLink:
         assert) says so and restarts: the link is lost from here on, as if its connection had
         dropped, so later uses fail as lost (or reconnect) instead of reaching a daemon on its way down."""
         if isinstance(exc, RemoteError) and exc.error_type == protocol.DEVICE_LOST_ERROR and self.lost is None:
-            reason = "its GPU's CUDA context was lost, and it restarts"
+            # With the daemon's words: this answer may be read by a Genie thread (a batch posted
+            # ahead), and the user then meets only the loss, at the next use of the device.
+            reason = f"its GPU's CUDA context was lost, and it restarts; the daemon said: {exc.message}"
             self.restarting = True
             if self.runtime.loop.in_loop_thread():
                 self.lose(reason)
