@@ -236,8 +236,10 @@ class DeviceStream:
                     self._send_pending_bulk(post, records=named,
                                             write_behind=entry[0] == protocol.ADOPT_OP and self.runs_cpu_kernels)
         elif send_now and (len(self.ops) >= self.batch_ops and len(self.ops) >= self._batch_limit()
-                           or self.inline_bytes >= self.batch_bytes) and entry[0] not in UPLOAD_FIRST_HALVES:
-            self._post_unwaited(self._take(fetch=[], report=False))
+                           or self.inline_bytes >= self.batch_bytes):
+            # Not on an upload's empty (UPLOAD_FIRST_HALVES), unless empties alone filled it twice over.
+            if entry[0] not in UPLOAD_FIRST_HALVES or len(self.ops) >= 2 * self._batch_limit():
+                self._post_unwaited(self._take(fetch=[], report=False))
 
     def _batch_limit(self) -> int:
         """Ops in a batch sent unasked: batch_ops, doubled for every 4 posted batches whose answers
