@@ -99,3 +99,28 @@ def test_a_client_ending_without_stop_leaves_no_folder_behind():
     if alive and os.path.exists(folder):
         os.kill(pid, 9)
     assert not os.path.exists(folder)
+
+
+def test_curve_settings_for_network_daemons_leave_the_embedded_daemon_plain(tmp_path):
+    """A user whose shell is set up for a CURVE cluster (client keys, and on a GPU node a daemon
+    secret too) and who runs a script without GENIE_SERVER_URL: the embedded daemon failed the
+    first op with "the CURVE handshake failed" (client keys alone) or did not start (a secret
+    without GENIE_CURVE_ALLOW). Those settings are for daemons on the network; the embedded one is
+    private to the process and connected to without them."""
+    from daemons import keygen
+
+    server_public, server_secret = keygen(tmp_path, "daemon")
+    _, client_secret = keygen(tmp_path, "client")
+    env = {k: v for k, v in os.environ.items() if k != "GENIE_SERVER_URL"}
+    script = textwrap.dedent("""
+        import torch, genie
+        x = torch.ones(3, device="remote_accelerator:0")
+        print("VALUES", (x + 1).tolist())
+        print("ENCRYPTED", [v["encrypted"] for v in genie.transport_info()["links"].values()])
+    """)
+    for secret in ({}, {"GENIE_CURVE_SECRET": server_secret}):
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                             env={**env, **secret, "GENIE_CURVE_CLIENT_KEY": client_secret,
+                                  "GENIE_CURVE_SERVER_KEY": server_public})
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert "VALUES [2.0, 2.0, 2.0]" in out.stdout and "ENCRYPTED [False]" in out.stdout, out.stdout

@@ -20,6 +20,18 @@ log = logging.getLogger("genie.runtime")
 READY_LINE = "GENIE_DAEMON_READY"
 
 
+# A daemon's CURVE settings in this process's environment are for daemons on the network (a GPU
+# node's shell sets them for `genie-daemon`). The embedded daemon listens on a private path and the
+# runtime connects to it without CURVE; given them, it refused this process's plain connection, or
+# did not start (a secret without GENIE_CURVE_ALLOW).
+NETWORK_ONLY_SETTINGS = ("GENIE_CURVE_SECRET", "GENIE_CURVE_ALLOW")
+
+
+def daemon_environment() -> dict:
+    """The embedded daemon's environment: this process's, less NETWORK_ONLY_SETTINGS."""
+    return {k: v for k, v in os.environ.items() if k not in NETWORK_ONLY_SETTINGS}
+
+
 class LocalDaemon:
     """A genie-daemon child process; `endpoint` is where it listens once started."""
 
@@ -52,6 +64,7 @@ class LocalDaemon:
             cmd += ["--threads", str(self.threads)]
         self.process = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+            env=daemon_environment(),
         )
         self._stderr_reader = threading.Thread(target=self._drain_stderr, daemon=True)
         self._stderr_reader.start()

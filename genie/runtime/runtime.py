@@ -78,6 +78,13 @@ class Runtime:
                 urls = self.config.server_url
             endpoints = _split(urls) if urls else []
             if not endpoints:
+                if self.curve is not None:
+                    # Keys name daemons on a network (GENIE_SERVER_URL); this one is private to the
+                    # process (an ipc path in a folder only this user reads). With them, a client
+                    # configured for its cluster failed its first op here: "the CURVE handshake failed".
+                    log.info("starting an embedded genie-daemon: CURVE keys are for daemons named by "
+                             "GENIE_SERVER_URL or genie.init, and are not used for it")
+                    self.curve = None
                 self.local_daemon = LocalDaemon(threads=self.config.daemon_threads)
                 endpoints = [self.local_daemon.start(self.config.connect_timeout, while_waiting=self._warm_up)]
             links = [DaemonLink(self, ep) for ep in endpoints]
