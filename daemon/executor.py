@@ -537,9 +537,8 @@ class Executor(StorageOps, ProgramOps, RandomOps):
         if isinstance(value, InlineTensor):
             if max(value.frames) >= len(frames):
                 raise ProtocolError(f"inline tensor refers to frame {max(value.frames)}, message has {len(frames)}")
-            on_gpu = device.type == "cuda"  # then copied to the GPU as it lies: no alignment needed
-            t = frames_to_tensor([frames[i].buffer for i in value.frames], value.dtype, value.shape, not on_gpu)
-            return self._uploader(device).upload(t) if on_gpu else t
+            t = frames_to_tensor([frames[i].buffer for i in value.frames], value.dtype, value.shape)
+            return self._uploader(device).upload(t) if device.type == "cuda" else t
         if isinstance(value, BulkTensor):
             t = self._bulk_upload(client, value)
             if t.device == device:

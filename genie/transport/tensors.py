@@ -33,19 +33,9 @@ DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 # part of 2 GiB or more). Settable: the daemon's --max-frame-mb, the client's GENIE_FRAME_MB.
 MAX_FRAME_BYTES = 1 << 30
 
-# A received payload computed on in place starts at a multiple of this many bytes. The CPU's
-# kernels round by alignment: a float32 matmul whose input starts at 8 mod 16 (where ZeroMQ puts
-# message data) differs in the last bit from the same matmul at 16 (float64: 8 mod 16 too), so a
-# daemon computing on the frame as it lies gave results unequal to the client's own CPU.
-# (Offsets 16, 32 and 48 mod 64 gave equal results on this AVX-512 machine.) malloc gives 16.
-COMPUTE_ALIGNMENT = 16
-
-
-def required_alignment(dtype: torch.dtype, for_compute: bool = True) -> int:
-    """Alignment a received payload needs to be used in place: COMPUTE_ALIGNMENT if CPU kernels
-    will read it, else natural (16 for complex types), as any kernel may assume."""
-    natural = 16 if dtype.is_complex else dtype.itemsize
-    return max(natural, COMPUTE_ALIGNMENT) if for_compute else natural
+def required_alignment(dtype: torch.dtype) -> int:
+    """Alignment a received payload needs to be used in place: natural, and 16 for complex types."""
+    return 16 if dtype.is_complex else dtype.itemsize
 
 
 _QUANTIZED = frozenset(getattr(torch, n) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
@@ -162,11 +152,10 @@ def tensor_to_frames(t: torch.Tensor) -> list[memoryview]:
     return [buf[i:i + MAX_FRAME_BYTES] for i in range(0, n, MAX_FRAME_BYTES)]
 
 
-def frames_to_tensor(bufs: list, dtype: torch.dtype, shape: tuple[int, ...], for_compute: bool = True) -> torch.Tensor:
-    """Inverse of tensor_to_frames: no copy for one frame (unless misaligned, see buffer_to_tensor);
-    one copy to join several."""
+def frames_to_tensor(bufs: list, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Inverse of tensor_to_frames: no copy for one frame; one copy to join several."""
     if len(bufs) == 1:
-        return buffer_to_tensor(bufs[0], dtype, shape, for_compute)
+        return buffer_to_tensor(bufs[0], dtype, shape)
     views = [memoryview(b).cast("B") for b in bufs]
     total = sum(v.nbytes for v in views)
     joined = torch.empty(total, dtype=torch.uint8)
@@ -228,10 +217,8 @@ def bytes_as_tensor(raw: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...
     return raw.view(dtype).view(shape) if numel else torch.empty(shape, dtype=dtype)
 
 
-def buffer_to_tensor(buf, dtype: torch.dtype, shape: tuple[int, ...], for_compute: bool = True) -> torch.Tensor:
-    """Wrap a received frame as a tensor, without copying, after checking its length. A frame
-    not aligned as `required_alignment` asks is copied (`for_compute`: CPU kernels will read the
-    tensor; False where it is only copied on, e.g. to a GPU)."""
+def buffer_to_tensor(buf, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Wrap a received frame as a tensor, without copying, after checking its length."""
     numel = 1
     for s in shape:
         numel *= s
@@ -245,10 +232,9 @@ def buffer_to_tensor(buf, dtype: torch.dtype, shape: tuple[int, ...], for_comput
         # ZeroMQ frames are read-only buffers; the tensor owns this frame alone.
         warnings.simplefilter("ignore", UserWarning)
         raw = torch.frombuffer(buf, dtype=torch.uint8)
-    if raw.data_ptr() % required_alignment(dtype, for_compute):
+    if raw.data_ptr() % required_alignment(dtype):
         # ZeroMQ does not align message data (small messages even live inside its message
-        # struct): kernels may assume natural alignment and fault (complex128 did), and round
-        # otherwise (COMPUTE_ALIGNMENT). A clone is 64-byte aligned, as every CPU tensor.
+        # struct); kernels may assume natural alignment and fault (complex128 did). Copy then.
         raw = raw.clone()
     return raw.view(dtype).view(shape)
 

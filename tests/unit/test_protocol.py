@@ -115,21 +115,6 @@ def test_tensor_frames_are_views_not_copies():
     assert torch.equal(r.reshape(-1), t)
 
 
-def test_a_frame_off_the_compute_alignment_is_copied_unless_only_copied_on():
-    # ZeroMQ puts message data at 8 mod 16: CPU kernels read such a tensor, but round otherwise.
-    t = torch.arange(64, dtype=torch.float32)
-    frame = bytearray(256 + 64)
-    start = (-np.frombuffer(frame, dtype=np.uint8).ctypes.data) % 64 + 8
-    view = memoryview(frame)[start:start + 256]
-    view[:] = tensor_to_buffer(t)
-    at = np.frombuffer(view, dtype=np.uint8).ctypes.data
-    computed = buffer_to_tensor(view, torch.float32, (64,))
-    assert computed.data_ptr() != at and computed.data_ptr() % 16 == 0 and torch.equal(computed, t)
-    passed_on = buffer_to_tensor(view, torch.float32, (64,), for_compute=False)  # bound for a GPU
-    assert passed_on.data_ptr() == at and torch.equal(passed_on, t)
-    assert buffer_to_tensor(view, torch.complex64, (32,), for_compute=False).data_ptr() != at  # natural: 16
-
-
 def test_tensor_frame_checks_length_and_handles_odd_layouts():
     with pytest.raises(ProtocolError, match="frame holds"):
         buffer_to_tensor(b"\x00" * 7, torch.float32, (2,))
