@@ -20,17 +20,9 @@ from genie.runtime.runtime import _retry_until  # the runtime's own wait for a r
 DEV = "remote_accelerator:0"
 
 
-@pytest.mark.parametrize("batch_ops", [None, 1], ids=["batched", "op by op"])
 @pytest.mark.parametrize("listen", ["tcp://127.0.0.1:0", "ipc"])
-def test_a_lost_device_is_reported_and_the_daemon_restarts_in_place(monkeypatch, listen, batch_ops):
-    # Op by op (GENIE_BATCH_OPS=1), the failing op's batch is posted ahead and its answer read by a
-    # Genie thread: the read that fails next is told of the loss, and the loss names its cause.
+def test_a_lost_device_is_reported_and_the_daemon_restarts_in_place(monkeypatch, listen):
     monkeypatch.setenv("GENIE_TEST_LOSE_DEVICE_ON", "aten::digamma")
-    if batch_ops is not None:
-        import dataclasses
-
-        rt = genie.get_runtime()
-        monkeypatch.setattr(rt, "config", dataclasses.replace(rt.config, batch_ops=batch_ops))
     tmp = None
     if listen == "ipc":
         listen, tmp = ipc_endpoint()
