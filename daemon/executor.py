@@ -24,9 +24,9 @@ from genie.transport.protocol import (ADOPT_OP, ALIAS_STORAGE_OP, COPY_STORAGE_O
                                       RNG_STATE_OP, SEED_OP, SEND_OP, SET_RNG_STATE_OP, SHARE_CUDA_OP, STORAGE_OF_OP,
                                       BulkTensor, DeviceRef, Exec, GeneratorRef, HandleRef, InlineTensor, OpCall)
 from genie.transport.hostmem import snapshot
-from genie.transport.tensors import (bytes_as_tensor, check_shape, check_strides, dense, dense_bytes, dense_span,
-                                     dtype_name, elements_spanned, frames_to_tensor, is_dense, tensor_to_buffer,
-                                     tensor_to_frames)
+from genie.transport.tensors import (aligned_for_compute, bytes_as_tensor, check_shape, check_strides, dense,
+                                     dense_bytes, dense_span, dtype_name, elements_spanned, frames_to_tensor, is_dense,
+                                     tensor_to_buffer, tensor_to_frames)
 
 from . import attention
 from . import ops as op_table
@@ -511,7 +511,8 @@ class Executor(StorageOps, ProgramOps, RandomOps):
         if len(call.args) != 1 or type(call.outs) is not int:
             raise ProtocolError(f"{RECV_OP} takes [transfer id] and one output handle")
         tensor = self.mailbox.take(check_transfer_id(call.args[0]), self.transfer_timeout)
-        tensor = tensor.to(device) if device.type != "cpu" else tensor  # CPU: keep the frame, no copy
+        # CPU: keep the frame, copied only if it lies off COMPUTE_ALIGNMENT (ZeroMQ frames do).
+        tensor = tensor.to(device) if device.type != "cpu" else aligned_for_compute(tensor)
         client.put(call.outs, tensor)
         self._enforce_limit(client, call)
         return tensor
@@ -538,7 +539,8 @@ class Executor(StorageOps, ProgramOps, RandomOps):
             if max(value.frames) >= len(frames):
                 raise ProtocolError(f"inline tensor refers to frame {max(value.frames)}, message has {len(frames)}")
             t = frames_to_tensor([frames[i].buffer for i in value.frames], value.dtype, value.shape)
-            return self._uploader(device).upload(t) if device.type == "cuda" else t
+            # A GPU copy reads the frame as it lies; CPU kernels need it aligned (COMPUTE_ALIGNMENT).
+            return self._uploader(device).upload(t) if device.type == "cuda" else aligned_for_compute(t)
         if isinstance(value, BulkTensor):
             t = self._bulk_upload(client, value)
             if t.device == device:

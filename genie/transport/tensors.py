@@ -33,6 +33,20 @@ DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 # part of 2 GiB or more). Settable: the daemon's --max-frame-mb, the client's GENIE_FRAME_MB.
 MAX_FRAME_BYTES = 1 << 30
 
+# A CPU tensor a daemon computes on starts at a multiple of this many bytes. The CPU's kernels
+# round by alignment: on an AVX-512 machine a float32 matmul, linear or grouped_mm whose input
+# starts at 4-12 mod 16 differs in the last bit from the same at 0, 16, 32 or 48 (float64: at 8),
+# and ZeroMQ puts message data at 8-56 mod 64. So a daemon computing on a frame as it lay gave
+# results unequal to the client's own CPU. malloc and torch's allocator give 16 or more.
+COMPUTE_ALIGNMENT = 16
+
+
+def aligned_for_compute(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself if its data starts at a multiple of COMPUTE_ALIGNMENT, else a copy (64-aligned,
+    same strides) that CPU kernels round on as on any tensor of the user's own."""
+    return t if t.data_ptr() % COMPUTE_ALIGNMENT == 0 else t.clone()
+
+
 def required_alignment(dtype: torch.dtype) -> int:
     """Alignment a received payload needs to be used in place: natural, and 16 for complex types."""
     return 16 if dtype.is_complex else dtype.itemsize

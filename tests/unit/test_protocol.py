@@ -7,7 +7,7 @@ import torch
 from genie.transport import protocol
 from genie.transport.errors import ProtocolError
 from genie.transport import tensors
-from genie.transport.tensors import buffer_to_tensor, tensor_to_buffer
+from genie.transport.tensors import COMPUTE_ALIGNMENT, aligned_for_compute, buffer_to_tensor, tensor_to_buffer
 
 
 def roundtrip(value):
@@ -113,6 +113,23 @@ def test_tensor_frames_are_views_not_copies():
     r = buffer_to_tensor(view, torch.float32, (32, 32))
     assert r.data_ptr() == np.frombuffer(view, dtype=np.uint8).ctypes.data  # receive side: no copy
     assert torch.equal(r.reshape(-1), t)
+
+
+def test_a_frame_off_the_compute_alignment_is_copied_before_cpu_kernels_read_it():
+    # ZeroMQ puts message data at 8 mod 16: wrapped in place as received, copied for the daemon's kernels.
+    t = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+    frame = bytearray(256 + 64)
+    start = (-np.frombuffer(frame, dtype=np.uint8).ctypes.data) % 64 + 8
+    view = memoryview(frame)[start:start + 256]
+    view[:] = tensor_to_buffer(t)
+    at = np.frombuffer(view, dtype=np.uint8).ctypes.data
+    received = buffer_to_tensor(view, torch.float32, (8, 8))
+    assert received.data_ptr() == at  # in place: float32 needs only 4
+    computed = aligned_for_compute(received.t())
+    assert computed.data_ptr() != at and computed.data_ptr() % COMPUTE_ALIGNMENT == 0
+    assert torch.equal(computed, t.t()) and computed.stride() == (1, 8)
+    aligned = torch.randn(4)
+    assert aligned_for_compute(aligned) is aligned
 
 
 def test_tensor_frame_checks_length_and_handles_odd_layouts():
