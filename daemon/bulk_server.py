@@ -78,7 +78,9 @@ class BulkListener:
         # Given direct-lane connections (see genie.transport.stream_framing), from a greeting thread,
         # with their (sending, receiving) sealed_lane directions on a sealed listener (else None).
         self.on_direct: Callable[[socket.socket, bytes, tuple | None], None] | None = None
-        threading.Thread(target=self._accept_loop, args=(self._sock, False), name="genie-bulk-accept",
+        # An ipc daemon's listener is local too: under CURVE it takes plain lanes (shared memory)
+        # from the daemon's own user, sealed ones from anyone it gave a lane key.
+        threading.Thread(target=self._accept_loop, args=(self._sock, kind == "unix"), name="genie-bulk-accept",
                          daemon=True).start()
         if self._local_sock is not None:
             threading.Thread(target=self._accept_loop, args=(self._local_sock, True), name="genie-bulk-accept-local",
@@ -115,7 +117,8 @@ class BulkListener:
             greeting = bulk.recv_exactly(conn, len(bulk.MAGIC) + bulk.TOKEN_BYTES)
             token, magic = greeting[len(bulk.MAGIC):], greeting[:len(bulk.MAGIC)]
             sealing, shared, direct, joining = None, False, False, None
-            if self._lane_key_of is not None and not local:
+            sealed_magic = magic in (bulk.MAGIC_SEALED, bulk.MAGIC_SEALED_JOIN, stream_framing.MAGIC_SEALED)
+            if self._lane_key_of is not None and (not local or sealed_magic):
                 direct = magic == stream_framing.MAGIC_SEALED and self.on_direct is not None
                 joins = magic == bulk.MAGIC_SEALED_JOIN
                 lane_key = self._lane_key_of(token) if magic == bulk.MAGIC_SEALED or direct or joins else None

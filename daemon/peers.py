@@ -268,8 +268,12 @@ class PeerLinks:
         address = bulk.connect_address(body.get("bulk"), endpoint)
         key = body.get("lane_key")
         # A tcp peer on this host offers its local listener too: shared memory, as between ipc
-        # peers (plain under CURVE as well: the peer takes such lanes from its own user only).
-        local = bulk.local_lane_address(body.get("local_lane")) if self.shared_memory else None
+        # peers (plain under CURVE as well: the peer takes such lanes from its own user only, as
+        # an ipc peer of this user does on its own listener).
+        local = None
+        if self.shared_memory:
+            local = bulk.local_lane_address(body.get("local_lane")) or (
+                bulk.own_unix_listener(address) if self._curve is not None else None)
         sealable = self._curve is None or (key is not None and sealed_lane.available())
         if address is None or (local is None and not sealable):
             return  # no lane offered (or none this daemon can seal): deposits carry their frames
@@ -286,7 +290,7 @@ class PeerLinks:
             self._opening.discard(endpoint)
 
     def _open_local_lane(self, endpoint: str, local) -> bulk.Lane | None:
-        """A shared-memory lane to a tcp peer's local listener, or None (then its tcp lanes)."""
+        """A shared-memory lane to a peer's local listener, or None (then its other lanes)."""
         try:
             return bulk.open_shared_lane(local, self._tokens[endpoint], HostBufferPool(0), 10.0)
         except (OSError, ConnectionError) as e:

@@ -173,3 +173,70 @@ def test_under_curve_the_local_lanes_refuse_another_user_even_with_the_token(cur
         assert _greet_as(None, address, bulk.MAGIC_SHARED + link.token) == bulk.ACCEPTED_SHARED
     finally:
         genie.shutdown()
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="needs a libzmq built with CURVE")
+def test_under_curve_a_client_of_its_users_ipc_daemon_moves_payloads_in_shared_memory(tmp_path):
+    """An ipc daemon's socket file is its user's: under CURVE a client of that user opens plain
+    lanes on it, with shared memory, as on a tcp daemon's local listener (before, sealed lanes
+    through the socket). ZeroMQ stays encrypted."""
+    from daemons import ipc_endpoint
+
+    flags, keys = curve_pair(tmp_path)
+    endpoint, _ = ipc_endpoint()
+    with DaemonProcess(endpoint, extra=flags) as daemon:
+        genie.init(daemon.endpoint, **keys)
+        try:
+            info = genie.transport_info()["links"][daemon.endpoint]
+            assert info["encrypted"] and info["path"] == "zmq+bulk-shared-memory" and info["direct_lane"]
+            assert not info["local_lane"]  # that names a tcp daemon's local listener
+            _round_trip(1 << 22)
+            assert (torch.ones(3, device="remote_accelerator:0") + 1).sum().item() == 6.0
+        finally:
+            genie.shutdown()
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="needs a libzmq built with CURVE")
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root, to act as another user")
+def test_under_curve_an_ipc_daemon_takes_plain_lanes_from_its_own_user_only(tmp_path):
+    """Another uid that can reach the socket file (its permissions opened here), even with a live
+    client's token, gets no plain lane there; a client whose daemon's socket file is another
+    user's does not ask for one, and goes sealed."""
+    from daemons import ipc_endpoint
+
+    flags, keys = curve_pair(tmp_path)
+    endpoint, directory = ipc_endpoint()
+    with DaemonProcess(endpoint, extra=flags) as daemon:
+        genie.init(daemon.endpoint, **keys)
+        try:
+            link = genie.get_runtime().links[0]
+            path = link.bulk_lane.sock.getpeername()  # the lane listener's socket file, beside ZeroMQ's
+            os.chmod(directory, 0o755), os.chmod(path, 0o777)
+            for magic in (bulk.MAGIC_SHARED, bulk.MAGIC):
+                assert _greet_as(65534, path, magic + link.token) == b"-"
+            assert _greet_as(None, path, bulk.MAGIC_SHARED + link.token) == bulk.ACCEPTED_SHARED
+        finally:
+            genie.shutdown()
+        os.chown(path, 65534, 65534)
+        genie.init(daemon.endpoint, **keys)
+        try:
+            assert genie.transport_info()["links"][daemon.endpoint]["path"] == "zmq+bulk-unix-sealed"
+            _round_trip(1 << 22)
+        finally:
+            genie.shutdown()
+
+
+def test_only_a_unix_socket_file_of_this_user_counts_as_its_own_listener(tmp_path):
+    path = str(tmp_path / "l.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(path)
+        assert bulk.own_unix_listener((socket.AF_UNIX, path)) == (socket.AF_UNIX, path)
+        if hasattr(os, "geteuid") and os.geteuid() == 0:
+            os.chown(path, 65534, 65534)
+            assert bulk.own_unix_listener((socket.AF_UNIX, path)) is None
+    finally:
+        listener.close()
+    assert bulk.own_unix_listener((socket.AF_UNIX, str(tmp_path / "gone.sock"))) is None
+    assert bulk.own_unix_listener((socket.AF_INET, ("127.0.0.1", 5555))) is None
+    assert bulk.own_unix_listener(None) is None

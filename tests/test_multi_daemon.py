@@ -1,8 +1,10 @@
 """Several daemons at once: one started over tcp, another over ipc, both through `genie-daemon`."""
+import shutil
 import time
 
 import pytest
 import torch
+import zmq
 
 import genie
 from daemons import DaemonProcess
@@ -170,23 +172,30 @@ def test_a_write_after_a_move_does_not_reach_the_moved_copy(two_daemons, numel):
             assert x.sum().item() == numel
 
 
-@pytest.mark.parametrize("listen, shared", [("ipc", True), ("ipc", False), ("tcp", True)])
-def test_daemons_on_one_host_copy_through_shared_memory(listen, shared):
+@pytest.mark.parametrize("listen, shared, curve", [("ipc", True, False), ("ipc", False, False), ("tcp", True, False),
+                                                   ("ipc", True, True), ("tcp", True, True)])
+def test_daemons_on_one_host_copy_through_shared_memory(listen, shared, curve, tmp_path):
     """Two daemons of one user on one host: a large copy between them goes in a shared segment of
     the sender, which the receiver keeps the tensor over until it is freed (then the segment comes
     back). ipc:// daemons lane over their Unix socket, tcp:// ones over their local lane (an
-    abstract Unix socket named in hello). With --no-shared-memory (on both) it goes through the
-    Unix socket."""
-    from daemons import ipc_endpoint
+    abstract Unix socket named in hello), under CURVE as well (plain lanes, for the own user only).
+    With --no-shared-memory (on both) it goes through the Unix socket."""
+    from daemons import curve_pair, ipc_endpoint
 
-    extra = [] if shared else ["--no-shared-memory"]
+    extra, keys = ([] if shared else ["--no-shared-memory"]), {}
+    if curve:
+        if not zmq.has("curve"):
+            pytest.skip("needs a libzmq built with CURVE")
+        flags, keys = curve_pair(tmp_path)
+        shutil.copy(keys["server_key"], tmp_path / "allowed" / "daemon.key")  # the daemons greet each other
+        extra += flags
 
     def start():
         return DaemonProcess(ipc_endpoint()[0] if listen == "ipc" else "tcp://127.0.0.1:0", extra=extra,
                              local_lane=True)
 
     with start() as a, start() as b:
-        genie.init(f"{a.endpoint},{b.endpoint}")
+        genie.init(f"{a.endpoint},{b.endpoint}", **keys)
         try:
             for src, dst, peer in ((0, 1, b), (1, 0, a)):
                 x = torch.randn(1 << 20, device=f"remote_accelerator:{src}")  # 4 MiB

@@ -223,7 +223,10 @@ class DaemonLink:
             return
         loop = asyncio.get_running_loop()
         if self.runtime.curve is not None:
-            if not await self._open_local_lanes(local_offer, timeout):
+            # Plain lanes where they stay on this host and user: a tcp daemon's local listener, or an
+            # ipc daemon's own (its socket file is ours). The daemon checks the user itself.
+            local = bulk.local_lane_address(local_offer) or bulk.own_unix_listener(address)
+            if not await self._open_local_lanes(local, timeout):
                 await self._open_sealed_lanes(address, lane_key, timeout)
             return
         if config.bulk_min_bytes > 0 and type(ucx_port) is int and 0 < ucx_port < 65536:
@@ -240,7 +243,7 @@ class DaemonLink:
                     log.warning("no UCX lane to %s (the socket lane carries large payloads): %s", self.endpoint, e)
             else:
                 log.info("bulk lane to %s: socket, not UCX: %s", self.endpoint, why)
-        if self.bulk_lane is None and await self._open_local_lanes(local_offer, timeout):
+        if self.bulk_lane is None and await self._open_local_lanes(bulk.local_lane_address(local_offer), timeout):
             return
         unreachable = None  # the lanes' listener could not be reached: both lanes go to it
         if config.bulk_min_bytes > 0 and self.bulk_lane is None:
@@ -266,28 +269,30 @@ class DaemonLink:
         elif config.direct_lane:
             await self._open_direct_lane(address, None, timeout)
 
-    async def _open_local_lanes(self, local_offer, timeout: float) -> bool:
-        """The bulk lane (shared memory) and the direct lane to a tcp daemon's local listener, where
-        it offered one for this host and user; whether the bulk lane opened (if not, the tcp lanes
-        are opened instead: another network namespace, a container, cannot reach the listener).
-        Under CURVE these lanes are plain: their bytes never leave the kernel, and the daemon takes
-        them only from processes of its own user."""
+    async def _open_local_lanes(self, local, timeout: float) -> bool:
+        """The bulk lane (shared memory) and the direct lane to the listener at `local` (a tcp
+        daemon's local listener, offered for this host and user; under CURVE an ipc daemon's too);
+        whether the bulk lane opened (if not, the other lanes are opened instead: another network
+        namespace, a container, cannot reach the listener or share memory with it). Under CURVE
+        these lanes are plain: their bytes never leave the kernel, and the daemon takes them only
+        from processes of its own user."""
         config = self.runtime.config
-        local = bulk.local_lane_address(local_offer) if config.shared_memory and config.bulk_min_bytes > 0 else None
-        if local is None:
+        if local is None or not config.shared_memory or config.bulk_min_bytes <= 0:
             return False
         loop = asyncio.get_running_loop()
         try:
             lane = await loop.run_in_executor(None, bulk.open_shared_lane, local, self.token,
                                               self.runtime.host_pool, min(timeout, 10.0))
         except (OSError, ConnectionError) as e:
-            log.info("no local lane to %s (the tcp lanes carry large payloads): %s", self.endpoint, e)
+            log.info("no local lane to %s (the other lanes carry large payloads): %s", self.endpoint, e)
             return False
         if lane is None:
-            log.info("no shared memory with %s (the tcp lanes carry large payloads)", self.endpoint)
+            log.info("no shared memory with %s (the other lanes carry large payloads)", self.endpoint)
             return False
         log.info("bulk lane to %s: shared memory (the daemon runs on this host)", self.endpoint)
-        self.bulk_lane, self.bulk_min_bytes, self.local_lane = lane, config.shared_min_bytes, True
+        # local_lane: a tcp daemon's local listener (an ipc daemon's lanes are local anyway).
+        self.bulk_lane, self.bulk_min_bytes = lane, config.shared_min_bytes
+        self.local_lane = not self.endpoint.startswith("ipc://")
         if config.direct_lane:
             await self._open_direct_lane(local, None, timeout)
         return True

@@ -737,6 +737,18 @@ def local_lane_address(offered: object) -> tuple[int, str] | None:
     return (socket.AF_UNIX, name)
 
 
+def own_unix_listener(address: tuple[int, object] | None) -> tuple[int, str] | None:
+    """`address` if it is a Unix socket file owned by this process's user (an ipc daemon of ours:
+    the daemon binds it), else None. Under CURVE such a daemon takes plain lanes from us (it
+    checks our credentials itself); the check here spares another user's daemon a refused try."""
+    if address is None or address[0] != socket.AF_UNIX or type(address[1]) is not str:
+        return None
+    try:
+        return address if os.stat(address[1]).st_uid == os.getuid() else None
+    except OSError:
+        return None
+
+
 def widen_buffers(sock: socket.socket) -> None:
     """Unix sockets buffer ~200 KiB by default: a 4 MiB transfer would take 20 wake-ups each way."""
     if sock.family == socket.AF_UNIX:
