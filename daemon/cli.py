@@ -14,6 +14,7 @@ import torch
 from genie.transport import ucx_lane
 from genie.transport.lane_set import MAX_LANES
 
+from . import device_faults
 from .bulk_server import BULK_POOL_BYTES
 from .memory_guard import cap_process_memory
 from .server import DaemonServer
@@ -174,8 +175,8 @@ async def _run(args: argparse.Namespace) -> tuple[str, str] | None:
     await server.serve()
     if watcher:
         watcher.cancel()
-    if server.device_lost is not None:
-        return endpoint, ",".join(map(str, devices))  # restarted in place (see main): its folder stays
+    if server.device_lost is not None:  # restarted in place (see main): its folder stays
+        return endpoint, ",".join(map(str, devices)), server.restart_notice()
     if args.private_dir:
         try:
             os.rmdir(args.private_dir)  # only once empty: the socket files are gone by now
@@ -228,12 +229,14 @@ def main(argv: list[str] | None = None) -> None:
         restart(*lost)
 
 
-def restart(endpoint: str, devices: str) -> None:
+def restart(endpoint: str, devices: str, notice: str) -> None:
     """Start this daemon again in this process (same pid and flags, the endpoint it bound, the
     port included, and the devices it served: a GPU that is gone then stops it rather than
     leaving a CPU daemon in its place), with fresh CUDA contexts: the old ones were lost (see
-    device_faults). Clients see their connection drop and reconnect."""
+    device_faults). Clients see their connection drop and reconnect; `notice` tells the new
+    process which clients lost their tensors, and why (device_faults.take_restart_notice)."""
     log.warning("restarting (pid %d) on %s", os.getpid(), endpoint)
+    os.environ[device_faults.RESTART_NOTICE_ENV] = notice
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -12,6 +12,7 @@ a lost context would, so the restart is tested on machines without a GPU.
 """
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -66,3 +67,32 @@ def context_lost(error: BaseException, devices) -> bool:
         else:
             return True
     return False
+
+
+# The restarted process learns, from its own environment (set before the exec, never from the
+# network), which clients' tensors went with the lost context and why: a request of theirs that
+# reaches it before they notice the loss (their connection reconnects by itself) is answered
+# with the loss, not with "handle ... does not exist".
+RESTART_NOTICE_ENV = "GENIE_DAEMON_RESTARTED_AFTER"
+MAX_NOTICE_CLIENTS = 100_000
+
+
+def restart_notice(lost: DeviceLost, clients) -> str:
+    """What the restarted daemon is told (see take_restart_notice): the loss and its clients' keys."""
+    return json.dumps({"reason": str(lost), "op": lost.op,
+                       "clients": [bytes(k).hex() for k in list(clients)[:MAX_NOTICE_CLIENTS]]})
+
+
+def take_restart_notice() -> tuple[dict[bytes, str], str | None]:
+    """In a daemon that restarted after a loss: (client key -> the loss's message, the op that met
+    it); ({}, None) otherwise. Removed from the environment, so that it is read once."""
+    raw = os.environ.pop(RESTART_NOTICE_ENV, None)
+    if not raw:
+        return {}, None
+    try:
+        notice = json.loads(raw)
+        reason, op = str(notice["reason"]), notice.get("op")
+        keys = {bytes.fromhex(k) for k in notice["clients"] if type(k) is str}
+    except (ValueError, KeyError, TypeError):
+        return {}, None
+    return {k: reason for k in keys}, op if type(op) is str else None

@@ -139,6 +139,10 @@ class Executor(StorageOps, ProgramOps, RandomOps):
         # The numerics settings in force in this process (set per request: see numerics).
         self._numerics = numerics.read() if numerics.AVAILABLE else None
         self.mailbox = mailbox
+        # Set when an op lost the device's context: requests already queued behind it on the
+        # worker get the loss too (their inputs may be the lost op's outputs: "handle ... does
+        # not exist"), not a run in a context that cannot run anything.
+        self.device_lost: device_faults.DeviceLost | None = None
         self.send_to_peer = send_to_peer
         self.transfer_timeout = transfer_timeout
         self.account = account
@@ -190,6 +194,8 @@ class Executor(StorageOps, ProgramOps, RandomOps):
         answer is out: the client then has the answer while the bytes stream in, instead of
         waiting for the bytes and then for the answer. The caller must run them before any
         later request of this daemon runs (they read the tensors' memory as it is now)."""
+        if self.device_lost is not None:
+            raise self.device_lost
         if request.device >= len(self.devices):
             raise ProtocolError(f"device index {request.device} out of range ({len(self.devices)} devices)")
         device = self.devices[request.device]
@@ -305,7 +311,8 @@ class Executor(StorageOps, ProgramOps, RandomOps):
 
     def _fail(self, client: ClientState, call: OpCall, e: Exception, raise_errors: bool):
         if device_faults.context_lost(e, self.devices):
-            raise device_faults.DeviceLost(call.name, e) from e  # the request's answer says so; the daemon restarts
+            self.device_lost = device_faults.DeviceLost(call.name, e)
+            raise self.device_lost from e  # the request's answer says so; the daemon restarts
         if is_allocation_failure(e):
             e = OutOfMemoryError(f"genie-daemon could not allocate memory for {call.name}: {str(e).strip()}")
         poison = Poison(call.name, type(e).__name__, str(e).strip())

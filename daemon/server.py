@@ -88,6 +88,9 @@ class DaemonServer(DirectLanes, MemoryQueries):
         self._drain_scheduled = False
         self._stopping = asyncio.Event()
         self.device_lost: device_faults.DeviceLost | None = None  # set: stop, and cli restarts the process
+        # After such a restart: the clients whose tensors the lost context took (until they say
+        # hello again), and the op that met the loss. Their requests are answered with the loss.
+        self.lost_clients, self._lost_op = device_faults.take_restart_notice()
         self.bound_endpoint: str | None = None
         self._pending = 0  # requests handed to the worker and not yet answered
         self._parked: dict[bytes, collections.deque] = {}  # client key -> requests waiting, in order
@@ -319,6 +322,16 @@ class DaemonServer(DirectLanes, MemoryQueries):
             return
         key = client_key(identity)
         client = self.clients.get(key)
+        if client is None and key in self.lost_clients:
+            if request.kind == "hello":
+                del self.lost_clients[key]  # it knows: a new start
+            elif request.kind in ("exec", "event", "stats", "empty_cache", "reset_peak"):
+                # A request sent before its client learnt of the loss (its connection came back by
+                # itself): it gets the loss, not "handle ... does not exist".
+                self._send(identity, [request.request_id, False, {
+                    "type": protocol.DEVICE_LOST_ERROR, "op": self._lost_op,
+                    "message": f"{self.lost_clients[key]} (this request reached the restarted daemon)"}], [])
+                return
         if client is None:
             client = self.clients[key] = ClientState(key, self.account)
             log.info("client %s connected", key.hex())
@@ -655,7 +668,12 @@ class DaemonServer(DirectLanes, MemoryQueries):
         if isinstance(exc, device_faults.DeviceLost) and self.device_lost is None:
             log.error("%s", exc)
             self.device_lost = exc
+            self.executor.device_lost = self.executor.device_lost or exc  # what is queued on the worker too
             self.stop()
+
+    def restart_notice(self) -> str:
+        """For the process that restarts after self.device_lost: whose tensors went, and why."""
+        return device_faults.restart_notice(self.device_lost, set(self.clients) | set(self.lost_clients))
 
     def _send(self, identity: bytes, header: list, frames: list) -> None:
         lane = self._direct.get(identity)
