@@ -14,6 +14,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+from daemons import curve_pair
+
 COMMON = textwrap.dedent("""
     import os, sys, torch, genie
     from genie.runtime import get_runtime
@@ -78,9 +82,10 @@ PLAIN_FORK_EXIT = COMMON + textwrap.dedent("""
 """)
 
 
-def _run(script: str | None, argv: list[str] | None = None) -> dict[str, str]:
+def _run(script: str | None, argv: list[str] | None = None, extra_env: dict | None = None) -> dict[str, str]:
     """Run `script` (or the file and arguments in `argv`) in an interpreter of its own; its "KEY value" lines."""
     env = {k: v for k, v in os.environ.items() if k != "GENIE_SERVER_URL"}  # the embedded daemon
+    env.update(extra_env or {})
     # A session of its own: on a timeout the whole group goes (the forked child and the daemon too).
     proc = subprocess.Popen([sys.executable, *(argv or ["-c", script])], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -94,8 +99,15 @@ def _run(script: str | None, argv: list[str] | None = None) -> dict[str, str]:
     return dict(line.split(" ", 1) for line in stdout.strip().splitlines())
 
 
-def test_forked_child_works_beside_its_parent():
-    lines = _run(CONCURRENT)
+@pytest.mark.parametrize("cluster_keys", [False, True], ids=["plain", "with CURVE client keys in the env"])
+def test_forked_child_works_beside_its_parent(cluster_keys, tmp_path):
+    # With a cluster's CURVE client keys in the environment the embedded daemon is used without
+    # them; a forked child read them again and failed its handshake with the parent's daemon.
+    extra_env = {}
+    if cluster_keys:
+        _, keys = curve_pair(tmp_path)
+        extra_env = {"GENIE_CURVE_CLIENT_KEY": keys["client_key"], "GENIE_CURVE_SERVER_KEY": keys["server_key"]}
+    lines = _run(CONCURRENT, extra_env=extra_env)
     status, *checks = ast.literal_eval(lines["CHILD"])
     assert status == "ok", lines["CHILD"]
     same_daemon, own_connection, old_error, mixed_error = checks

@@ -71,9 +71,12 @@ class Runtime:
         with self._lock:
             if self._started:
                 self.shutdown()
-            if urls is None and self.inherited_endpoints:  # a forked child: the parent's daemons, keys too
-                urls, curve = self.inherited_endpoints, curve or self.inherited_curve
-            self.curve = curve or self._curve_keys(client_key, server_key)
+            if urls is None and self.inherited_endpoints and client_key is None and server_key is None:
+                # A forked child: the parent's daemons, with the parent's keys or none (its embedded
+                # daemon takes none: the environment's keys, read again here, failed the handshake).
+                urls, self.curve = self.inherited_endpoints, curve or self.inherited_curve
+            else:
+                self.curve = curve or self._curve_keys(client_key, server_key)
             if urls is None:
                 urls = self.config.server_url
             endpoints = _split(urls) if urls else []
