@@ -194,7 +194,7 @@ DENSE = torch.tensor([[0.0, 1.0, 0.0], [2.0, 0.0, 3.0], [0.0, 0.0, 0.0], [4.0, 0
 def test_csr_matrices_like_cpu(dev):
     """2-D sparse CSR matrices (genie/frontend/sparse_csr.py; refused before): made from dense or COO
     tensors on the device, moved there, read back, and multiplied with dense matrices, gradient
-    included; transposes come back as COO; CSC stays refused."""
+    included; transposes are CSC, as on the CPU."""
     csr = DENSE.to_sparse_csr()
     for made in (DENSE.to(dev).to_sparse_csr(), DENSE.to_sparse().to(dev).to_sparse_csr(), csr.to(dev),
                  torch.sparse_csr_tensor(csr.crow_indices().to(dev), csr.col_indices().to(dev), csr.values().to(dev),
@@ -207,6 +207,7 @@ def test_csr_matrices_like_cpu(dev):
         assert torch.equal(made.to_dense().cpu(), DENSE)
     remote = csr.to(dev)
     assert torch.equal(remote.to_sparse().cpu().to_dense(), DENSE) and remote._nnz() == 4
+    assert remote.t().layout == csr.t().layout == torch.sparse_csc
     assert torch.equal(remote.t().to_dense().cpu(), DENSE.t())
     assert torch.equal((remote * 2).to_dense().cpu(), DENSE * 2)
     x = torch.randn(3, 2, requires_grad=True)
@@ -215,8 +216,55 @@ def test_csr_matrices_like_cpu(dev):
     torch.sparse.mm(csr, x).pow(2).sum().backward()
     torch.sparse.mm(remote, xr).pow(2).sum().backward()
     torch.testing.assert_close(xr.grad.cpu(), x.grad)
-    with pytest.raises(UnsupportedOperationError, match="sparse CSC"):
-        DENSE.to(dev).to_sparse_csc()
+    with pytest.raises(UnsupportedOperationError, match=r"aten::exp .*to_dense\(\)"):
+        remote.exp()
+
+
+def test_csc_matrices_like_cpu(dev):
+    """2-D sparse CSC matrices (refused before): the CSR parts of their transpose, made from dense or
+    COO tensors on the device, moved there, read back part for part, transposed to CSR (and CSR to
+    CSC), converted, scaled, summed, and multiplied with dense matrices either side, gradients of
+    both operands included (the CPU's CSC gradient of a product is dense too)."""
+    csc = DENSE.to_sparse_csc()
+    for made in (DENSE.to(dev).to_sparse_csc(), DENSE.to_sparse().to(dev).to_sparse_csc(), csc.to(dev),
+                 torch.sparse_csc_tensor(csc.ccol_indices().to(dev), csc.row_indices().to(dev), csc.values().to(dev),
+                                         (4, 3)),
+                 torch.sparse_csc_tensor(csc.ccol_indices().to(dev), csc.row_indices().to(dev), csc.values().to(dev)),
+                 DENSE.to_sparse_csr().to(dev).t().t().to_sparse_csc()):
+        assert made.layout == torch.sparse_csc and made.device.type == "remote_accelerator"
+        back = made.cpu()
+        assert back.layout == torch.sparse_csc and back.shape == csc.shape
+        for part in ("ccol_indices", "row_indices", "values"):
+            assert torch.equal(getattr(back, part)(), getattr(csc, part)()), part
+        assert torch.equal(made.to_dense().cpu(), DENSE)
+    remote = csc.to(dev)
+    assert remote._nnz() == 4 and remote.sum().item() == DENSE.sum().item()
+    assert remote.t().layout == csc.t().layout == torch.sparse_csr
+    assert torch.equal(remote.t().cpu().to_dense(), DENSE.t())
+    assert torch.equal(remote.to_sparse().cpu().to_dense(), DENSE)
+    assert remote.to_sparse_csr().layout == torch.sparse_csr
+    assert torch.equal(remote.to_sparse_csr().cpu().col_indices(), DENSE.to_sparse_csr().col_indices())
+    assert torch.equal((remote * 2).to_dense().cpu(), DENSE * 2)
+    x = torch.randn(3, 2)
+    y = torch.randn(5, 4)
+    torch.testing.assert_close((remote @ x.to(dev)).cpu(), csc @ x)
+    torch.testing.assert_close((y.to(dev) @ remote).cpu(), y @ csc)
+    torch.testing.assert_close(torch.addmm(torch.ones(4, 2).to(dev), remote, x.to(dev), beta=0.5).cpu(),
+                               torch.addmm(torch.ones(4, 2), csc, x, beta=0.5))
+    local = [csc.clone().requires_grad_(), x.clone().requires_grad_()]
+    on_dev = [csc.to(dev).requires_grad_(), x.to(dev).requires_grad_()]
+    for s, d in (local, on_dev):
+        (s @ d).pow(2).sum().backward()  # (the CPU refuses torch.sparse.mm's backward for CSC)
+    for mine, theirs in zip(on_dev, local):
+        assert mine.grad.layout == theirs.grad.layout
+        torch.testing.assert_close(mine.grad.cpu().to_dense(), theirs.grad.to_dense())
+    local = [y.clone().requires_grad_(), csc.clone().requires_grad_()]  # dense @ CSC
+    on_dev = [y.to(dev).requires_grad_(), csc.to(dev).requires_grad_()]
+    for d, s in (local, on_dev):
+        (d @ s).pow(2).sum().backward()
+    for mine, theirs in zip(on_dev, local):
+        assert mine.grad.layout == theirs.grad.layout
+        torch.testing.assert_close(mine.grad.cpu().to_dense(), theirs.grad.to_dense())
     with pytest.raises(UnsupportedOperationError, match=r"aten::exp .*to_dense\(\)"):
         remote.exp()
 

@@ -385,6 +385,12 @@ def _to_csr(s, dense_dim=None):
     return from_strided_or_coo(s, dense_dim)
 
 
+def _to_csc(s, dense_dim=None):
+    from .sparse_csr import csc_from_strided_or_coo
+
+    return csc_from_strided_or_coo(s, dense_dim)
+
+
 def _zero_(s):
     s._indices_ = s._indices_[:, :0]
     s._values_ = s._values_[:0]
@@ -425,6 +431,7 @@ _HANDLERS = {
     _aten.transpose.int: _transpose,
     _aten.zero_.default: _zero_,
     _aten._to_sparse_csr.default: _to_csr,
+    _aten._to_sparse_csc.default: _to_csc,
     _aten._to_sparse.default: lambda *args, **kwargs: dense_to_sparse(_aten._to_sparse.default, args, kwargs),
     _aten._to_sparse.sparse_dim: lambda *args, **kwargs: dense_to_sparse(_aten._to_sparse.sparse_dim, args, kwargs),
     _aten.copy_.default: _copy_,

@@ -8,8 +8,13 @@ tensor, torch.sparse_csr_tensor) or moved there, read back (.cpu(), .to_dense(),
 crow_indices / col_indices / values, .to_sparse()), scaled, multiplied elementwise by a dense
 matrix, masked (sparse_mask), and multiplied with dense matrices (torch.sparse.mm, @, addmm, with
 the dense operand's gradient; dense @ sparse; torch.sparse.mm(s, d, reduce) and
-torch.sparse.sampled_addmm, with gradients). A transpose comes back as sparse COO (a CSR
-matrix's transpose is CSC, which is not held here). Anything else is refused by name.
+torch.sparse.sampled_addmm, with gradients). A transpose is CSC, as on the CPU. Anything else
+is refused by name.
+
+2-D sparse CSC matrices too (RemoteSparseCSC): a CSC matrix is the CSR matrix of its transpose,
+so it holds that one's parts as they are: made (.to_sparse_csc(), torch.sparse_csc_tensor) or
+moved there, read back, its transpose (CSR, no copy, as on the CPU), scaled, summed, and
+multiplied with dense matrices through its COO form.
 """
 from __future__ import annotations
 
@@ -64,22 +69,64 @@ class RemoteSparseCSR(RemoteSparse):
                 (torch.sparse_csr, (self._crow, self._col, self._values_, self.shape)))
 
 
+class RemoteSparseCSC(RemoteSparse):
+    """A 2-D sparse CSC matrix on a remote device: ccol_indices, row_indices and values, which
+    are the crow, col and values of its transpose, a CSR matrix."""
+
+    _layout_name = "CSC"
+
+    @staticmethod
+    def __new__(cls, ccol: torch.Tensor, row: torch.Tensor, values: torch.Tensor, size) -> "RemoteSparseCSC":
+        t = torch.Tensor._make_wrapper_subclass(cls, tuple(size), dtype=values.dtype, layout=torch.sparse_csc,
+                                                device=values.device, dispatch_layout=True,
+                                                _extra_dispatch_keys=_CSR_KEYS)
+        t._ccol, t._row, t._values_ = ccol, row, values
+        return t
+
+    def transposed(self) -> RemoteSparseCSR:
+        return RemoteSparseCSR(self._ccol, self._row, self._values_, (self.shape[1], self.shape[0]))
+
+    def to_coo(self) -> RemoteSparseCOO:
+        """The same entries as sparse COO, in the CSC's order (by column): not coalesced, as the CPU's."""
+        cols_rows = _aten._convert_indices_from_csr_to_coo.default(self._ccol, self._row)
+        return RemoteSparseCOO(cols_rows.flip(0).long(), self._values_, self.shape, coalesced=False)
+
+    def parts(self) -> list:
+        return [self._ccol, self._row, self._values_]
+
+    def with_parts(self, parts: list) -> "RemoteSparseCSC":
+        return RemoteSparseCSC(*parts, self.shape)
+
+    def cpu_from(self, parts: list) -> torch.Tensor:
+        return torch.sparse_csc_tensor(*parts, self.shape)
+
+    def at_entries(self, dense: torch.Tensor) -> torch.Tensor:
+        return self.transposed().at_entries(dense.t())
+
+    def __reduce_ex__(self, protocol):
+        return (torch._utils._rebuild_sparse_tensor,
+                (torch.sparse_csc, (self._ccol, self._row, self._values_, self.shape)))
+
+
 def from_parts(func, args, kwargs):
     """aten::_sparse_compressed_tensor_unsafe / _sparse_csr_tensor_unsafe with remote parts
     (torch.sparse_csr_tensor, `.to()` of a CPU CSR tensor)."""
     bound = dict(zip((a.name for a in func._schema.arguments), args), **kwargs)
-    crow = bound.get("crow_indices", bound.get("compressed_indices"))
-    col = bound.get("col_indices", bound.get("plain_indices"))
+    csc = "ccol_indices" in bound or bound.get("layout") == torch.sparse_csc
+    crow = bound.get("crow_indices", bound.get("ccol_indices", bound.get("compressed_indices")))
+    col = bound.get("col_indices", bound.get("row_indices", bound.get("plain_indices")))
     values = bound["values"]
-    if bound.get("layout") not in (None, torch.sparse_csr):
+    if bound.get("layout") not in (None, torch.sparse_csr, torch.sparse_csc):
         raise UnsupportedOperationError(str(func.name()), only_strided(f"sparse {str(bound['layout']).split('_')[-1].upper()}"))
     if bound.get("size") is not None:
         size = tuple(bound["size"])
-    else:  # as torch infers it: rows from crow_indices, columns from the largest column index (a read)
+    else:  # as torch infers it: the compressed dimension from its indices, the other from the largest index (a read)
         size = (crow.shape[0] - 1, int(col.max()) + 1 if col.numel() else 0)
+        size = size[::-1] if csc else size
     if len(size) != 2 or crow.dim() != 1 or col.dim() != 1 or values.dim() != 1:
-        raise UnsupportedOperationError(str(func.name()), _ONLY_2D)
-    return RemoteSparseCSR(crow, col, values.to(bound.get("dtype") or values.dtype), size)
+        raise UnsupportedOperationError(str(func.name()), _ONLY_2D.replace("CSR", "CSC" if csc else "CSR"))
+    values = values.to(bound.get("dtype") or values.dtype)
+    return RemoteSparseCSC(crow, col, values, size) if csc else RemoteSparseCSR(crow, col, values, size)
 
 
 def from_strided_or_coo(x, dense_dim=None):
@@ -95,6 +142,14 @@ def from_strided_or_coo(x, dense_dim=None):
     return RemoteSparseCSR(crow, cols, coo._values(), x.shape)
 
 
+def csc_from_strided_or_coo(x, dense_dim=None):
+    """.to_sparse_csc() of a dense remote matrix or a remote sparse COO one: the CSR parts of its transpose."""
+    if dense_dim or x.dim() != 2:
+        raise UnsupportedOperationError("aten::_to_sparse_csc", _ONLY_2D.replace("CSR", "CSC"))
+    by_columns = from_strided_or_coo(x.t())
+    return RemoteSparseCSC(by_columns._crow, by_columns._col, by_columns._values_, x.shape)
+
+
 def _to_sparse(s, layout=None, blocksize=None, dense_dim=None):
     if dense_dim:
         raise UnsupportedOperationError("aten::_to_sparse", _ONLY_2D)
@@ -102,6 +157,8 @@ def _to_sparse(s, layout=None, blocksize=None, dense_dim=None):
         return s.to_coo()
     if layout == torch.sparse_csr and blocksize is None and not dense_dim:
         return s
+    if layout == torch.sparse_csc and blocksize is None and not dense_dim:
+        return csc_from_strided_or_coo(s.to_coo())
     raise UnsupportedOperationError("aten::_to_sparse", only_strided(f"sparse {str(layout).split('_')[-1].upper()}"))
 
 
@@ -116,6 +173,11 @@ def _as_coo(s, what: str) -> RemoteSparseCOO:
 def _product(a, b):
     """a @ b with one of them a CSR matrix (in COO form for the product), the other dense."""
     return coo_mm(a.to_coo() if isinstance(a, RemoteSparseCSR) else a, b.to_coo() if isinstance(b, RemoteSparseCSR) else b)
+
+
+def _csr_transposed(s: RemoteSparseCSR) -> "RemoteSparseCSC":
+    """A CSR matrix's transpose: the CSC matrix over the same parts (no copy), as on the CPU."""
+    return RemoteSparseCSC(s._crow, s._col, s._values_, (s.shape[1], s.shape[0]))
 
 
 def _rows_and_cols(s: "RemoteSparseCSR") -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,6 +251,7 @@ _HANDLERS = {
     _aten._to_sparse.default: _to_sparse,
     _aten._to_sparse.sparse_dim: lambda s, sparse_dim: _to_sparse(s, dense_dim=2 - sparse_dim),
     _aten._to_sparse_csr.default: lambda s, dense_dim=None: s,
+    _aten._to_sparse_csc.default: lambda s, dense_dim=None: csc_from_strided_or_coo(s.to_coo(), dense_dim),
     _aten.clone.default: lambda s, memory_format=None: s.with_parts([p.clone() for p in s.parts()]),
     _aten.detach.default: lambda s: s.with_parts(s.parts()),
     _aten.mm.default: _product,
@@ -197,8 +260,8 @@ _HANDLERS = {
                                                                             beta, alpha),
     _aten._sparse_addmm.default: lambda input, s, dense, beta=1, alpha=1: coo_addmm(
         input, _as_coo(s, "_sparse_addmm"), dense, beta, alpha),
-    _aten.t.default: lambda s: s.to_coo().t(),
-    _aten.transpose.int: lambda s, dim0, dim1: s.to_coo().transpose(dim0, dim1),
+    _aten.t.default: lambda s: _csr_transposed(s),
+    _aten.transpose.int: lambda s, dim0, dim1: _csr_transposed(s) if {dim0 % 2, dim1 % 2} == {0, 1} else s,
     _aten.sum.default: lambda s, dtype=None: s._values_.sum(dtype=dtype),
     _aten.sparse_mask.default: sparse_mask,
     _aten.sparse_sampled_addmm.default: _sampled_addmm,
@@ -207,3 +270,59 @@ _HANDLERS = {
     **scaling_handlers(RemoteSparseCSR),
 }
 RemoteSparseCSR._handlers = _HANDLERS
+
+
+def _csc_to_sparse(s, layout=None, blocksize=None, dense_dim=None):
+    if layout == torch.sparse_csc and blocksize is None and not dense_dim:
+        return s
+    if layout == torch.sparse_csr and blocksize is None and not dense_dim:
+        return from_strided_or_coo(s.to_coo())
+    return _to_sparse(s, layout, blocksize, dense_dim)
+
+
+def _csc_transpose(s, dim0, dim1):
+    if {dim0 % 2, dim1 % 2} == {0, 1}:
+        return s.transposed()
+    return s  # a dimension with itself
+
+
+def _csc_as_coo(s, what: str) -> RemoteSparseCOO:
+    if not isinstance(s, RemoteSparseCSC):
+        raise UnsupportedOperationError(f"aten::{what}", "on remote_accelerator only sparse @ dense: convert the "
+                                        "sparse operand on the right with .to_dense()")
+    return s.to_coo()
+
+
+def _csc_product(a, b):
+    """a @ b with one of them a CSC matrix (in COO form for the product), the other dense."""
+    return coo_mm(a.to_coo() if isinstance(a, RemoteSparseCSC) else a, b.to_coo() if isinstance(b, RemoteSparseCSC) else b)
+
+
+_CSC_HANDLERS = {
+    torch.ops.prim.layout.default: lambda s: torch.sparse_csc,
+    _aten.ccol_indices.default: lambda s: s._ccol,
+    _aten.row_indices.default: lambda s: s._row,
+    _aten.values.default: lambda s: s._values_,
+    _aten._nnz.default: lambda s: s._row.shape[0],
+    _aten.sparse_dim.default: lambda s: 2,
+    _aten.dense_dim.default: lambda s: 0,
+    _aten._to_copy.default: to_copy,
+    _aten._to_dense.default: lambda s, dtype=None, masked_grad=None: s.to_coo().to_dense().to(dtype or s.dtype),
+    _aten._to_sparse.default: _csc_to_sparse,
+    _aten._to_sparse.sparse_dim: lambda s, sparse_dim: _csc_to_sparse(s, dense_dim=2 - sparse_dim),
+    _aten._to_sparse_csc.default: lambda s, dense_dim=None: s,
+    _aten._to_sparse_csr.default: lambda s, dense_dim=None: from_strided_or_coo(s.to_coo(), dense_dim),
+    _aten.clone.default: lambda s, memory_format=None: s.with_parts([p.clone() for p in s.parts()]),
+    _aten.detach.default: lambda s: s.with_parts(s.parts()),
+    _aten.mm.default: _csc_product,
+    _aten.matmul.default: _csc_product,
+    _aten.addmm.default: lambda input, s, dense, beta=1, alpha=1: coo_addmm(input, _csc_as_coo(s, "addmm"), dense,
+                                                                            beta, alpha),
+    _aten._sparse_addmm.default: lambda input, s, dense, beta=1, alpha=1: coo_addmm(
+        input, _csc_as_coo(s, "_sparse_addmm"), dense, beta, alpha),
+    _aten.t.default: lambda s: s.transposed(),
+    _aten.transpose.int: _csc_transpose,
+    _aten.sum.default: lambda s, dtype=None: s._values_.sum(dtype=dtype),
+    **scaling_handlers(RemoteSparseCSC),
+}
+RemoteSparseCSC._handlers = _CSC_HANDLERS
