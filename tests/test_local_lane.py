@@ -147,11 +147,17 @@ def test_under_curve_a_client_on_the_host_uses_the_local_lane(curve_daemon):
     """ZeroMQ stays encrypted; the lanes go to the local listener, plain (the bytes never leave
     the kernel) and with shared memory, instead of sealed over TCP."""
     daemon, keys = curve_daemon
-    genie.init(daemon.endpoint, **keys)
+    _uses_shared_memory_under_curve(daemon.endpoint, keys, local_lane=True)
+
+
+def _uses_shared_memory_under_curve(endpoint: str, keys: dict, local_lane: bool) -> None:
+    """genie.init with CURVE keys: ZeroMQ encrypted, plain lanes in shared memory (`local_lane`:
+    a tcp daemon's local listener), and round trips as on the CPU."""
+    genie.init(endpoint, **keys)
     try:
-        info = genie.transport_info()["links"][daemon.endpoint]
-        assert info["encrypted"] and info["local_lane"] and info["path"] == "zmq+bulk-shared-memory"
-        assert info["direct_lane"]
+        info = genie.transport_info()["links"][endpoint]
+        assert info["encrypted"] and info["path"] == "zmq+bulk-shared-memory" and info["direct_lane"]
+        assert info["local_lane"] == local_lane
         _round_trip(1 << 22)
         assert (torch.ones(3, device="remote_accelerator:0") + 1).sum().item() == 6.0
     finally:
@@ -185,15 +191,7 @@ def test_under_curve_a_client_of_its_users_ipc_daemon_moves_payloads_in_shared_m
     flags, keys = curve_pair(tmp_path)
     endpoint, _ = ipc_endpoint()
     with DaemonProcess(endpoint, extra=flags) as daemon:
-        genie.init(daemon.endpoint, **keys)
-        try:
-            info = genie.transport_info()["links"][daemon.endpoint]
-            assert info["encrypted"] and info["path"] == "zmq+bulk-shared-memory" and info["direct_lane"]
-            assert not info["local_lane"]  # that names a tcp daemon's local listener
-            _round_trip(1 << 22)
-            assert (torch.ones(3, device="remote_accelerator:0") + 1).sum().item() == 6.0
-        finally:
-            genie.shutdown()
+        _uses_shared_memory_under_curve(daemon.endpoint, keys, local_lane=False)  # that names a tcp daemon's
 
 
 @pytest.mark.skipif(not zmq.has("curve"), reason="needs a libzmq built with CURVE")

@@ -33,79 +33,73 @@ _ONLY_2D = ("only 2-D sparse CSR matrices with scalar values live on remote_acce
             "dimensions): keep it dense (.to_dense()) or sparse COO (.to_sparse())")
 
 
-class RemoteSparseCSR(RemoteSparse):
-    """A 2-D sparse CSR matrix on a remote device."""
+class _RemoteCompressed(RemoteSparse):
+    """What a 2-D CSR or CSC matrix on a remote device is made of: compressed indices (one per
+    row, or column, and one more), plain indices (each entry's column, or row), and values."""
 
-    _layout_name = "CSR"
+    _layout = torch.sparse_csr
 
     @staticmethod
-    def __new__(cls, crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, size) -> "RemoteSparseCSR":
-        # dispatch_layout: with the sparse CSR key, PyTorch asks the tensor's own class for its layout.
-        t = torch.Tensor._make_wrapper_subclass(cls, tuple(size), dtype=values.dtype, layout=torch.sparse_csr,
+    def __new__(cls, compressed: torch.Tensor, plain: torch.Tensor, values: torch.Tensor, size):
+        # dispatch_layout: with the sparse CSR key (all compressed layouts), PyTorch asks the
+        # tensor's own class for its layout.
+        t = torch.Tensor._make_wrapper_subclass(cls, tuple(size), dtype=values.dtype, layout=cls._layout,
                                                 device=values.device, dispatch_layout=True,
                                                 _extra_dispatch_keys=_CSR_KEYS)
-        t._crow, t._col, t._values_ = crow, col, values
+        t._compressed, t._plain, t._values_ = compressed, plain, values
         return t
+
+    def parts(self) -> list:
+        return [self._compressed, self._plain, self._values_]
+
+    def with_parts(self, parts: list) -> "_RemoteCompressed":
+        return type(self)(*parts, self.shape)
+
+    def cpu_from(self, parts: list) -> torch.Tensor:
+        return torch.sparse_compressed_tensor(*parts, self.shape, layout=self._layout)
+
+    def __reduce_ex__(self, protocol):
+        return (torch._utils._rebuild_sparse_tensor, (self._layout, (*self.parts(), self.shape)))
+
+
+class RemoteSparseCSR(_RemoteCompressed):
+    """A 2-D sparse CSR matrix on a remote device: crow_indices, col_indices, values."""
+
+    _layout_name = "CSR"
+    _layout = torch.sparse_csr
+    _crow = property(lambda self: self._compressed)
+    _col = property(lambda self: self._plain)
+
+    def transposed(self) -> "RemoteSparseCSC":
+        """Its transpose: the CSC matrix over the same parts (no copy), as on the CPU."""
+        return RemoteSparseCSC(*self.parts(), (self.shape[1], self.shape[0]))
 
     def to_coo(self) -> RemoteSparseCOO:
         """The same entries as a coalesced sparse COO tensor (CSR keeps them sorted by row, then column)."""
         rows_cols = _aten._convert_indices_from_csr_to_coo.default(self._crow, self._col)
         return RemoteSparseCOO(rows_cols.long(), self._values_, self.shape, coalesced=True)
 
-    def parts(self) -> list:
-        return [self._crow, self._col, self._values_]
-
-    def with_parts(self, parts: list) -> "RemoteSparseCSR":
-        return RemoteSparseCSR(*parts, self.shape)
-
-    def cpu_from(self, parts: list) -> torch.Tensor:
-        return torch.sparse_csr_tensor(*parts, self.shape)
-
     def at_entries(self, dense: torch.Tensor) -> torch.Tensor:
         return dense[_rows_and_cols(self)]
 
-    def __reduce_ex__(self, protocol):
-        return (torch._utils._rebuild_sparse_tensor,
-                (torch.sparse_csr, (self._crow, self._col, self._values_, self.shape)))
 
-
-class RemoteSparseCSC(RemoteSparse):
+class RemoteSparseCSC(_RemoteCompressed):
     """A 2-D sparse CSC matrix on a remote device: ccol_indices, row_indices and values, which
     are the crow, col and values of its transpose, a CSR matrix."""
 
     _layout_name = "CSC"
-
-    @staticmethod
-    def __new__(cls, ccol: torch.Tensor, row: torch.Tensor, values: torch.Tensor, size) -> "RemoteSparseCSC":
-        t = torch.Tensor._make_wrapper_subclass(cls, tuple(size), dtype=values.dtype, layout=torch.sparse_csc,
-                                                device=values.device, dispatch_layout=True,
-                                                _extra_dispatch_keys=_CSR_KEYS)
-        t._ccol, t._row, t._values_ = ccol, row, values
-        return t
+    _layout = torch.sparse_csc
 
     def transposed(self) -> RemoteSparseCSR:
-        return RemoteSparseCSR(self._ccol, self._row, self._values_, (self.shape[1], self.shape[0]))
+        return RemoteSparseCSR(*self.parts(), (self.shape[1], self.shape[0]))
 
     def to_coo(self) -> RemoteSparseCOO:
         """The same entries as sparse COO, in the CSC's order (by column): not coalesced, as the CPU's."""
-        cols_rows = _aten._convert_indices_from_csr_to_coo.default(self._ccol, self._row)
+        cols_rows = _aten._convert_indices_from_csr_to_coo.default(self._compressed, self._plain)
         return RemoteSparseCOO(cols_rows.flip(0).long(), self._values_, self.shape, coalesced=False)
-
-    def parts(self) -> list:
-        return [self._ccol, self._row, self._values_]
-
-    def with_parts(self, parts: list) -> "RemoteSparseCSC":
-        return RemoteSparseCSC(*parts, self.shape)
-
-    def cpu_from(self, parts: list) -> torch.Tensor:
-        return torch.sparse_csc_tensor(*parts, self.shape)
 
     def at_entries(self, dense: torch.Tensor) -> torch.Tensor:
         return self.transposed().at_entries(dense.t())
-
-    def __reduce_ex__(self, protocol):
-        return (torch._utils._rebuild_sparse_tensor,
-                (torch.sparse_csc, (self._ccol, self._row, self._values_, self.shape)))
 
 
 def from_parts(func, args, kwargs):
@@ -162,22 +156,49 @@ def _to_sparse(s, layout=None, blocksize=None, dense_dim=None):
     raise UnsupportedOperationError("aten::_to_sparse", only_strided(f"sparse {str(layout).split('_')[-1].upper()}"))
 
 
-def _as_coo(s, what: str) -> RemoteSparseCOO:
-    """The sparse operand of a product, in COO form (the products are COO's)."""
-    if not isinstance(s, RemoteSparseCSR):
-        raise UnsupportedOperationError(f"aten::{what}", "on remote_accelerator only sparse @ dense: convert the "
-                                        "sparse operand on the right with .to_dense()")
-    return s.to_coo()
+def _as_coo(cls, what: str):
+    """The sparse operand of addmm, in COO form (the products are COO's); only sparse @ dense."""
+    def convert(s) -> RemoteSparseCOO:
+        if not isinstance(s, cls):
+            raise UnsupportedOperationError(f"aten::{what}", "on remote_accelerator only sparse @ dense: convert the "
+                                            "sparse operand on the right with .to_dense()")
+        return s.to_coo()
+    return convert
 
 
 def _product(a, b):
-    """a @ b with one of them a CSR matrix (in COO form for the product), the other dense."""
-    return coo_mm(a.to_coo() if isinstance(a, RemoteSparseCSR) else a, b.to_coo() if isinstance(b, RemoteSparseCSR) else b)
+    """a @ b with one of them a CSR or CSC matrix (in COO form for the product), the other dense."""
+    compressed = (RemoteSparseCSR, RemoteSparseCSC)
+    return coo_mm(a.to_coo() if isinstance(a, compressed) else a, b.to_coo() if isinstance(b, compressed) else b)
 
 
-def _csr_transposed(s: RemoteSparseCSR) -> "RemoteSparseCSC":
-    """A CSR matrix's transpose: the CSC matrix over the same parts (no copy), as on the CPU."""
-    return RemoteSparseCSC(s._crow, s._col, s._values_, (s.shape[1], s.shape[0]))
+def _transpose(s, dim0, dim1):
+    """A 2-D matrix's transpose (CSR <-> CSC), or itself (a dimension with itself)."""
+    return s.transposed() if {dim0 % 2, dim1 % 2} == {0, 1} else s
+
+
+def _compressed_handlers(cls) -> dict:
+    """What CSR and CSC matrices do alike, in terms of their parts and their COO form."""
+    to_coo = _as_coo(cls, "addmm")
+    return {
+        _aten.values.default: lambda s: s._values_,
+        _aten._nnz.default: lambda s: s._values_.shape[0],
+        _aten.sparse_dim.default: lambda s: 2,
+        _aten.dense_dim.default: lambda s: 0,
+        _aten._to_copy.default: to_copy,
+        _aten._to_dense.default: lambda s, dtype=None, masked_grad=None: s.to_coo().to_dense().to(dtype or s.dtype),
+        _aten.clone.default: lambda s, memory_format=None: s.with_parts([p.clone() for p in s.parts()]),
+        _aten.detach.default: lambda s: s.with_parts(s.parts()),
+        _aten.mm.default: _product,
+        _aten.matmul.default: _product,
+        _aten.addmm.default: lambda input, s, dense, beta=1, alpha=1: coo_addmm(input, to_coo(s), dense, beta, alpha),
+        _aten._sparse_addmm.default: lambda input, s, dense, beta=1, alpha=1: coo_addmm(input, to_coo(s), dense,
+                                                                                        beta, alpha),
+        _aten.sum.default: lambda s, dtype=None: s._values_.sum(dtype=dtype),
+        _aten.t.default: lambda s: s.transposed(),
+        _aten.transpose.int: _transpose,
+        **scaling_handlers(cls),
+    }
 
 
 def _rows_and_cols(s: "RemoteSparseCSR") -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,35 +260,18 @@ def _mm_reduce_backward(s, grad_out, other, reduce, arg_out, output_mask):
 
 
 _HANDLERS = {
+    **_compressed_handlers(RemoteSparseCSR),
     torch.ops.prim.layout.default: lambda s: torch.sparse_csr,
     _aten.crow_indices.default: lambda s: s._crow,
     _aten.col_indices.default: lambda s: s._col,
-    _aten.values.default: lambda s: s._values_,
-    _aten._nnz.default: lambda s: s._col.shape[0],
-    _aten.sparse_dim.default: lambda s: 2,
-    _aten.dense_dim.default: lambda s: 0,
-    _aten._to_copy.default: to_copy,
-    _aten._to_dense.default: lambda s, dtype=None, masked_grad=None: s.to_coo().to_dense().to(dtype or s.dtype),
     _aten._to_sparse.default: _to_sparse,
     _aten._to_sparse.sparse_dim: lambda s, sparse_dim: _to_sparse(s, dense_dim=2 - sparse_dim),
     _aten._to_sparse_csr.default: lambda s, dense_dim=None: s,
     _aten._to_sparse_csc.default: lambda s, dense_dim=None: csc_from_strided_or_coo(s.to_coo(), dense_dim),
-    _aten.clone.default: lambda s, memory_format=None: s.with_parts([p.clone() for p in s.parts()]),
-    _aten.detach.default: lambda s: s.with_parts(s.parts()),
-    _aten.mm.default: _product,
-    _aten.matmul.default: _product,
-    _aten.addmm.default: lambda input, s, dense, beta=1, alpha=1: coo_addmm(input, _as_coo(s, "addmm"), dense,
-                                                                            beta, alpha),
-    _aten._sparse_addmm.default: lambda input, s, dense, beta=1, alpha=1: coo_addmm(
-        input, _as_coo(s, "_sparse_addmm"), dense, beta, alpha),
-    _aten.t.default: lambda s: _csr_transposed(s),
-    _aten.transpose.int: lambda s, dim0, dim1: _csr_transposed(s) if {dim0 % 2, dim1 % 2} == {0, 1} else s,
-    _aten.sum.default: lambda s, dtype=None: s._values_.sum(dtype=dtype),
     _aten.sparse_mask.default: sparse_mask,
     _aten.sparse_sampled_addmm.default: _sampled_addmm,
     _aten._sparse_mm_reduce_impl.default: _mm_reduce,
     _aten._sparse_mm_reduce_impl_backward.default: _mm_reduce_backward,
-    **scaling_handlers(RemoteSparseCSR),
 }
 RemoteSparseCSR._handlers = _HANDLERS
 
@@ -280,49 +284,14 @@ def _csc_to_sparse(s, layout=None, blocksize=None, dense_dim=None):
     return _to_sparse(s, layout, blocksize, dense_dim)
 
 
-def _csc_transpose(s, dim0, dim1):
-    if {dim0 % 2, dim1 % 2} == {0, 1}:
-        return s.transposed()
-    return s  # a dimension with itself
-
-
-def _csc_as_coo(s, what: str) -> RemoteSparseCOO:
-    if not isinstance(s, RemoteSparseCSC):
-        raise UnsupportedOperationError(f"aten::{what}", "on remote_accelerator only sparse @ dense: convert the "
-                                        "sparse operand on the right with .to_dense()")
-    return s.to_coo()
-
-
-def _csc_product(a, b):
-    """a @ b with one of them a CSC matrix (in COO form for the product), the other dense."""
-    return coo_mm(a.to_coo() if isinstance(a, RemoteSparseCSC) else a, b.to_coo() if isinstance(b, RemoteSparseCSC) else b)
-
-
 _CSC_HANDLERS = {
+    **_compressed_handlers(RemoteSparseCSC),
     torch.ops.prim.layout.default: lambda s: torch.sparse_csc,
-    _aten.ccol_indices.default: lambda s: s._ccol,
-    _aten.row_indices.default: lambda s: s._row,
-    _aten.values.default: lambda s: s._values_,
-    _aten._nnz.default: lambda s: s._row.shape[0],
-    _aten.sparse_dim.default: lambda s: 2,
-    _aten.dense_dim.default: lambda s: 0,
-    _aten._to_copy.default: to_copy,
-    _aten._to_dense.default: lambda s, dtype=None, masked_grad=None: s.to_coo().to_dense().to(dtype or s.dtype),
+    _aten.ccol_indices.default: lambda s: s._compressed,
+    _aten.row_indices.default: lambda s: s._plain,
     _aten._to_sparse.default: _csc_to_sparse,
     _aten._to_sparse.sparse_dim: lambda s, sparse_dim: _csc_to_sparse(s, dense_dim=2 - sparse_dim),
     _aten._to_sparse_csc.default: lambda s, dense_dim=None: s,
     _aten._to_sparse_csr.default: lambda s, dense_dim=None: from_strided_or_coo(s.to_coo(), dense_dim),
-    _aten.clone.default: lambda s, memory_format=None: s.with_parts([p.clone() for p in s.parts()]),
-    _aten.detach.default: lambda s: s.with_parts(s.parts()),
-    _aten.mm.default: _csc_product,
-    _aten.matmul.default: _csc_product,
-    _aten.addmm.default: lambda input, s, dense, beta=1, alpha=1: coo_addmm(input, _csc_as_coo(s, "addmm"), dense,
-                                                                            beta, alpha),
-    _aten._sparse_addmm.default: lambda input, s, dense, beta=1, alpha=1: coo_addmm(
-        input, _csc_as_coo(s, "_sparse_addmm"), dense, beta, alpha),
-    _aten.t.default: lambda s: s.transposed(),
-    _aten.transpose.int: _csc_transpose,
-    _aten.sum.default: lambda s, dtype=None: s._values_.sum(dtype=dtype),
-    **scaling_handlers(RemoteSparseCSC),
 }
 RemoteSparseCSC._handlers = _CSC_HANDLERS
