@@ -141,14 +141,15 @@ def test_data_dependent_shapes(dev):
 
 
 @pytest.mark.parametrize("make", [
-    lambda d: torch.randn(4, 4).to(d).to_sparse(layout=torch.sparse_bsc, blocksize=(2, 2)),
-    lambda d: torch.randn(4, 4).to(d).to_sparse(layout=torch.sparse_bsr, blocksize=(2, 2)),
+    lambda d: torch.randn(2, 4, 4).to(d).to_sparse(layout=torch.sparse_bsc, blocksize=(2, 2)),
+    lambda d: torch.randn(2, 4, 4).to(d).to_sparse_bsr((2, 2)),
     lambda d: torch.randn(2, 3, 3).to(d).to_sparse_csr(),
     lambda d: torch.randn(2, 3, 3).to(d).to_sparse_csc(),
-], ids=["to_sparse_bsc", "to_sparse_bsr", "batched_csr", "batched_csc"])
+], ids=["batched_bsc", "batched_bsr", "batched_csr", "batched_csc"])
 def test_other_sparse_layouts_are_refused_when_made(dev, make):
-    """Strided, sparse COO and 2-D sparse CSR and CSC tensors live on the device (tests/test_sparse.py),
-    other sparse layouts do not: refused at the call, by name, not later by the daemon."""
+    """Strided, sparse COO and 2-D sparse CSR, CSC, BSR and BSC tensors live on the device
+    (tests/test_sparse.py), batched or hybrid ones do not: refused at the call, by name, not later
+    by the daemon."""
     from genie.errors import UnsupportedOperationError
 
     with pytest.raises(UnsupportedOperationError, match="to_dense"):

@@ -269,6 +269,52 @@ def test_csc_matrices_like_cpu(dev):
         remote.exp()
 
 
+@pytest.mark.parametrize("layout", [torch.sparse_bsr, torch.sparse_bsc], ids=["BSR", "BSC"])
+def test_block_sparse_matrices_like_cpu(dev, layout):
+    """2-D BSR and BSC matrices (refused before): made from dense, COO or CSR tensors on the device,
+    from their parts (size given or inferred), moved there, read back part for part, transposed
+    (BSR <-> BSC, blocks transposed), converted, scaled, summed, and multiplied with dense
+    matrices; a BSR operand's gradient as the CPU's."""
+    torch.manual_seed(0)
+    dense = torch.zeros(4, 6)
+    dense[0:2, 2:4], dense[2:4, 0:2], dense[2:4, 4:6] = torch.randn(2, 2), torch.randn(2, 2), 1.0
+    dense[3, 5] = 0.0  # a zero inside a stored block stays stored
+    cpu = dense.to_sparse(layout=layout, blocksize=(2, 2))
+    names = ("crow_indices", "col_indices") if layout == torch.sparse_bsr else ("ccol_indices", "row_indices")
+    make = torch.sparse_bsr_tensor if layout == torch.sparse_bsr else torch.sparse_bsc_tensor
+    parts = [getattr(cpu, n)() for n in names] + [cpu.values()]
+    for made in (dense.to(dev).to_sparse(layout=layout, blocksize=(2, 2)), cpu.to(dev),
+                 make(*(p.to(dev) for p in parts), (4, 6)), make(*(p.to(dev) for p in parts)),
+                 dense.to_sparse().to(dev).to_sparse(layout=layout, blocksize=(2, 2)),
+                 dense.to_sparse_csr().to(dev).to_sparse(layout=layout, blocksize=(2, 2)),
+                 cpu.to(dev).t().t()):
+        assert made.layout == layout and made.device.type == "remote_accelerator"
+        back = made.cpu()
+        assert back.layout == layout and back.shape == cpu.shape
+        for name, mine, theirs in zip((*names, "values"), [getattr(back, n)() for n in names] + [back.values()], parts):
+            assert torch.equal(mine, theirs), name
+        assert torch.equal(made.to_dense().cpu(), dense)
+    remote = cpu.to(dev)
+    assert remote._nnz() == cpu._nnz() == 3 and remote.sum().item() == pytest.approx(cpu.sum().item())
+    assert remote.t().layout == cpu.t().layout and torch.equal(remote.t().to_dense().cpu(), dense.t())
+    assert torch.equal((remote * 2).to_dense().cpu(), dense * 2)
+    assert torch.equal(remote.to_sparse().to_dense().cpu(), dense)
+    assert torch.equal(remote.to_sparse_csr().cpu().to_dense(), dense)
+    x = torch.randn(6, 3)
+    torch.testing.assert_close((remote @ x.to(dev)).cpu(), dense @ x)
+    if layout == torch.sparse_bsr:  # (the CPU multiplies only BSR @ dense)
+        torch.testing.assert_close((remote @ x.to(dev)).cpu(), cpu @ x)
+        local, on_dev = cpu.clone().requires_grad_(), cpu.to(dev).requires_grad_()
+        (local @ x).pow(2).sum().backward()
+        (on_dev @ x.to(dev)).pow(2).sum().backward()
+        assert on_dev.grad.layout == local.grad.layout
+        torch.testing.assert_close(on_dev.grad.cpu().to_dense(), local.grad.to_dense())
+    with pytest.raises(RuntimeError, match="divisible"):
+        torch.randn(4, 5).to(dev).to_sparse(layout=layout, blocksize=(2, 2))
+    with pytest.raises(UnsupportedOperationError, match=r"aten::exp .*to_dense\(\)"):
+        remote.exp()
+
+
 def test_csr_reductions_and_sampled_products_like_cpu(dev):
     """torch.sparse.mm(csr, dense, reduce) (PyTorch Geometric's aggregation) and
     torch.sparse.sampled_addmm were refused by name; now the CPU's values, and the CPU's

@@ -730,18 +730,23 @@ SPECIAL = {
     # torch.tensor(data, device=) marks its result fresh for functionalization: the tensor itself, as
     # torch's own kernel returns (it was captured as an alias op and run on the daemon).
     id(torch.ops.aten.lift_fresh.default): lambda func, args, kwargs: args[0],
-    **{id(getattr(packet, overload)): _to_sparse_layout
-       for packet in (torch.ops.aten._to_sparse_bsr, torch.ops.aten._to_sparse_bsc)
-       for overload in packet.overloads()},
-    # Sparse CSR matrices: remote crow, col and values (genie/frontend/sparse_csr.py).
+    **{id(getattr(packet, overload)): _to_sparse_layout  # (their out= forms)
+       for packet in (torch.ops.aten._to_sparse_csr, torch.ops.aten._to_sparse_csc, torch.ops.aten._to_sparse_bsr,
+                      torch.ops.aten._to_sparse_bsc)
+       for overload in packet.overloads() if overload != "default"},
+    # Sparse CSR, CSC, BSR and BSC matrices: remote indices and values (genie/frontend/sparse_csr.py).
     id(torch.ops.aten._to_sparse_csr.default): lambda func, args, kwargs: sparse_csr.from_strided_or_coo(*args, **kwargs),
     id(torch.ops.aten._to_sparse_csc.default): lambda func, args, kwargs: sparse_csr.csc_from_strided_or_coo(*args, **kwargs),
-    id(torch.ops.aten._sparse_compressed_tensor_unsafe.default): sparse_csr.from_parts,
-    id(torch.ops.aten._sparse_csr_tensor_unsafe.default): sparse_csr.from_parts,
-    id(torch.ops.aten._sparse_csc_tensor_unsafe.default): sparse_csr.from_parts,
+    id(torch.ops.aten._to_sparse_bsr.default): lambda func, args, kwargs: sparse_csr.blocked_from_strided_or_coo(
+        *args, **kwargs),
+    id(torch.ops.aten._to_sparse_bsc.default): lambda func, args, kwargs: sparse_csr.blocked_from_strided_or_coo(
+        *args, **kwargs, layout=torch.sparse_bsc),
     **{id(getattr(packet, overload)): sparse_csr.from_parts
-       for packet in (torch.ops.aten.sparse_compressed_tensor, torch.ops.aten.sparse_csr_tensor,
-                      torch.ops.aten.sparse_csc_tensor)
+       for packet in (torch.ops.aten._sparse_compressed_tensor_unsafe, torch.ops.aten._sparse_csr_tensor_unsafe,
+                      torch.ops.aten._sparse_csc_tensor_unsafe, torch.ops.aten._sparse_bsr_tensor_unsafe,
+                      torch.ops.aten._sparse_bsc_tensor_unsafe, torch.ops.aten.sparse_compressed_tensor,
+                      torch.ops.aten.sparse_csr_tensor, torch.ops.aten.sparse_csc_tensor,
+                      torch.ops.aten.sparse_bsr_tensor, torch.ops.aten.sparse_bsc_tensor)
        for overload in packet.overloads()},
     # Sparse COO: remote indices and values (genie/frontend/sparse_coo.py).
     id(torch.ops.aten._to_sparse.default): sparse_coo.dense_to_sparse,

@@ -138,8 +138,10 @@ def dense_to_sparse(func, args, kwargs):
     (a read of how many there are, as on any device)."""
     bound = dict(zip((a.name for a in func._schema.arguments), args), **kwargs)
     x = bound["self"]
-    if bound.get("layout") == torch.sparse_csr and bound.get("blocksize") is None:
-        return _to_csr(x, bound.get("dense_dim"))
+    if bound.get("layout") in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
+        from .sparse_csr import convert
+
+        return convert(x, bound["layout"], bound.get("blocksize"), bound.get("dense_dim"))
     if isinstance(x, RemoteSparseCOO):  # already COO (the backward of a CSR matrix's to_dense asks)
         if bound.get("layout") in (None, torch.sparse_coo) and bound.get("sparse_dim", x._sparse_dim) == x._sparse_dim:
             return x
@@ -379,16 +381,15 @@ def _copy_(dst, src, non_blocking=False):
     return dst
 
 
-def _to_csr(s, dense_dim=None):
-    from .sparse_csr import from_strided_or_coo
+def _to_compressed(layout):
+    """COO to CSR, CSC, BSR or BSC (sparse_csr.py holds those)."""
+    def convert_to(s, *args, **kwargs):
+        from .sparse_csr import convert
 
-    return from_strided_or_coo(s, dense_dim)
-
-
-def _to_csc(s, dense_dim=None):
-    from .sparse_csr import csc_from_strided_or_coo
-
-    return csc_from_strided_or_coo(s, dense_dim)
+        blocked = layout in (torch.sparse_bsr, torch.sparse_bsc)
+        bound = dict(zip(("blocksize", "dense_dim") if blocked else ("dense_dim",), args), **kwargs)
+        return convert(s, layout, bound.get("blocksize"), bound.get("dense_dim"))
+    return convert_to
 
 
 def _zero_(s):
@@ -430,8 +431,10 @@ _HANDLERS = {
     _aten.t.default: lambda s: _transpose(s, 0, 1),
     _aten.transpose.int: _transpose,
     _aten.zero_.default: _zero_,
-    _aten._to_sparse_csr.default: _to_csr,
-    _aten._to_sparse_csc.default: _to_csc,
+    _aten._to_sparse_csr.default: _to_compressed(torch.sparse_csr),
+    _aten._to_sparse_csc.default: _to_compressed(torch.sparse_csc),
+    _aten._to_sparse_bsr.default: _to_compressed(torch.sparse_bsr),
+    _aten._to_sparse_bsc.default: _to_compressed(torch.sparse_bsc),
     _aten._to_sparse.default: lambda *args, **kwargs: dense_to_sparse(_aten._to_sparse.default, args, kwargs),
     _aten._to_sparse.sparse_dim: lambda *args, **kwargs: dense_to_sparse(_aten._to_sparse.sparse_dim, args, kwargs),
     _aten.copy_.default: _copy_,

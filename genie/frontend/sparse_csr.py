@@ -1,4 +1,4 @@
-"""Sparse CSR matrices on remote_accelerator: remote crow_indices, col_indices and values.
+"""Sparse compressed matrices on remote_accelerator (CSR, CSC, BSR, BSC): remote indices and values.
 
 As sparse_coo.py does for COO: a tensor of layout torch.sparse_csr over three remote tensors,
 each op written in dense ops the daemon runs. 2-D matrices with scalar values (no batch or
@@ -14,7 +14,9 @@ is refused by name.
 2-D sparse CSC matrices too (RemoteSparseCSC): a CSC matrix is the CSR matrix of its transpose,
 so it holds that one's parts as they are: made (.to_sparse_csc(), torch.sparse_csc_tensor) or
 moved there, read back, its transpose (CSR, no copy, as on the CPU), scaled, summed, and
-multiplied with dense matrices through its COO form.
+multiplied with dense matrices through its COO form. And 2-D block-sparse BSR and BSC matrices
+(RemoteSparseBSR / BSC): the same over blocks, values (blocks, block rows, block columns); their
+COO form has every element of every stored block.
 """
 from __future__ import annotations
 
@@ -29,8 +31,14 @@ from .sparse_coo import (RemoteSparse, RemoteSparseCOO, coo_addmm, coo_mm, dense
 
 _aten = torch.ops.aten
 _CSR_KEYS = DispatchKeySet(DispatchKey.SparseCsrPrivateUse1)
-_ONLY_2D = ("only 2-D sparse CSR matrices with scalar values live on remote_accelerator (no batch or dense "
-            "dimensions): keep it dense (.to_dense()) or sparse COO (.to_sparse())")
+
+
+def _only_2d(layout_name: str) -> str:
+    return (f"only 2-D sparse {layout_name} matrices live on remote_accelerator (no batch or dense dimensions): "
+            "keep it dense (.to_dense()) or sparse COO (.to_sparse())")
+
+
+_ONLY_2D = _only_2d("CSR")
 
 
 class _RemoteCompressed(RemoteSparse):
@@ -102,25 +110,107 @@ class RemoteSparseCSC(_RemoteCompressed):
         return self.transposed().at_entries(dense.t())
 
 
+class _RemoteBlocked(_RemoteCompressed):
+    """A 2-D BSR or BSC matrix: as CSR or CSC over blocks, its values (blocks, block rows, block columns)."""
+
+    def block_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each stored block's (block row, block column), in the order of the values."""
+        compressed, plain = _aten._convert_indices_from_csr_to_coo.default(self._compressed, self._plain).long()
+        return (compressed, plain) if self._layout == torch.sparse_bsr else (plain, compressed)
+
+    def to_coo(self) -> RemoteSparseCOO:
+        """Every element of every stored block as a COO entry (zeros in a block included, as the CPU's)."""
+        block_rows, block_cols = self.block_positions()
+        bh, bw = self._values_.shape[1:]
+        rows = block_rows.view(-1, 1, 1) * bh + torch.arange(bh, device=self.device).view(1, -1, 1)
+        cols = block_cols.view(-1, 1, 1) * bw + torch.arange(bw, device=self.device).view(1, 1, -1)
+        shape = self._values_.shape
+        indices = torch.stack([rows.expand(shape).reshape(-1), cols.expand(shape).reshape(-1)])
+        return RemoteSparseCOO(indices, self._values_.reshape(-1), self.shape, coalesced=False)
+
+    def at_entries(self, dense: torch.Tensor) -> torch.Tensor:
+        bh, bw = self._values_.shape[1:]
+        blocks = dense.reshape(self.shape[0] // bh, bh, self.shape[1] // bw, bw).transpose(1, 2)
+        return blocks[self.block_positions()]
+
+    def transposed(self) -> "_RemoteBlocked":
+        """BSR <-> BSC of the transpose: the same indices, each block transposed (a copy of the values)."""
+        other = RemoteSparseBSC if self._layout == torch.sparse_bsr else RemoteSparseBSR
+        return other(self._compressed, self._plain, self._values_.transpose(-2, -1).contiguous(),
+                     (self.shape[1], self.shape[0]))
+
+
+class RemoteSparseBSR(_RemoteBlocked):
+    """A 2-D sparse BSR matrix on a remote device: crow_indices, col_indices of its blocks, and values."""
+
+    _layout_name = "BSR"
+    _layout = torch.sparse_bsr
+
+
+class RemoteSparseBSC(_RemoteBlocked):
+    """A 2-D sparse BSC matrix on a remote device: ccol_indices, row_indices of its blocks, and values."""
+
+    _layout_name = "BSC"
+    _layout = torch.sparse_bsc
+
+
+_CLASSES = {torch.sparse_csr: RemoteSparseCSR, torch.sparse_csc: RemoteSparseCSC,
+            torch.sparse_bsr: RemoteSparseBSR, torch.sparse_bsc: RemoteSparseBSC}
+
+
+def _layout_of(func, bound: dict):
+    """The layout a constructor makes: its `layout` argument, else its name's (sparse_bsr_tensor, ...)."""
+    if bound.get("layout") is not None:
+        return bound["layout"]
+    name = str(func._schema.name)
+    return next((layout for layout in _CLASSES if str(layout).split("_")[-1] in name), torch.sparse_csr)
+
+
 def from_parts(func, args, kwargs):
-    """aten::_sparse_compressed_tensor_unsafe / _sparse_csr_tensor_unsafe with remote parts
-    (torch.sparse_csr_tensor, `.to()` of a CPU CSR tensor)."""
+    """aten::_sparse_compressed_tensor_unsafe, sparse_csr_tensor, sparse_bsc_tensor, ... with
+    remote parts (torch.sparse_*_tensor, `.to()` of a CPU CSR, CSC, BSR or BSC tensor)."""
     bound = dict(zip((a.name for a in func._schema.arguments), args), **kwargs)
-    csc = "ccol_indices" in bound or bound.get("layout") == torch.sparse_csc
-    crow = bound.get("crow_indices", bound.get("ccol_indices", bound.get("compressed_indices")))
-    col = bound.get("col_indices", bound.get("row_indices", bound.get("plain_indices")))
+    layout = _layout_of(func, bound)
+    compressed = next(bound[n] for n in ("crow_indices", "ccol_indices", "compressed_indices") if n in bound)
+    plain = next(bound[n] for n in ("col_indices", "row_indices", "plain_indices") if n in bound)
     values = bound["values"]
-    if bound.get("layout") not in (None, torch.sparse_csr, torch.sparse_csc):
-        raise UnsupportedOperationError(str(func.name()), only_strided(f"sparse {str(bound['layout']).split('_')[-1].upper()}"))
+    if layout not in _CLASSES:
+        raise UnsupportedOperationError(str(func.name()), only_strided(f"sparse {str(layout).split('_')[-1].upper()}"))
+    blocked = layout in (torch.sparse_bsr, torch.sparse_bsc)
+    name = str(layout).split("_")[-1].upper()
+    if compressed.dim() != 1 or plain.dim() != 1 or values.dim() != (3 if blocked else 1):
+        raise UnsupportedOperationError(str(func.name()), _only_2d(name))
     if bound.get("size") is not None:
         size = tuple(bound["size"])
     else:  # as torch infers it: the compressed dimension from its indices, the other from the largest index (a read)
-        size = (crow.shape[0] - 1, int(col.max()) + 1 if col.numel() else 0)
-        size = size[::-1] if csc else size
-    if len(size) != 2 or crow.dim() != 1 or col.dim() != 1 or values.dim() != 1:
-        raise UnsupportedOperationError(str(func.name()), _ONLY_2D.replace("CSR", "CSC" if csc else "CSR"))
-    values = values.to(bound.get("dtype") or values.dtype)
-    return RemoteSparseCSC(crow, col, values, size) if csc else RemoteSparseCSR(crow, col, values, size)
+        block = tuple(values.shape[1:]) if blocked else (1, 1)
+        size = (compressed.shape[0] - 1, int(plain.max()) + 1 if plain.numel() else 0)
+        by_columns = layout in (torch.sparse_csc, torch.sparse_bsc)
+        size = (size[1] * block[0], size[0] * block[1]) if by_columns else (size[0] * block[0], size[1] * block[1])
+    if len(size) != 2:
+        raise UnsupportedOperationError(str(func.name()), _only_2d(name))
+    return _CLASSES[layout](compressed, plain, values.to(bound.get("dtype") or values.dtype), size)
+
+
+def blocked_from_strided_or_coo(x, blocksize, dense_dim=None, layout=torch.sparse_bsr):
+    """.to_sparse_bsr(blocksize) / .to_sparse_bsc(blocksize) of a dense remote matrix (or a sparse
+    COO or CSR one, made dense first): the blocks that are not all zero, row-major for BSR, as the
+    CPU keeps them (a read of how many there are)."""
+    name = str(layout).split("_")[-1].upper()
+    if dense_dim or x.dim() != 2 or len(blocksize) != 2:
+        raise UnsupportedOperationError(f"aten::_to_sparse_{name.lower()}", _only_2d(name))
+    if x.layout != torch.strided:
+        x = x.to_dense()
+    if layout == torch.sparse_bsc:  # the BSR of the transpose, each block transposed back
+        return blocked_from_strided_or_coo(x.t(), tuple(blocksize)[::-1]).transposed()
+    bh, bw = blocksize
+    if x.shape[0] % bh or x.shape[1] % bw:
+        raise RuntimeError(f"dense_to_sparse_bsr: tensor sparse size ({x.shape[0]},{x.shape[1]}) must be divisible "
+                           f"by given blocksize ({bh},{bw})")  # the CPU's words
+    blocks = x.reshape(x.shape[0] // bh, bh, x.shape[1] // bw, bw).transpose(1, 2)
+    block_rows, block_cols = (blocks != 0).flatten(2).any(-1).nonzero().t()
+    crow = _aten._convert_indices_from_coo_to_csr.default(block_rows, blocks.shape[0])
+    return RemoteSparseBSR(crow, block_cols, blocks[block_rows, block_cols].contiguous(), x.shape)
 
 
 def from_strided_or_coo(x, dense_dim=None):
@@ -139,21 +229,36 @@ def from_strided_or_coo(x, dense_dim=None):
 def csc_from_strided_or_coo(x, dense_dim=None):
     """.to_sparse_csc() of a dense remote matrix or a remote sparse COO one: the CSR parts of its transpose."""
     if dense_dim or x.dim() != 2:
-        raise UnsupportedOperationError("aten::_to_sparse_csc", _ONLY_2D.replace("CSR", "CSC"))
+        raise UnsupportedOperationError("aten::_to_sparse_csc", _only_2d("CSC"))
     by_columns = from_strided_or_coo(x.t())
     return RemoteSparseCSC(by_columns._crow, by_columns._col, by_columns._values_, x.shape)
 
 
-def _to_sparse(s, layout=None, blocksize=None, dense_dim=None):
+def convert(x, layout=None, blocksize=None, dense_dim=None):
+    """A remote matrix (dense, or sparse of any layout held here) in `layout`: COO (None), CSR,
+    CSC, or BSR / BSC of `blocksize`; itself where it is so already."""
+    name = str(layout).split("_")[-1].upper()
     if dense_dim:
-        raise UnsupportedOperationError("aten::_to_sparse", _ONLY_2D)
-    if layout in (None, torch.sparse_coo) and blocksize is None and not dense_dim:
-        return s.to_coo()
-    if layout == torch.sparse_csr and blocksize is None and not dense_dim:
-        return s
-    if layout == torch.sparse_csc and blocksize is None and not dense_dim:
-        return csc_from_strided_or_coo(s.to_coo())
-    raise UnsupportedOperationError("aten::_to_sparse", only_strided(f"sparse {str(layout).split('_')[-1].upper()}"))
+        raise UnsupportedOperationError("aten::_to_sparse", _only_2d(name))
+    if layout in (torch.sparse_bsr, torch.sparse_bsc):
+        if blocksize is None:
+            raise RuntimeError(f"to_sparse: conversion to Sparse{name.capitalize()} without blocksize argument "
+                               "given is not supported")
+        if x.layout == layout and tuple(x.values().shape[1:]) == tuple(blocksize):
+            return x
+        return blocked_from_strided_or_coo(x, blocksize, layout=layout)
+    if blocksize is not None:
+        raise RuntimeError(f"to_sparse: blocksize is only for BSR and BSC, not {name}")
+    if x.layout == (layout or torch.sparse_coo):
+        return x
+    coo = x.to_coo() if isinstance(x, _RemoteCompressed) else x
+    if layout in (None, torch.sparse_coo):
+        return coo
+    if layout == torch.sparse_csr:
+        return from_strided_or_coo(coo)
+    if layout == torch.sparse_csc:
+        return csc_from_strided_or_coo(coo)
+    raise UnsupportedOperationError("aten::_to_sparse", only_strided(f"sparse {name}"))
 
 
 def _as_coo(cls, what: str):
@@ -167,9 +272,9 @@ def _as_coo(cls, what: str):
 
 
 def _product(a, b):
-    """a @ b with one of them a CSR or CSC matrix (in COO form for the product), the other dense."""
-    compressed = (RemoteSparseCSR, RemoteSparseCSC)
-    return coo_mm(a.to_coo() if isinstance(a, compressed) else a, b.to_coo() if isinstance(b, compressed) else b)
+    """a @ b with one of them a CSR, CSC, BSR or BSC matrix (in COO form for the product), the other dense."""
+    return coo_mm(a.to_coo() if isinstance(a, _RemoteCompressed) else a,
+                  b.to_coo() if isinstance(b, _RemoteCompressed) else b)
 
 
 def _transpose(s, dim0, dim1):
@@ -197,6 +302,14 @@ def _compressed_handlers(cls) -> dict:
         _aten.sum.default: lambda s, dtype=None: s._values_.sum(dtype=dtype),
         _aten.t.default: lambda s: s.transposed(),
         _aten.transpose.int: _transpose,
+        _aten._to_sparse.default: convert,
+        _aten._to_sparse.sparse_dim: lambda s, sparse_dim: convert(s, dense_dim=2 - sparse_dim),
+        _aten._to_sparse_csr.default: lambda s, dense_dim=None: convert(s, torch.sparse_csr, None, dense_dim),
+        _aten._to_sparse_csc.default: lambda s, dense_dim=None: convert(s, torch.sparse_csc, None, dense_dim),
+        _aten._to_sparse_bsr.default: lambda s, blocksize, dense_dim=None: convert(s, torch.sparse_bsr, blocksize,
+                                                                                   dense_dim),
+        _aten._to_sparse_bsc.default: lambda s, blocksize, dense_dim=None: convert(s, torch.sparse_bsc, blocksize,
+                                                                                   dense_dim),
         **scaling_handlers(cls),
     }
 
@@ -264,10 +377,6 @@ _HANDLERS = {
     torch.ops.prim.layout.default: lambda s: torch.sparse_csr,
     _aten.crow_indices.default: lambda s: s._crow,
     _aten.col_indices.default: lambda s: s._col,
-    _aten._to_sparse.default: _to_sparse,
-    _aten._to_sparse.sparse_dim: lambda s, sparse_dim: _to_sparse(s, dense_dim=2 - sparse_dim),
-    _aten._to_sparse_csr.default: lambda s, dense_dim=None: s,
-    _aten._to_sparse_csc.default: lambda s, dense_dim=None: csc_from_strided_or_coo(s.to_coo(), dense_dim),
     _aten.sparse_mask.default: sparse_mask,
     _aten.sparse_sampled_addmm.default: _sampled_addmm,
     _aten._sparse_mm_reduce_impl.default: _mm_reduce,
@@ -276,22 +385,23 @@ _HANDLERS = {
 RemoteSparseCSR._handlers = _HANDLERS
 
 
-def _csc_to_sparse(s, layout=None, blocksize=None, dense_dim=None):
-    if layout == torch.sparse_csc and blocksize is None and not dense_dim:
-        return s
-    if layout == torch.sparse_csr and blocksize is None and not dense_dim:
-        return from_strided_or_coo(s.to_coo())
-    return _to_sparse(s, layout, blocksize, dense_dim)
-
-
 _CSC_HANDLERS = {
     **_compressed_handlers(RemoteSparseCSC),
     torch.ops.prim.layout.default: lambda s: torch.sparse_csc,
     _aten.ccol_indices.default: lambda s: s._compressed,
     _aten.row_indices.default: lambda s: s._plain,
-    _aten._to_sparse.default: _csc_to_sparse,
-    _aten._to_sparse.sparse_dim: lambda s, sparse_dim: _csc_to_sparse(s, dense_dim=2 - sparse_dim),
-    _aten._to_sparse_csc.default: lambda s, dense_dim=None: s,
-    _aten._to_sparse_csr.default: lambda s, dense_dim=None: from_strided_or_coo(s.to_coo(), dense_dim),
 }
 RemoteSparseCSC._handlers = _CSC_HANDLERS
+
+
+def _blocked_handlers(cls) -> dict:
+    return {
+        **_compressed_handlers(cls),
+        torch.ops.prim.layout.default: lambda s: s._layout,
+        (_aten.crow_indices if cls is RemoteSparseBSR else _aten.ccol_indices).default: lambda s: s._compressed,
+        (_aten.col_indices if cls is RemoteSparseBSR else _aten.row_indices).default: lambda s: s._plain,
+    }
+
+
+RemoteSparseBSR._handlers = _blocked_handlers(RemoteSparseBSR)
+RemoteSparseBSC._handlers = _blocked_handlers(RemoteSparseBSC)
