@@ -146,7 +146,7 @@ def security_from(args: argparse.Namespace):
     return None
 
 
-async def _run(args: argparse.Namespace) -> tuple[str, str] | None:
+async def _run(args: argparse.Namespace) -> tuple[str, str, str] | None:
     """Serve until stopped; the endpoint and devices to serve again when a GPU's context was lost."""
     devices = pick_devices(args.device)
     memory_limit = int(args.memory_limit * 2**30)
