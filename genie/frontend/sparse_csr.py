@@ -33,6 +33,11 @@ _aten = torch.ops.aten
 _CSR_KEYS = DispatchKeySet(DispatchKey.SparseCsrPrivateUse1)
 
 
+def _name(layout) -> str:
+    """torch.sparse_bsc -> "BSC", as the messages name a layout."""
+    return str(layout).split("_")[-1].upper()
+
+
 def _only_2d(layout_name: str) -> str:
     return (f"only 2-D sparse {layout_name} matrices live on remote_accelerator (no batch or dense dimensions): "
             "keep it dense (.to_dense()) or sparse COO (.to_sparse())")
@@ -42,8 +47,9 @@ _ONLY_2D = _only_2d("CSR")
 
 
 class _RemoteCompressed(RemoteSparse):
-    """What a 2-D CSR or CSC matrix on a remote device is made of: compressed indices (one per
-    row, or column, and one more), plain indices (each entry's column, or row), and values."""
+    """What a 2-D CSR or CSC matrix (BSR, BSC: over blocks) on a remote device is made of:
+    compressed indices (one per row, or column, and one more), plain indices (each entry's
+    column, or row), and values."""
 
     _layout = torch.sparse_csr
 
@@ -163,7 +169,7 @@ def _layout_of(func, bound: dict):
     if bound.get("layout") is not None:
         return bound["layout"]
     name = str(func._schema.name)
-    return next((layout for layout in _CLASSES if str(layout).split("_")[-1] in name), torch.sparse_csr)
+    return next((layout for layout in _CLASSES if _name(layout).lower() in name), torch.sparse_csr)
 
 
 def from_parts(func, args, kwargs):
@@ -175,9 +181,9 @@ def from_parts(func, args, kwargs):
     plain = next(bound[n] for n in ("col_indices", "row_indices", "plain_indices") if n in bound)
     values = bound["values"]
     if layout not in _CLASSES:
-        raise UnsupportedOperationError(str(func.name()), only_strided(f"sparse {str(layout).split('_')[-1].upper()}"))
+        raise UnsupportedOperationError(str(func.name()), only_strided(f"sparse {_name(layout)}"))
     blocked = layout in (torch.sparse_bsr, torch.sparse_bsc)
-    name = str(layout).split("_")[-1].upper()
+    name = _name(layout)
     if compressed.dim() != 1 or plain.dim() != 1 or values.dim() != (3 if blocked else 1):
         raise UnsupportedOperationError(str(func.name()), _only_2d(name))
     if bound.get("size") is not None:
@@ -196,7 +202,7 @@ def blocked_from_strided_or_coo(x, blocksize, dense_dim=None, layout=torch.spars
     """.to_sparse_bsr(blocksize) / .to_sparse_bsc(blocksize) of a dense remote matrix (or a sparse
     COO or CSR one, made dense first): the blocks that are not all zero, row-major for BSR, as the
     CPU keeps them (a read of how many there are)."""
-    name = str(layout).split("_")[-1].upper()
+    name = _name(layout)
     if dense_dim or x.dim() != 2 or len(blocksize) != 2:
         raise UnsupportedOperationError(f"aten::_to_sparse_{name.lower()}", _only_2d(name))
     if x.layout != torch.strided:
@@ -230,14 +236,13 @@ def csc_from_strided_or_coo(x, dense_dim=None):
     """.to_sparse_csc() of a dense remote matrix or a remote sparse COO one: the CSR parts of its transpose."""
     if dense_dim or x.dim() != 2:
         raise UnsupportedOperationError("aten::_to_sparse_csc", _only_2d("CSC"))
-    by_columns = from_strided_or_coo(x.t())
-    return RemoteSparseCSC(by_columns._crow, by_columns._col, by_columns._values_, x.shape)
+    return from_strided_or_coo(x.t()).transposed()
 
 
 def convert(x, layout=None, blocksize=None, dense_dim=None):
     """A remote matrix (dense, or sparse of any layout held here) in `layout`: COO (None), CSR,
     CSC, or BSR / BSC of `blocksize`; itself where it is so already."""
-    name = str(layout).split("_")[-1].upper()
+    name = _name(layout)
     if dense_dim:
         raise UnsupportedOperationError("aten::_to_sparse", _only_2d(name))
     if layout in (torch.sparse_bsr, torch.sparse_bsc):
