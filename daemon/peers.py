@@ -9,6 +9,7 @@ through the client. Transfer ids are 128-bit random strings chosen by the client
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import logging
 import math
@@ -30,6 +31,10 @@ from genie.transport.tensors import (bytes_as_tensor, dense, dense_span, dtype_n
 log = logging.getLogger("genie.daemon")
 
 PEER_LANE_MIN_BYTES = 1 << 20  # tensors at least this big go to a peer on a lane, where it offers one
+SENDER_THREADS = 4  # lane sends under way at once (to several peers; one lane takes one at a time)
+# After a peer's lane fails, how long a deposit naming bytes on it waits for the peer's deposit
+# of the bytes themselves (sent as soon as the peer's send fails) before its taker is told.
+REPLACEMENT_WAIT_S = 2.0
 TRANSFER_ID = re.compile(r"^[0-9a-f]{32}$")
 PEER_ENDPOINT = re.compile(r"^(tcp://[A-Za-z0-9.\-\[\]:]+:\d+|ipc:///[A-Za-z0-9_./\-]+)$")
 
@@ -103,26 +108,42 @@ class Mailbox:
 
 
 class LaneDeposit:
-    """A peer's deposit whose bytes come on its lane (bulk transfer `xfer` of lane `identity`)."""
+    """A peer's deposit whose bytes come on its lane: transfer `xfer` of `lane`, the lane open when
+    the deposit came (a later lane from the same peer numbers its transfers afresh).
 
-    __slots__ = ("bulk", "identity", "xfer", "dtype", "shape", "strides", "nbytes")
+    The peer sends the deposit once the bytes' head is out, so it often comes before them. If the
+    lane fails first, the peer sends the bytes in a deposit of their own, which takes this one's
+    place in the mailbox; until then, or REPLACEMENT_WAIT_S after the failure was seen, this one
+    is not ready (then its taker is told of the failure)."""
 
-    def __init__(self, bulk, identity: bytes, xfer: int, dtype: torch.dtype, shape: tuple[int, ...],
+    __slots__ = ("lane", "xfer", "dtype", "shape", "strides", "nbytes", "failed_at")
+
+    def __init__(self, lane, xfer: int, dtype: torch.dtype, shape: tuple[int, ...],
                  strides: tuple[int, ...] | None = None) -> None:
-        self.bulk, self.identity, self.xfer, self.dtype, self.shape = bulk, identity, xfer, dtype, shape
+        self.lane, self.xfer, self.dtype, self.shape = lane, xfer, dtype, shape
         self.strides = strides  # the bytes are a run in this order (tensors.laid_out)
         self.nbytes = math.prod(shape) * dtype.itemsize
+        self.failed_at: float | None = None
 
     def ready(self) -> bool:
-        return self.bulk.upload_ready(self.identity, self.xfer)
+        if self.lane.arrivals.landed(self.xfer):
+            return True
+        if not (self.lane.closed or self.lane.arrivals.failure is not None):
+            return False
+        if self.failed_at is None:
+            self.failed_at = time.monotonic()
+        return time.monotonic() - self.failed_at > REPLACEMENT_WAIT_S
 
     def take(self, timeout: float) -> torch.Tensor:
-        raw = self.bulk.take_upload(self.identity, self.xfer, timeout)
+        try:
+            raw = self.lane.arrivals.take(self.xfer, timeout)
+        except (TimeoutError, ConnectionError) as e:
+            raise ProtocolError(f"peer transfer: {e}") from None
         return laid_out(bytes_as_tensor(raw, self.dtype, self.shape, f"peer transfer {self.xfer}"), self.strides)
 
     def drop(self) -> None:
-        """Never claimed: let its bytes go too, now or as they land (a lane that closed has dropped them)."""
-        self.bulk.abandon_upload(self.identity, self.xfer)
+        """Never claimed, or replaced: let its bytes go too, now or as they land."""
+        self.lane.arrivals.abandon(self.xfer)
 
 
 class PeerLinks:
@@ -158,6 +179,7 @@ class PeerLinks:
         # than on a lane the peer may be closing at that very moment.
         self.quiet_s = quiet_s
         self._last_sent: dict[str, float] = {}
+        self._sender_pool: concurrent.futures.ThreadPoolExecutor | None = None  # threads writing lanes
         self.bytes_sent = 0
         self.lane_bytes_sent = 0  # of those, on lanes
 
@@ -182,7 +204,29 @@ class PeerLinks:
             # host here anyway.)
             source = snapshot(source) if is_dense(source) else dense(source)
         payload = tensor_to_frames(source)
+        lane = self._open_lane_for(endpoint, payload)
+        if lane is not None:  # straight to a sender thread: no turn on the loop before the bytes go
+            self._senders().submit(self._send_on_lane, endpoint, lane, header_body, payload[0])
+            return
         self._loop.call_soon_threadsafe(self._send, endpoint, header_body, payload)
+
+    def _open_lane_for(self, endpoint: str, payload: list):
+        """(The executor.) The open lane to send `payload` on now, or None: too small, no lane (yet),
+        or the peer not written to for `quiet_s` (the loop's `_send` decides those cases)."""
+        lane = self._lanes.get(endpoint)
+        if (lane is None or lane.closed or not self.lane_min_bytes or len(payload) != 1
+                or memoryview(payload[0]).nbytes < self.lane_min_bytes):
+            return None
+        now = time.monotonic()
+        if now - self._last_sent.get(endpoint, 0.0) > self.quiet_s:
+            return None
+        self._last_sent[endpoint] = now
+        return lane
+
+    def _senders(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._sender_pool is None:
+            self._sender_pool = concurrent.futures.ThreadPoolExecutor(SENDER_THREADS, thread_name_prefix="genie-peer-send")
+        return self._sender_pool
 
     def _in_shared_segment(self, endpoint: str, source: torch.Tensor) -> list[int] | None:
         """(The executor.) `source`'s bytes copied into one of our shared segments that the peer has
@@ -228,30 +272,43 @@ class PeerLinks:
             if lane is None:
                 self._greet(endpoint, sock)
             elif not quiet:
-                self._loop.run_in_executor(None, self._send_on_lane, endpoint, lane, body, payload[0], nbytes)
+                self._senders().submit(self._send_on_lane, endpoint, lane, body, payload[0])
                 return
         self._deposit(endpoint, body, payload, nbytes)
 
-    def _send_on_lane(self, endpoint: str, lane, body: dict, payload, nbytes: int) -> None:
-        """(A thread.) The bytes on the lane, then, from the loop, the deposit naming them; if the
-        lane fails, the deposit carries the bytes instead."""
+    def _send_on_lane(self, endpoint: str, lane, body: dict, payload) -> None:
+        """(A thread.) The bytes on the lane; once their head is out, from the loop, the deposit naming
+        them (the peer takes it in while the rest streams). If the lane fails, a deposit carrying the
+        bytes follows, in place of one that went (the peer's mailbox keeps the later of the two)."""
+        nbytes = memoryview(payload).nbytes
+        named = []
+
+        def deposit_naming_them() -> None:
+            named.append(True)
+            self._post(self._deposit, endpoint, dict(body, xfer=xfer), [], nbytes)
+
         try:
             xfer = lane.next_id()
-            lane.send(xfer, payload)
-            then = (self._deposit, endpoint, dict(body, xfer=xfer), [], nbytes)
+            lane.send(xfer, payload, after_head=deposit_naming_them)
+            return
         except (ConnectionError, OSError) as e:
             log.info("lane to peer %s failed (%s): its transfers go over ZeroMQ", endpoint, e)
-            then = (self._deposit, endpoint, body, [payload], nbytes)
+        self._post(self._deposit, endpoint, body, [payload], nbytes, bool(named))
+
+    def _post(self, *call) -> None:
         try:
-            self._loop.call_soon_threadsafe(*then)
+            self._loop.call_soon_threadsafe(*call)
         except RuntimeError:  # the daemon stopped meanwhile (its loop is closed): nothing to tell
             pass
 
-    def _deposit(self, endpoint: str, body: dict, frames: list, nbytes: int) -> None:
+    def _deposit(self, endpoint: str, body: dict, frames: list, nbytes: int, replacing: bool = False) -> None:
         """(The loop.) The deposit of a tensor of `nbytes`: its frames, or none when `body` names the
-        lane transfer that carried them."""
+        lane transfer that carries them; `replacing`, the frames of one named on a lane that failed."""
         self._ids += 1
         self._socket(endpoint).send_multipart([protocol.pack(["deposit", self._ids, body]), *frames], copy=False)
+        if replacing:  # counted once, as sent over ZeroMQ
+            self.lane_bytes_sent -= nbytes
+            return
         self.bytes_sent += nbytes
         if not frames:
             self.lane_bytes_sent += nbytes
@@ -349,5 +406,7 @@ class PeerLinks:
     def close(self) -> None:
         for lane in self._lanes.values():
             lane.close()
+        if self._sender_pool is not None:
+            self._sender_pool.shutdown(wait=False)
         for sock in self._sockets.values():
             sock.close(linger=0)

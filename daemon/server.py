@@ -596,12 +596,13 @@ class DaemonServer(DirectLanes, MemoryQueries):
         if xfer is not None:
             if type(xfer) is not int or payload:
                 raise ProtocolError("a deposit names a lane transfer (an int) or carries frames, not both")
-            if self.bulk is None or self.bulk.lane(key) is None:
+            lane = self.bulk.lane(key) if self.bulk is not None else None
+            if lane is None:
                 raise ProtocolError("a deposit names a lane transfer, and this peer has no lane open")
             # Checked now, so that a bad deposit is refused at once rather than when it is claimed.
             checked = None if strides is None else check_strides(strides, shape)
-            self.bulk.spoken_for(key, [xfer])  # the mailbox's ttl governs it from here
-            self.mailbox.put(tid, LaneDeposit(self.bulk, key, xfer, dtype, shape, checked))
+            lane.arrivals.spoken_for([xfer])  # the mailbox's ttl governs it from here
+            self.mailbox.put(tid, LaneDeposit(lane, xfer, dtype, shape, checked))
             return
         where = body.get("segment")
         if where is not None:  # copied into one of the peer's shared segments this daemon mapped

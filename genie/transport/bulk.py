@@ -191,6 +191,11 @@ class Arrivals:
         with self._cond:
             return xfer in self._done or self.failure is not None
 
+    def landed(self, xfer: int) -> bool:
+        """Whether transfer `xfer` is in (not taken yet); unlike `ready`, False after a failure."""
+        with self._cond:
+            return xfer in self._done
+
     def pending_bytes(self) -> int:
         with self._cond:
             return sum(t.nbytes for t in self._done.values())
