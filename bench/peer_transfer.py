@@ -72,6 +72,7 @@ def _cluster_keys() -> tuple[dict, list[str]]:
 
 def measure(sizes: list[int], repeats: int, curve: bool = False, ipc: bool = False, local: bool = False) -> dict:
     import genie
+    from genie_daemon.peers import PEER_LANE_MIN_BYTES
 
     keys, flags = _cluster_keys() if curve else ({}, [])
     if ipc:  # one lane over a Unix socket either way; shared memory (the default) or not
@@ -95,14 +96,17 @@ def measure(sizes: list[int], repeats: int, curve: bool = False, ipc: bool = Fal
                 genie.init(f"{a.endpoint},{b.endpoint}", **keys)
                 try:
                     x = torch.randn(n // 4, device=SRC)
-                    # Untimed: the first copy greets the peer (inside ZeroMQ) and its answer opens
-                    # the lanes; then buffers of this size exist on both ends.
+                    # Untimed: the first large copy greets the peer (inside ZeroMQ) and its answer
+                    # opens the lanes (a copy below PEER_LANE_MIN_BYTES greets no one and goes
+                    # inside ZeroMQ, lanes or not); then buffers of this size exist on both ends.
+                    opener = torch.randn(max(n, PEER_LANE_MIN_BYTES) // 4, device=SRC)
                     deadline = time.monotonic() + 30
                     while not _peer_lanes():
                         if time.monotonic() > deadline:
                             raise RuntimeError("daemon 0 opened no lane to daemon 1")
-                        x.to(DST)
+                        opener.to(DST)
                         time.sleep(0.05)
+                    del opener
                     for _ in range(2):
                         x.to(DST), x.cpu().to(DST)
                         torch.remote_accelerator.synchronize(1)
@@ -156,7 +160,7 @@ def main(argv=None) -> int:
     rows = []
     for n in sizes:
         r = result[str(n)]
-        label = f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+        label = f"{n / (1 << 20):g} MiB" if n >= 1 << 20 else f"{n / (1 << 10):g} KiB"
         rows.append((label, *(f"{r['ms'][k]:.1f} ({r['GBps'][k]:.2f})" for k in r["ms"]),
                      *(f"{r['speedup_over_client_path'][k]:.2f}x" for k in r["speedup_over_client_path"])))
     first = result[str(sizes[0])]

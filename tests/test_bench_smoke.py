@@ -26,7 +26,7 @@ RUNS = {
     "model_transfer": ["--layers", "1", "--width", "64", "--vocab", "100", "--repeats", "1"],
     "network_latency": ["--rtt-ms", "0,1", "--repeats", "1", "--tokens", "2"],
     "layouts": ["--mb", "0.5", "--repeats", "1"],
-    "peer_transfer": ["--sizes-mb", "2", "--repeats", "1"],
+    "peer_transfer": ["--sizes-mb", "0.25,2", "--repeats", "1"],  # below and above the lane threshold
 }
 
 
