@@ -250,12 +250,6 @@ class BulkListener:
         if lane is not None and xfers:
             lane.arrivals.spoken_for(xfers)
 
-    def abandon_upload(self, identity: bytes, xfer: int) -> None:
-        """Nothing will take upload `xfer`: let it go, now or as it lands (see bulk.Arrivals.abandon)."""
-        lane = self.lane(identity)
-        if lane is not None:
-            lane.arrivals.abandon(xfer)
-
     def accept_named(self, identity: bytes, records) -> None:
         """Uploads a request named in the client's shared segments (see bulk.Lane.accept_named)."""
         lane = self.lane(identity)

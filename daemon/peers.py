@@ -259,21 +259,21 @@ class PeerLinks:
         return sock
 
     def _send(self, endpoint: str, body: dict, payload: list) -> None:
+        """(The loop.) A send `send` could not hand to a lane: on one opened since, or inside ZeroMQ,
+        greeting the peer first when a large tensor finds its lane missing or closed."""
         sock = self._socket(endpoint)
+        lane = self._open_lane_for(endpoint, payload)
+        if lane is not None:
+            self._senders().submit(self._send_on_lane, endpoint, lane, body, payload[0])
+            return
         nbytes = sum(memoryview(p).nbytes for p in payload)
         lane = self._lanes.get(endpoint)
         if lane is not None and lane.closed:  # the peer dropped it (say, after a quiet spell): greet again
             del self._lanes[endpoint]
             lane = None
-        now = time.monotonic()
-        quiet = now - self._last_sent.get(endpoint, now) > self.quiet_s
-        self._last_sent[endpoint] = now
-        if self.lane_min_bytes and nbytes >= self.lane_min_bytes and len(payload) == 1:
-            if lane is None:
-                self._greet(endpoint, sock)
-            elif not quiet:
-                self._senders().submit(self._send_on_lane, endpoint, lane, body, payload[0])
-                return
+        self._last_sent[endpoint] = time.monotonic()  # a quiet peer's lease renewed by this message
+        if lane is None and self.lane_min_bytes and nbytes >= self.lane_min_bytes and len(payload) == 1:
+            self._greet(endpoint, sock)
         self._deposit(endpoint, body, payload, nbytes)
 
     def _send_on_lane(self, endpoint: str, lane, body: dict, payload) -> None:
