@@ -2,8 +2,8 @@
 
 `exec`, `stats` and `bye` go, in arrival order, to one worker thread that owns all
 tensors (so each client's ops run in program order), and their replies are sent when
-that work is done; a small request a client is blocked on runs at once when the worker
-is idle. A request that needs a peer's tensor or bulk-lane bytes not yet arrived is
+that work is done; a small request a client is blocked on (or a peer daemon's client, for a
+send to that peer) runs at once when the worker is idle. A request that needs a peer's tensor or bulk-lane bytes not yet arrived is
 parked (with that client's later requests) until they come, so it never holds up other
 clients. `hello`, `ping` and `event` are answered at once. Any malformed message gets an
 error reply; nothing a client sends can stop the loop.
@@ -25,7 +25,7 @@ import zmq.asyncio
 from genie.transport import bulk, cuda_ipc, protocol, sealed_lane, ucx_lane
 from genie.transport.busy_poll import BusyPoll
 from genie.transport.errors import ProtocolError
-from genie.transport.protocol import BulkTensor
+from genie.transport.protocol import BulkTensor, HandleRef
 
 
 from . import device_faults
@@ -278,7 +278,7 @@ class DaemonServer(DirectLanes, MemoryQueries):
         can be the one kept waiting (4 KiB upload + sync: 0.55 ms without polling, 1.4 ms with,
         each spin running out just before the client's next request came)."""
         if not self._busy_poll.available() or self._pending or len(self.clients) != 1 \
-                or any(self._parked.values()):
+                or any(self._parked.values()) or self.peers is not None and self.peers.sending():
             return False
         if any(lane.writer.pending for lane in self._direct.values()):
             return False  # the rest of an answer goes when its socket is writable: this loop's job
@@ -350,9 +350,9 @@ class DaemonServer(DirectLanes, MemoryQueries):
             except ProtocolError as e:
                 self._reply_error(identity, rid, e)
                 return
-            self._reply(identity, rid, {})
-            if self._parked:
+            if self._parked:  # first: a client waits on these, the peer only drains its answer
                 self._release_parked()
+            self._reply(identity, rid, {})
         elif request.kind == "probe":
             # Bandwidth probe: the client times sending these frames and getting this answer.
             self._reply(identity, rid, {"bytes": sum(len(p) for p in payload)})
@@ -422,7 +422,7 @@ class DaemonServer(DirectLanes, MemoryQueries):
     def _run_exec(self, identity: bytes, rid: int, client: ClientState, parsed, payload: list) -> None:
         """Run an exec whose transfers are in: here when that is quicker, else on the worker."""
         if (self._pending == 0 and _small(parsed, bulk_ok=not self.executor.has_cuda)
-                and sum(len(p) for p in payload) <= INLINE_MAX_BYTES
+                and sum(len(p) for p in payload) <= INLINE_MAX_BYTES and self._peer_copies_small(client, parsed)
                 and (self.inline_ok and self.executor.quick_to_start(client, parsed)
                      or self.executor.moves_memory_only(client, parsed))):
             # Nothing is queued for the worker: running a small request here keeps program
@@ -438,6 +438,23 @@ class DaemonServer(DirectLanes, MemoryQueries):
                 self._send_downloads(identity, downloads)
             return
         self._submit_exec(identity, rid, client, parsed, payload)
+
+    def _peer_copies_small(self, client: ClientState, request) -> bool:
+        """Whether the request's copies between daemons may run on the loop: each tensor it sends
+        (genie::send) at most INLINE_MAX_BYTES (a larger one goes on to a lane thread anyway, after
+        a copy that would hold up the loop), each it receives (genie::recv) as small and in the
+        mailbox, taken without waiting and put on a GPU quickly. (A request whose wait for one ran
+        out comes here too, to fail on the worker.)"""
+        for op in request.ops:
+            if op.name == protocol.SEND_OP:
+                found = client.tensors.get(op.args[0].id) if op.args and isinstance(op.args[0], HandleRef) else None
+                if not isinstance(found, torch.Tensor) or found.nbytes > INLINE_MAX_BYTES:
+                    return False
+            elif op.name == protocol.RECV_OP:
+                nbytes = self.mailbox.ready_bytes(op.args[0]) if op.args and isinstance(op.args[0], str) else None
+                if nbytes is None or nbytes > INLINE_MAX_BYTES:
+                    return False
+        return True
 
     def _send_downloads(self, identity: bytes, downloads: list) -> None:
         """The bulk downloads of a request run here, after its answer. The first starts on this
@@ -745,18 +762,18 @@ def _transfers_awaited(request, bulk_refs: list) -> list:
 # Requests at most this big may run on the event loop when the worker is idle.
 INLINE_MAX_OPS = 32
 INLINE_MAX_BYTES = 1 << 20
-_BLOCKING_OPS = frozenset({protocol.RECV_OP})
 
 
 def _small(request, bulk_ok: bool) -> bool:
-    # Only requests a client is blocked on gain from running inline. Bulk uploads are in by the
-    # time a request gets here (see `_park`). Bulk downloads (clients ask for them, with
-    # bulk_min, only when a fetched tensor is big enough to go so) are started after the answer
-    # and finished by the worker (see `_send_downloads`); `bulk_ok` False: not inline at all (a
-    # GPU tensor's download is staged and sent synchronously by the executor).
-    return ((request.waited or request.fetch or request.report) and len(request.ops) <= INLINE_MAX_OPS
-            and len(request.fetch) <= 4 and (bulk_ok or not request.bulk_min)
-            and not any(op.name in _BLOCKING_OPS for op in request.ops))
+    # Only requests someone is blocked on gain from running inline: the client (it waits, fetches
+    # or asks for a report), or, for a send to a peer daemon, the peer's client waiting for the
+    # tensor there. Bulk uploads are in by the time a request gets here (see `_park`). Bulk
+    # downloads (clients ask for them, with bulk_min, only when a fetched tensor is big enough to
+    # go so) are started after the answer and finished by the worker (see `_send_downloads`);
+    # `bulk_ok` False: not inline at all (a GPU tensor's download is staged and sent synchronously
+    # by the executor). The sizes of its copies between daemons are checked by the server (`_peer_copies_small`).
+    return ((request.waited or request.fetch or request.report or any(op.name == protocol.SEND_OP for op in request.ops))
+            and len(request.ops) <= INLINE_MAX_OPS and len(request.fetch) <= 4 and (bulk_ok or not request.bulk_min))
 
 
 def _send_all(identity: bytes, sends: list) -> None:

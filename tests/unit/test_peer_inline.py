@@ -1,0 +1,161 @@
+"""Daemon-to-daemon copies run on an idle daemon's event loop (daemon/server.py `_small`,
+`_peer_copies_small`; daemon/peers.py `PeerLinks.send`): a small send, which the peer's client
+waits for, and a small receive whose tensor is already in the mailbox. Each skipped two thread hops: a
+16 KiB copy and a read of it took 0.81-0.87 ms, now 0.57-0.66. No daemon, no sockets."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import types
+
+import torch
+
+from genie.transport import protocol
+from genie.transport.protocol import Exec, HandleRef, OpCall
+from genie_daemon.handles import ClientState, MemoryAccount
+from genie_daemon.peers import LaneDeposit, Mailbox, PeerLinks
+from genie_daemon.server import INLINE_MAX_BYTES, DaemonServer, _small
+
+PEER = "tcp://127.0.0.1:5555"
+TID = "cd" * 16
+
+
+def _request(*ops, waited=False):
+    return Exec(device=0, ops=[OpCall(name, list(args), {}, out) for name, args, out in ops], frees=[], fetch=[],
+                report=False, waited=waited)
+
+
+def test_a_send_to_a_peer_may_run_inline_though_its_client_does_not_wait():
+    send = (protocol.SEND_OP, [HandleRef(1), PEER, TID], None)
+    add = ("aten::add.Tensor", [HandleRef(1), HandleRef(1)], 2)
+    assert _small(_request(send), bulk_ok=True)
+    assert _small(_request(add, send), bulk_ok=True)
+    assert not _small(_request(add), bulk_ok=True)  # nobody waits on it: the worker's
+    assert _small(_request(add, waited=True), bulk_ok=True)
+
+
+class _Arrivals:
+    def __init__(self, landed: bool) -> None:
+        self._landed, self.failure = landed, None
+
+    def landed(self, xfer) -> bool:
+        return self._landed
+
+
+def _lane_deposit(landed: bool, n: int) -> LaneDeposit:
+    return LaneDeposit(types.SimpleNamespace(arrivals=_Arrivals(landed), closed=False), 1, torch.float32, (n,))
+
+
+def test_a_receive_runs_inline_only_with_its_tensor_in_hand_and_small():
+    mailbox = Mailbox()
+    server = types.SimpleNamespace(mailbox=mailbox)
+    client = ClientState(b"unit", MemoryAccount())
+
+    def inline(tid):
+        return DaemonServer._peer_copies_small(server, client, _request((protocol.RECV_OP, [tid], 1), waited=True))
+
+    small, large, coming, landed = "01" * 16, "02" * 16, "03" * 16, "04" * 16
+    mailbox.put(small, torch.zeros(16))
+    mailbox.put(large, torch.zeros(INLINE_MAX_BYTES // 4 + 1))  # a copy to a GPU would stall the loop
+    mailbox.put(coming, _lane_deposit(False, 4))
+    mailbox.put(landed, _lane_deposit(True, 4))
+    assert mailbox.ready_bytes(small) == 64 and inline(small)
+    assert mailbox.ready_bytes(large) == INLINE_MAX_BYTES + 4 and not inline(large)
+    assert mailbox.ready_bytes(coming) is None and not mailbox.has(coming) and not inline(coming)
+    assert mailbox.ready_bytes(landed) == 16 and inline(landed)
+    # Not deposited: a request whose wait ran out reaches _run_exec too; it fails on the worker.
+    assert mailbox.ready_bytes("05" * 16) is None and not inline("05" * 16)
+
+
+def test_only_small_sends_run_inline():
+    # A large one goes on to a lane thread anyway, after a copy that would hold up the loop.
+    server = types.SimpleNamespace(mailbox=Mailbox())
+    client = ClientState(b"unit", MemoryAccount())
+    client.put(1, torch.zeros(INLINE_MAX_BYTES // 4))
+    client.put(2, torch.zeros(INLINE_MAX_BYTES // 4 + 1))
+
+    def inline(handle):
+        request = _request((protocol.SEND_OP, [HandleRef(handle), PEER, TID], None))
+        return DaemonServer._peer_copies_small(server, client, request)
+
+    assert inline(1) and not inline(2)
+    assert not inline(3)  # no such tensor: the worker answers with the error
+    assert DaemonServer._peer_copies_small(server, client, _request(("aten::add.Tensor", [HandleRef(1), 1], 2)))
+
+
+class _Socket:
+    def __init__(self) -> None:
+        self.sent: list[dict] = []
+
+    def send_multipart(self, frames, copy=False):
+        self.sent.append(protocol.unpack_header(frames[0])[2])
+
+
+def test_a_send_made_on_the_loop_leaves_at_once_and_one_from_a_thread_on_the_loop():
+    # Queued on the loop, an inline send waited for the server's idle poll for the client's
+    # next request to end: a 16 KiB copy took 1.6 ms instead of 0.6.
+    async def scenario():
+        links = PeerLinks(context=None, loop=asyncio.get_running_loop())
+        sock = _Socket()
+        links._socket = lambda endpoint: sock
+        links.send(PEER, TID, torch.arange(4.0))
+        on_the_loop = list(sock.sent)
+        thread = threading.Thread(target=links.send, args=(PEER, "ef" * 16, torch.arange(4.0)))
+        thread.start()
+        thread.join()
+        from_a_thread = list(sock.sent)
+        await asyncio.sleep(0)
+        return on_the_loop, from_a_thread, sock.sent
+
+    on_the_loop, from_a_thread, finally_sent = asyncio.run(scenario())
+    assert [body["tid"] for body in on_the_loop] == [TID]
+    assert len(from_a_thread) == 1  # posted to the loop, not sent from the thread's side
+    assert [body["tid"] for body in finally_sent] == [TID, "ef" * 16]
+
+
+class _PostedCalls:
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def call_soon_threadsafe(self, fn, *args):
+        self.calls.append((fn, args))
+
+    def run(self) -> None:
+        while self.calls:
+            fn, args = self.calls.pop(0)
+            fn(*args)
+
+
+class _HeldLane:
+    """A lane whose send waits for `go` after its head (so its deposit is posted first)."""
+
+    closed = False
+
+    def __init__(self) -> None:
+        self.go = threading.Event()
+
+    def next_id(self) -> int:
+        return 3
+
+    def send(self, xfer, payload, after_head=None):
+        after_head()
+        assert self.go.wait(10)
+
+
+def test_a_lane_send_counts_as_sending_until_the_loop_has_its_deposit():
+    # While a sender thread has bytes out, the server does not poll idle for requests: the poll
+    # would hold up the deposit the thread posts to the loop.
+    loop = _PostedCalls()
+    links = PeerLinks(context=None, loop=loop)
+    sock = _Socket()
+    links._socket = lambda endpoint: sock
+    lane = _HeldLane()
+    assert not links.sending()
+    links._hand_to_sender(PEER, lane, {"tid": TID}, memoryview(bytes(64)))
+    assert links.sending()
+    lane.go.set()
+    links._senders().shutdown(wait=True)
+    assert links.sending()  # the thread is done; the loop has not run its posts yet
+    loop.run()
+    assert not links.sending()
+    assert sock.sent == [{"tid": TID, "xfer": 3}]
