@@ -176,6 +176,28 @@ def test_storage_on_the_device_is_refused_with_a_way_out(dev):
         torch.UntypedStorage(16, device=dev)
 
 
+def test_data_ptr_is_a_pointer_sized_stand_in_shared_by_views_and_reused(dev):
+    """data_ptr() of a remote tensor: a stand-in (nothing reads through it) equal for views of one
+    storage, offset as a pointer is, and below 2**63: one made from id() overflowed int64 (a C
+    consumer, struct.pack('q', ...), refused it). A freed storage's range goes to a later one,
+    as freed memory is reused."""
+    import gc
+    import struct
+
+    a = torch.randn(8, device=dev)
+    view = a[2:]
+    other = torch.randn(8, device=dev)
+    assert view.data_ptr() == a.data_ptr() + 8 == a.untyped_storage().data_ptr() + 8
+    assert other.data_ptr() != a.data_ptr()
+    assert abs(other.data_ptr() - a.data_ptr()) >= 2**36  # ranges far apart: no overlap
+    struct.pack("qqq", a.data_ptr(), view.data_ptr(), other.data_ptr())
+    freed = other.data_ptr()
+    del other
+    gc.collect()
+    assert torch.randn(8, device=dev).data_ptr() == freed
+    assert torch.empty(0, device=dev).data_ptr() == 0  # as on the CPU
+
+
 def test_torch_compile_runs_remote_code_eagerly(dev):
     """torch.compile traces subclass tensors by rebuilding them as fakes, which a handle on a
     daemon cannot be: such code is a graph break and runs eagerly, as untraceable code does

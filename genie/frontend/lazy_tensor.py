@@ -10,6 +10,8 @@ from __future__ import annotations
 import collections
 import copy
 import functools
+import heapq
+import itertools
 import operator
 import weakref
 
@@ -52,11 +54,41 @@ class StorageIdentity:
     CPU's are. It lives as long as one of them, and a later storage may get the same address, as
     freed memory is reused."""
 
-    __slots__ = ()
+    __slots__ = ("slot",)
+
+    def __init__(self) -> None:
+        self.slot = 0  # its address range, once asked for (see storage_address); 0: none yet
+
+    def __del__(self) -> None:
+        if self.slot and _address_slots is not None:  # (None: the interpreter is shutting down)
+            _address_slots.release(self.slot)
 
 
-# Each storage's stand-in addresses span this many bytes, so no two storages' ranges overlap.
-STORAGE_SPAN = 1 << 40
+class _AddressSlots:
+    """Numbers for the live storages whose address was asked for, the lowest free first, so that
+    addresses stay below 2**63 as a pointer's (an address made from id() overflowed int64: a
+    C consumer of data_ptr(), struct.pack('q', ...), refused it). No lock (a forked child could
+    inherit one held): heappop, heappush and next() of a count are each one step under the GIL."""
+
+    def __init__(self) -> None:
+        self._free: list[int] = []
+        self._numbers = itertools.count(1)
+
+    def take(self) -> int:
+        try:
+            return heapq.heappop(self._free)
+        except IndexError:
+            return next(self._numbers)
+
+    def release(self, slot: int) -> None:
+        heapq.heappush(self._free, slot)
+
+
+_address_slots = _AddressSlots()
+
+# Each storage's stand-in addresses span this many bytes (more than one GPU's memory), so no two
+# live storages' ranges overlap; 2**25 of them fit below 2**63.
+STORAGE_SPAN = 1 << 38
 
 
 def storage_identity(ref: HandleRef) -> StorageIdentity:
@@ -72,7 +104,14 @@ def storage_address(ref: HandleRef) -> int:
     Nothing can read through it."""
     if ref.storage_nbytes == 0:
         return 0
-    return (id(storage_identity(ref)) >> 3) * STORAGE_SPAN  # ids of live objects differ by 16+ bytes
+    identity = storage_identity(ref)
+    if not identity.slot:
+        slot = _address_slots.take()
+        if identity.slot:  # another thread was first
+            _address_slots.release(slot)
+        else:
+            identity.slot = slot
+    return identity.slot * STORAGE_SPAN
 
 
 def register_storage(t: "LazyTensor") -> None:
