@@ -96,6 +96,24 @@ def test_op_with_kernels_for_particular_devices_is_refused_when_called(dev):
     torch.testing.assert_close((torch.ones(2).to(dev) + 1).cpu(), torch.full((2,), 2.0))  # the stream goes on
 
 
+def test_quantized_tensors_and_models_are_refused_saying_what_to_do(dev):
+    # q.to(device) failed inside PyTorch ("Could not run 'aten::empty_quantized' with arguments
+    # from the 'Quantizedremote_accelerator' backend"), a dynamically quantized model's forward
+    # with the message for any op from outside aten.
+    import warnings
+
+    q = torch.quantize_per_tensor(torch.tensor([0.5, -1.0]), 0.1, 0, torch.qint8)
+    with pytest.raises(UnsupportedOperationError, match="quantized tensors .* dequantize"):
+        q.to(dev)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notice
+        model = torch.ao.quantization.quantize_dynamic(torch.nn.Sequential(torch.nn.Linear(4, 4)), {torch.nn.Linear})
+    model.to(dev)
+    with pytest.raises(UnsupportedOperationError, match="quantized::linear_dynamic.*quantize and run quantized"):
+        model(torch.ones(1, 4).to(dev))
+    torch.testing.assert_close(q.dequantize().to(dev).cpu(), torch.tensor([0.5, -1.0]))
+
+
 def test_distributed_collectives_on_remote_tensors_run_through_the_cpu_backend(dev, tmp_path):
     """One process (the group of several is tests/test_collectives.py): the c10d op reaches Genie,
     which runs it on CPU copies through gloo and writes the results back to the device."""

@@ -526,6 +526,8 @@ def _library_op(func, args, kwargs):
         kernel = _device_kernel
     elif func.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeExplicitAutograd):
         kernel = _any_device_kernel
+    elif func.namespace == "quantized":  # a quantized model moved to the device (its packed weights stay on the CPU)
+        raise UnsupportedOperationError(op_name(func), QUANTIZED)
     else:
         raise UnsupportedOperationError(
             op_name(func), "it is not an aten operator and has no kernel for this device or for every "
@@ -534,6 +536,10 @@ def _library_op(func, args, kwargs):
             "operators)")
     SPECIAL[id(func)] = kernel
     return kernel(func, args, kwargs)
+
+
+QUANTIZED = ("quantized tensors and models (torch.quantize_per_tensor, torch.ao.quantization) have no remote "
+             "counterpart: dequantize() tensors, or quantize and run quantized models on the CPU")
 
 
 def _device_kernel(func, args, kwargs):

@@ -202,6 +202,14 @@ def register() -> None:
     global _nested_lib
     _nested_lib = torch.library.Library("_", "IMPL")
     _nested_lib.fallback(_refuse_strided_nested, "NestedTensorPrivateUse1")
+    _nested_lib.fallback(_refuse_quantized, "QuantizedPrivateUse1")
+
+
+def _refuse_quantized(op, *args, **kwargs):
+    """Every op that reaches a quantized tensor on the device: `q.to(device)` of a quantized CPU
+    tensor makes one with aten::empty_quantized (before, PyTorch's "Could not run
+    'aten::empty_quantized' with arguments from the 'Quantizedremote_accelerator' backend")."""
+    raise UnsupportedOperationError(capture.op_name(op), capture.QUANTIZED)
 
 
 def _refuse_strided_nested(op, *args, **kwargs):
