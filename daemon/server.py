@@ -441,14 +441,15 @@ class DaemonServer(DirectLanes, MemoryQueries):
 
     def _peer_copies_small(self, client: ClientState, request) -> bool:
         """Whether the request's copies between daemons may run on the loop: each tensor it sends
-        (genie::send) at most INLINE_MAX_BYTES (a larger one goes on to a lane thread anyway, after
-        a copy that would hold up the loop), each it receives (genie::recv) as small and in the
-        mailbox, taken without waiting and put on a GPU quickly. (A request whose wait for one ran
-        out comes here too, to fail on the worker.)"""
+        (genie::send) that is held already at most INLINE_MAX_BYTES (a larger one goes on to a lane
+        thread anyway, after a copy that would hold up the loop; one the request makes is as large
+        as quick_to_start allows its ops' work to be), each it receives (genie::recv) as small and
+        in the mailbox, taken without waiting and put on a GPU quickly. (A request whose wait for
+        one ran out comes here too, to fail on the worker.)"""
         for op in request.ops:
             if op.name == protocol.SEND_OP:
                 found = client.tensors.get(op.args[0].id) if op.args and isinstance(op.args[0], HandleRef) else None
-                if not isinstance(found, torch.Tensor) or found.nbytes > INLINE_MAX_BYTES:
+                if isinstance(found, torch.Tensor) and found.nbytes > INLINE_MAX_BYTES:
                     return False
             elif op.name == protocol.RECV_OP:
                 nbytes = self.mailbox.ready_bytes(op.args[0]) if op.args and isinstance(op.args[0], str) else None
