@@ -111,6 +111,9 @@ class ClientState:
         self.heartbeat_s: float | None = None
         self.lane_closed_at: float | None = None  # time.monotonic() of its direct lane's end
         self.lane_key: bytes | None = None  # a CURVE daemon's key for this client's sealed lane (given in hello)
+        # A peer daemon (it deposits tensors here), not a program: "here" (loopback or ipc), or
+        # "elsewhere" (another host's address); None: a program's client.
+        self.peer: str | None = None
         self.programs: dict = {}  # program id -> executor.Program (recorded genie.graph blocks)
         self.program_handles: dict[int, list] = {}  # handle a program writes -> those programs
         # memo handle -> {(storage address, bytes): (that storage, its copy)}: one copy.deepcopy's

@@ -14,6 +14,7 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import ipaddress
 import logging
 import os
 import time
@@ -277,7 +278,7 @@ class DaemonServer(DirectLanes, MemoryQueries):
         spins in a row that see nothing switch it off for SPIN_BACKOFF_S (genie.transport.busy_poll): a client on these cores
         can be the one kept waiting (4 KiB upload + sync: 0.55 ms without polling, 1.4 ms with,
         each spin running out just before the client's next request came)."""
-        if not self._busy_poll.available() or self._pending or len(self.clients) != 1 \
+        if not self._busy_poll.available() or self._pending or self._programs_served() != 1 \
                 or any(self._parked.values()) or self.peers is not None and self.peers.sending():
             return False
         if any(lane.writer.pending for lane in self._direct.values()):
@@ -296,6 +297,17 @@ class DaemonServer(DirectLanes, MemoryQueries):
             if s in direct:  # its reader runs next, not nested in this one
                 self._loop.call_soon(self._on_direct_readable, direct[s])
         return any(s is sock for s, _ in ready or ())
+
+    def _programs_served(self) -> int:
+        """Clients that count against polling: all but peer daemons on other hosts, which deposit
+        tensors and take no CPU here (a daemon that received one copy from such a peer stopped
+        polling for its own client's requests: its round trips went from 0.13 to 0.20-0.21 ms
+        for as long as that peer stayed). A peer on this host does count: its process runs on
+        these cores (a copy and a read of it polling on both: 0.77-0.81 against 0.68-0.70 ms)."""
+        count = len(self.clients)
+        if count > 1:
+            count -= sum(client.peer == "elsewhere" for client in self.clients.values())
+        return count
 
     def _schedule_drain(self) -> None:
         if not self._drain_scheduled and self._loop is not None:
@@ -345,6 +357,8 @@ class DaemonServer(DirectLanes, MemoryQueries):
             except ProtocolError as e:
                 self._reply_error(identity, rid, e)
         elif request.kind == "deposit":
+            if client.peer is None:
+                client.peer = "elsewhere" if _from_another_host(header_raw) else "here"
             try:
                 self._deposit(key, request.body, payload)
             except ProtocolError as e:
@@ -747,6 +761,19 @@ DRAIN_BATCH = 4
 DRAIN_LINGER_MS = 2000
 # A parked request is re-checked at least this often (arrivals also wake it at once).
 PARK_POLL_S = 0.05
+
+
+def _from_another_host(frame) -> bool:
+    """Whether a message's frame came over TCP from an address other than loopback (a peer on this
+    host reached by one of its other addresses counts as another host)."""
+    try:
+        address = frame.get("Peer-Address")
+    except (AttributeError, zmq.ZMQError):  # not a ZeroMQ frame (a direct lane's), or no address
+        return False
+    try:
+        return not ipaddress.ip_address(address).is_loopback
+    except ValueError:  # ipc ("localhost:..."): this host
+        return False
 
 
 def _transfers_awaited(request, bulk_refs: list) -> list:

@@ -7,13 +7,20 @@ import torch
 import zmq
 
 from genie.transport import busy_poll
+from daemon.handles import ClientState, MemoryAccount
 from daemon.server import DaemonServer
+
+
+def _client(peer: str | None = None) -> ClientState:
+    client = ClientState(b"x" * 16, MemoryAccount())
+    client.peer = peer
+    return client
 
 
 def _server(spin_s: float) -> DaemonServer:
     srv = DaemonServer("tcp://127.0.0.1:0", [torch.device("cpu")], bulk_lanes=False, spin_s=spin_s)
     srv.bind()
-    srv.clients[b"one-client-id-xx"] = object()  # polling needs exactly one client
+    srv.clients[b"one-client-id-xx"] = _client()  # polling needs exactly one client
     return srv
 
 
@@ -39,7 +46,14 @@ def test_idle_polling_returns_as_soon_as_a_request_is_queued_and_backs_off_after
         assert srv._spin(srv._socket) is False  # backed off: returns at once
         assert time.perf_counter() - started < 0.025
         srv._busy_poll.off_until = 0.0
-        srv.clients[b"another-client-x"] = object()
+        srv.clients[b"a-peer-elsewhere"] = _client("elsewhere")  # a peer daemon on another host
+        client.send(b"again")
+        deadline = time.monotonic() + 5
+        while not srv._spin(srv._socket):  # it takes no CPU here: still polling
+            assert time.monotonic() < deadline
+        srv._socket.recv_multipart()
+        srv._busy_poll.off_until = 0.0
+        srv.clients[b"another-client-x"] = _client()
         started = time.perf_counter()
         assert srv._spin(srv._socket) is False  # never with two clients
         assert time.perf_counter() - started < 0.025
