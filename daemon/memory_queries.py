@@ -41,6 +41,8 @@ class MemoryQueries:
             "peer_lane_bytes_sent": self.peers.lane_bytes_sent if self.peers is not None else 0,
             "peer_lanes": self.peers.lane_paths() if self.peers is not None else {},
             "peer_lane_counts": self.peers.lane_counts() if self.peers is not None else {},
+            "peer_direct_lanes": self.peers.direct_paths() if self.peers is not None else {},
+            "peer_direct_deposits": self.peers.direct_deposits if self.peers is not None else 0,
             "peer_segment_bytes_lent": self.peers.segment_bytes_lent() if self.peers is not None else 0,
             "parked_requests": sum(len(q) for q in self._parked.values()),
             "limit": self.memory_limit,

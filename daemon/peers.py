@@ -28,9 +28,13 @@ from genie.transport.hostmem import HostBufferPool, snapshot
 from genie.transport.tensors import (bytes_as_tensor, dense, dense_span, dtype_name, is_dense, laid_out, tensor_to_buffer,
                                      tensor_to_frames)
 
+from . import peer_direct
+
 log = logging.getLogger("genie.daemon")
 
 PEER_LANE_MIN_BYTES = 1 << 20  # tensors at least this big go to a peer on a lane, where it offers one
+# Deposits carrying at most this many bytes go on the peer's direct lane, where one is open.
+PEER_DIRECT_MAX_BYTES = 1 << 20
 SENDER_THREADS = 4  # lane sends under way at once (to several peers; one lane takes one at a time)
 # After a peer's lane fails, how long a deposit naming bytes on it waits for the peer's deposit
 # of the bytes themselves (sent as soon as the peer's send fails) before its taker is told.
@@ -160,7 +164,9 @@ class PeerLinks:
     bytes on the lane, written from a thread, then a `deposit` naming the lane transfer. ZeroMQ
     allocates fresh memory for every message it receives, which held peer transfers to 0.6-0.9
     GB/s here (0.3 under CURVE); a lane lands them in the receiver's recycled buffers. Until the
-    lane is open, or if it fails, deposits carry the tensor's frames.
+    lane is open, or if it fails, deposits carry the tensor's frames. Those of small tensors go on
+    a direct lane to the peer (peer_direct), opened with the bulk lanes (the first small copy
+    greets the peer too), which skips ZeroMQ's I/O threads.
     """
 
     def __init__(self, context: zmq.asyncio.Context, loop: asyncio.AbstractEventLoop, curve=None,
@@ -172,6 +178,8 @@ class PeerLinks:
         self._sockets: dict[str, zmq.asyncio.Socket] = {}
         self._tokens: dict[str, bytes] = {}  # our routing id at each peer (it names our lane there)
         self._lanes: dict[str, object] = {}  # endpoint -> its lane (a lane_set.LaneSet over TCP), once open
+        self._direct: dict[str, peer_direct.PeerDirectLane] = {}  # endpoint -> its direct lane, once open
+        self._greeted: set[str] = set()  # peers said hello to, and whose lanes have not closed since
         self._hello_ids: dict[str, int] = {}  # endpoint -> the id of our hello awaiting its answer
         self._opening: set[str] = set()  # peers whose lanes are being opened (greeting again would replace them)
         self._ids = 0
@@ -192,6 +200,7 @@ class PeerLinks:
         self._lane_sends_lock = threading.Lock()
         self.bytes_sent = 0
         self.lane_bytes_sent = 0  # of those, on lanes
+        self.direct_deposits = 0  # deposits written on direct lanes
 
     def send(self, endpoint: str, tid: str, tensor: torch.Tensor) -> None:
         """Thread-safe: called by the executor, on the worker or inline on the loop; what goes
@@ -282,7 +291,7 @@ class PeerLinks:
 
     def _deposit_named(self, endpoint: str, body: dict) -> None:
         self._last_sent[endpoint] = time.monotonic()
-        self._deposit(endpoint, body, [], body["segment"][1])
+        self._deposit(endpoint, body, [], body["segment"][1], direct_ok=True)  # not quiet: see _in_shared_segment
 
     def _socket(self, endpoint: str):
         sock = self._sockets.get(endpoint)
@@ -310,11 +319,21 @@ class PeerLinks:
         lane = self._lanes.get(endpoint)
         if lane is not None and lane.closed:  # the peer dropped it (say, after a quiet spell): greet again
             del self._lanes[endpoint]
+            self._greeted.discard(endpoint)
             lane = None
-        self._last_sent[endpoint] = time.monotonic()  # a quiet peer's lease renewed by this message
-        if lane is None and self.lane_min_bytes and nbytes >= self.lane_min_bytes and len(payload) == 1:
+        direct = self._direct.get(endpoint)
+        if direct is not None and direct.closed:
+            del self._direct[endpoint]
+            self._greeted.discard(endpoint)
+            direct = None
+        now = time.monotonic()
+        quiet = now - self._last_sent.get(endpoint, 0.0) > self.quiet_s
+        self._last_sent[endpoint] = now  # a quiet peer's lease renewed by this message
+        if (lane is None and self.lane_min_bytes and nbytes >= self.lane_min_bytes and len(payload) == 1
+                or direct is None and endpoint not in self._greeted):
             self._greet(endpoint, sock)
-        self._deposit(endpoint, body, payload, nbytes)
+        # After a quiet spell inside ZeroMQ (see quiet_s), not on a direct lane the peer may be closing.
+        self._deposit(endpoint, body, payload, nbytes, direct_ok=not quiet)
 
     def _send_on_lane(self, endpoint: str, lane, body: dict, payload) -> None:
         """(A thread.) The bytes on the lane; once their head is out, from the loop, the deposit naming
@@ -342,11 +361,20 @@ class PeerLinks:
         except RuntimeError:  # the daemon stopped meanwhile (its loop is closed): nothing to tell
             pass
 
-    def _deposit(self, endpoint: str, body: dict, frames: list, nbytes: int, replacing: bool = False) -> None:
+    def _deposit(self, endpoint: str, body: dict, frames: list, nbytes: int, replacing: bool = False,
+                 direct_ok: bool = False) -> None:
         """(The loop.) The deposit of a tensor of `nbytes`: its frames, or none when `body` names the
-        lane transfer that carries them; `replacing`, the frames of one named on a lane that failed."""
+        lane transfer that carries them; `replacing`, the frames of one named on a lane that failed.
+        With `direct_ok`, a deposit of frames up to PEER_DIRECT_MAX_BYTES (or naming a shared
+        segment) goes on the peer's direct lane where one is open. One naming a lane transfer, and
+        its replacement, go inside ZeroMQ, so that they arrive in order."""
         self._ids += 1
-        self._socket(endpoint).send_multipart([protocol.pack(["deposit", self._ids, body]), *frames], copy=False)
+        parts = [protocol.pack(["deposit", self._ids, body]), *frames]
+        direct = self._direct.get(endpoint) if direct_ok and nbytes <= PEER_DIRECT_MAX_BYTES else None
+        if direct is not None and direct.write(parts):
+            self.direct_deposits += 1
+        else:
+            self._socket(endpoint).send_multipart(parts, copy=False)
         if replacing:  # counted once, as sent over ZeroMQ
             self.lane_bytes_sent -= nbytes
             return
@@ -355,9 +383,10 @@ class PeerLinks:
             self.lane_bytes_sent += nbytes
 
     def _greet(self, endpoint: str, sock) -> None:
-        """Say hello to the peer once (its answer may open a lane: see `_drain`)."""
+        """Say hello to the peer once (its answer may open lanes: see `_drain`)."""
         if endpoint in self._hello_ids or endpoint in self._opening:
             return
+        self._greeted.add(endpoint)
         self._ids += 1
         self._hello_ids[endpoint] = self._ids
         sock.send_multipart([protocol.pack(["hello", self._ids, {"version": protocol.VERSION, "heartbeat": 0}])])
@@ -377,15 +406,36 @@ class PeerLinks:
             return  # no lane offered (or none this daemon can seal): deposits carry their frames
         self._opening.add(endpoint)
         try:
-            lane = None if local is None else await self._loop.run_in_executor(None, self._open_local_lane,
-                                                                               endpoint, local)
-            if lane is not None:
-                self._lanes[endpoint] = lane
-                log.info("lane to peer %s: %s (on this host)", endpoint, lane.path)
-            elif sealable:
-                await self._open_lanes(endpoint, address, key)
+            open_lane = self._lanes.get(endpoint)
+            if open_lane is None or open_lane.closed:  # (a greeting for a direct lane leaves an open one be)
+                lane = None if local is None else await self._loop.run_in_executor(None, self._open_local_lane,
+                                                                                   endpoint, local)
+                if lane is not None:
+                    self._lanes[endpoint] = lane
+                    log.info("lane to peer %s: %s (on this host)", endpoint, lane.path)
+                elif sealable:
+                    await self._open_lanes(endpoint, address, key)
+            direct = self._direct.get(endpoint)
+            if direct is None or direct.closed:
+                self._direct.pop(endpoint, None)
+                await self._open_direct(endpoint, local, None)
+                if endpoint not in self._direct and sealable:
+                    await self._open_direct(endpoint, address, key if self._curve is not None else None)
         finally:
             self._opening.discard(endpoint)
+
+    async def _open_direct(self, endpoint: str, address, key) -> None:
+        """The direct lane to the peer's lane listener at `address` (None: none), for small deposits."""
+        if address is None:
+            return
+        try:
+            sock, sealing = await self._loop.run_in_executor(None, peer_direct.connect, address, self._tokens[endpoint],
+                                                             key, 10.0)
+        except (OSError, ConnectionError, ProtocolError) as e:
+            log.info("no direct lane to peer %s (its small deposits go over ZeroMQ): %s", endpoint, e)
+            return
+        self._direct[endpoint] = peer_direct.PeerDirectLane(self._loop, endpoint, sock, sealing)
+        log.info("direct lane to peer %s: %s", endpoint, self._direct[endpoint].path)
 
     def _open_local_lane(self, endpoint: str, local) -> bulk.Lane | None:
         """A shared-memory lane to a peer's local listener, or None (then its other lanes)."""
@@ -439,6 +489,10 @@ class PeerLinks:
         """Bytes of our shared segments that peers hold (tensors sent to them, kept over our memory)."""
         return sum(lane.segment_bytes_lent() for lane in list(self._lanes.values()) if not lane.closed)
 
+    def direct_paths(self) -> dict[str, str]:
+        """Each peer's open direct lane: "tcp", "unix" or "tcp-sealed"."""
+        return {endpoint: direct.path for endpoint, direct in list(self._direct.items()) if not direct.closed}
+
     def lane_counts(self) -> dict[str, int]:
         """How many connections each peer's open lane has (a lane_set.LaneSet's, else 1)."""
         return {endpoint: len(getattr(lane, "lanes", (lane,))) for endpoint, lane in list(self._lanes.items())
@@ -447,6 +501,8 @@ class PeerLinks:
     def close(self) -> None:
         for lane in self._lanes.values():
             lane.close()
+        for direct in self._direct.values():
+            direct.close()
         if self._sender_pool is not None:
             self._sender_pool.shutdown(wait=False)
         for sock in self._sockets.values():

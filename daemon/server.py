@@ -17,6 +17,7 @@ import dataclasses
 import ipaddress
 import logging
 import os
+import socket
 import time
 
 import torch
@@ -358,7 +359,8 @@ class DaemonServer(DirectLanes, MemoryQueries):
                 self._reply_error(identity, rid, e)
         elif request.kind == "deposit":
             if client.peer is None:
-                client.peer = "elsewhere" if _from_another_host(header_raw) else "here"
+                lane = self._direct.get(identity)  # (a peer's direct lane, or None: ZeroMQ)
+                client.peer = "elsewhere" if _from_another_host(lane.sock if lane is not None else header_raw) else "here"
             try:
                 self._deposit(key, request.body, payload)
             except ProtocolError as e:
@@ -763,12 +765,18 @@ DRAIN_LINGER_MS = 2000
 PARK_POLL_S = 0.05
 
 
-def _from_another_host(frame) -> bool:
-    """Whether a message's frame came over TCP from an address other than loopback (a peer on this
-    host reached by one of its other addresses counts as another host)."""
+def _from_another_host(source) -> bool:
+    """Whether a message (a ZeroMQ frame of it, or the direct lane's socket it came on) came over
+    TCP from an address other than loopback (a peer on this host reached by one of its other
+    addresses counts as another host)."""
     try:
-        address = frame.get("Peer-Address")
-    except (AttributeError, zmq.ZMQError):  # not a ZeroMQ frame (a direct lane's), or no address
+        if isinstance(source, socket.socket):
+            if source.family not in (socket.AF_INET, socket.AF_INET6):
+                return False
+            address = source.getpeername()[0]
+        else:
+            address = source.get("Peer-Address")
+    except (AttributeError, OSError, zmq.ZMQError):  # no address
         return False
     try:
         return not ipaddress.ip_address(address).is_loopback
