@@ -26,6 +26,7 @@ from genie.errors import GenieConnectionError, GenieError
 from genie.transport import bulk, cuda_ipc, lane_set, protocol, reachability, sealed_lane, stream_framing, ucx_lane
 from genie.transport.channel import AnswerLost, Channel, ChannelClosed, RemoteError, Reply
 from genie.transport.errors import ProtocolError
+from genie.transport.interrupts import held_between_waits
 
 from .stream import DeviceStream, remote_error
 
@@ -591,11 +592,13 @@ class DaemonLink:
             return None
         rid = reply = None
         try:
-            rid = self.channel.send_direct("exec", body, frames)
-            self._read_posted(everything=True)
-            reply = self.channel.receive_direct(rid, self.runtime.config.request_timeout, alive=self._alive)
-            self.hand_over(reply)
-            self._log_timing(reply, stream)
+            # A Ctrl-C comes in the waits, or once the answer is handed over (see interrupts.py).
+            with held_between_waits():
+                rid = self.channel.send_direct("exec", body, frames)
+                self._read_posted(everything=True)
+                reply = self.channel.receive_direct(rid, self.runtime.config.request_timeout, alive=self._alive)
+                self.hand_over(reply)
+                self._log_timing(reply, stream)
             return _Answered(reply)
         except Exception as e:  # noqa: BLE001 - handed to the waiter like a loop-path failure
             return _Answered(error=self._direct_failure(e))
@@ -648,12 +651,13 @@ class DaemonLink:
     def _send_posted(self, body: dict, frames: list, posted: _Posted) -> None:
         """Send a posted batch on the claimed direct socket, then release it (see `post_direct`)."""
         try:
-            posted.rid = self.channel.send_direct("exec", body, frames)
-            posted.ops, posted.nbytes = max(1, len(body["ops"])), sum(memoryview(f).nbytes for f in frames)
-            self._direct_unread.append(posted)
-            self._direct_unread_ops += posted.ops
-            self._direct_unread_bytes += posted.nbytes
-            self._read_posted(everything=False)
+            with held_between_waits():  # sent and queued for reading, or neither (see interrupts.py)
+                posted.rid = self.channel.send_direct("exec", body, frames)
+                posted.ops, posted.nbytes = max(1, len(body["ops"])), sum(memoryview(f).nbytes for f in frames)
+                self._direct_unread.append(posted)
+                self._direct_unread_ops += posted.ops
+                self._direct_unread_bytes += posted.nbytes
+                self._read_posted(everything=False)
         except Exception as e:  # noqa: BLE001 - a lost connection, said to this caller
             raise self._direct_failure(e) from None
         finally:
@@ -701,33 +705,35 @@ class DaemonLink:
                 self._direct_unread_ops > MAX_OPS_AHEAD
                 or self._direct_unread_bytes > self.runtime.config.max_inflight_bytes)):
             posted = self._direct_unread[0]
-            try:
-                reply = self.channel.receive_direct(posted.rid, self.runtime.config.request_timeout, alive=self._alive)
-            except RemoteError as e:
+            with held_between_waits():  # an answer taken is settled before a Ctrl-C is raised
+                try:
+                    reply = self.channel.receive_direct(posted.rid, self.runtime.config.request_timeout,
+                                                        alive=self._alive)
+                except RemoteError as e:
+                    self._forget_oldest_posted()
+                    posted.settle(error=self._error_from(e))
+                    continue
+                except KeyboardInterrupt:
+                    raise  # Ctrl-C while waiting: the answer still comes, and the next reader reads it
+                except AnswerLost as e:
+                    # Ctrl-C cut the lane mid-answer: the batch ran, its answer is gone. A failure it
+                    # would have told of shows at its outputs' next read (the daemon keeps the poison);
+                    # a waiter holding its future learns that the answer is lost.
+                    self._forget_oldest_posted()
+                    if posted.future is None:
+                        posted.settle(Reply({}, []))
+                    else:
+                        posted.settle(error=GenieConnectionError(str(e)))
+                    continue
+                except BaseException as e:
+                    # The connection is gone: no answer will come. Each batch's waiter, or its
+                    # stream's next sync, learns it too (this caller may be the collector thread).
+                    self._drop_posted(self._direct_failure(e) if isinstance(e, Exception)
+                                      else GenieConnectionError(repr(e)))
+                    raise
                 self._forget_oldest_posted()
-                posted.settle(error=self._error_from(e))
-                continue
-            except KeyboardInterrupt:
-                raise  # Ctrl-C while waiting: the answer still comes, and the next reader reads it
-            except AnswerLost as e:
-                # Ctrl-C cut the lane mid-answer: the batch ran, its answer is gone. A failure it
-                # would have told of shows at its outputs' next read (the daemon keeps the poison);
-                # a waiter holding its future learns that the answer is lost.
-                self._forget_oldest_posted()
-                if posted.future is None:
-                    posted.settle(Reply({}, []))
-                else:
-                    posted.settle(error=GenieConnectionError(str(e)))
-                continue
-            except BaseException as e:
-                # The connection is gone: no answer will come. Each batch's waiter, or its
-                # stream's next sync, learns it too (this caller may be the collector thread).
-                self._drop_posted(self._direct_failure(e) if isinstance(e, Exception)
-                                  else GenieConnectionError(repr(e)))
-                raise
-            self._forget_oldest_posted()
-            self._log_timing(reply, posted.stream)
-            posted.settle(reply)
+                self._log_timing(reply, posted.stream)
+                posted.settle(reply)
 
     def _drop_posted(self, error: BaseException) -> None:
         """No answer will come to the unread posted batches: each one's waiter, or its stream's

@@ -17,6 +17,7 @@ import zmq.asyncio
 
 from genie import config as config_module
 from genie.errors import GenieConnectionError, GenieError
+from genie.transport import interrupts
 from genie.transport.hostmem import HostBufferPool
 
 from .embedded import LocalDaemon
@@ -318,6 +319,7 @@ class Runtime:
             if self.local_daemon is not None:
                 self.local_daemon.stop()
                 self.local_daemon = None
+        interrupts.stand_down()  # Python's own SIGINT handler again (genie/transport/interrupts.py)
 
     def hand_over_after_fork(self) -> "Runtime":
         """In a forked child: a fresh runtime for this process, which connects on first use to the

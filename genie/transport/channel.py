@@ -22,6 +22,7 @@ import zmq.asyncio
 from . import protocol, stream_framing
 from .busy_poll import BusyPoll
 from .errors import ProtocolError
+from .interrupts import held_between_waits, let_through
 
 log = logging.getLogger("genie.transport")
 
@@ -266,12 +267,12 @@ class Channel:
         client. The caller guarantees that nothing posted on the loop is still unanswered and
         that one thread at a time sends and reads here, so program order holds across the two
         sockets; several requests may be sent before their replies are read."""
-        with self._direct_lock:
+        with self._direct_lock, held_between_waits():  # sent and noted as awaited, or neither (interrupts.py)
             return self._send_direct(kind, body, frames)
 
     def receive_direct(self, rid: int, timeout: float, alive=lambda: True, poll_s: float = 0.5) -> Reply:
         """The reply to `send_direct`'s request `rid`. Raises TimeoutError, ChannelClosed, or RemoteError."""
-        with self._direct_lock:
+        with self._direct_lock, held_between_waits():  # an answer taken is filed (interrupts.py)
             return self._receive_direct(rid, timeout, alive, poll_s)
 
     def _send_direct(self, kind, body, frames) -> int:
@@ -284,8 +285,9 @@ class Channel:
         stream = self.direct_stream
         if stream is not None:
             try:
-                stream_framing.send_message(stream, [header, *frames],
-                                            self.direct_sealing[0] if self.direct_sealing else None)
+                with let_through():  # a full socket buffer may block this: Ctrl-C stops it (below)
+                    stream_framing.send_message(stream, [header, *frames],
+                                                self.direct_sealing[0] if self.direct_sealing else None)
             except KeyboardInterrupt:
                 # Ctrl-C in the middle of sending (a full socket buffer): the daemon would read the
                 # rest of the lane misframed. It is dropped, as a cut mid-answer is, and answers
@@ -406,12 +408,13 @@ class Channel:
     def _wait_readable(self, poll, timeout: float, alive, poll_s: float, waited: float) -> float:
         """Block until `poll(ms)` reports input; the seconds waited so far, updated. Raises
         ChannelClosed when the link is gone, TimeoutError past `timeout`."""
-        while not poll(int(min(poll_s, timeout - waited) * 1000) or 1):
-            waited += poll_s
-            if self.closed or not alive():
-                raise ChannelClosed(f"connection to {self.endpoint} was lost")
-            if waited >= timeout:
-                raise TimeoutError(f"genie-daemon at {self.endpoint} did not answer within {timeout:.0f}s")
+        with let_through():  # nothing is taken while waiting: Ctrl-C stops the wait at once
+            while not poll(int(min(poll_s, timeout - waited) * 1000) or 1):
+                waited += poll_s
+                if self.closed or not alive():
+                    raise ChannelClosed(f"connection to {self.endpoint} was lost")
+                if waited >= timeout:
+                    raise TimeoutError(f"genie-daemon at {self.endpoint} did not answer within {timeout:.0f}s")
         return waited
 
     def _spin_for_reply(self, poller) -> bool:
