@@ -9,6 +9,7 @@ id would be, and answers to that identity are written back on the lane.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 
@@ -37,11 +38,10 @@ class DirectLane:
     sock: object
     identity: bytes
     reader: stream_framing.MessageReader | stream_framing.SealedMessageReader
-    writer: stream_framing.MessageWriter
-    # Set when an answer could not be written (the client cut the lane, or left): later answers are
-    # dropped, and the lane is still read to its end, since requests the client wrote before the
-    # cut wait in it and must run, in order (a Unix socket refuses writes to a peer gone at once).
-    write_failed: bool = False
+    # Once an answer could not be written (the client cut the lane, or left) it fails and later
+    # answers are dropped, and the lane is still read to its end, since requests the client wrote
+    # before the cut wait in it and must run, in order (a Unix socket refuses writes to a peer gone at once).
+    writer: stream_framing.LoopMessageWriter
 
     def __post_init__(self) -> None:
         self.identity_frame = stream_framing.Frame(self.identity)  # heads each request, as a ZeroMQ routing id would
@@ -65,11 +65,11 @@ class DirectLanes:
         limits = (protocol.MAX_FRAMES + 1, max_frame_bytes(), self.bulk.max_transfer if self.bulk is not None else 1 << 40)
         if sealing is None:
             reader = stream_framing.MessageReader(conn, *limits)
-            writer = stream_framing.MessageWriter(conn)
         else:
             reader = stream_framing.SealedMessageReader(conn, sealing[1], *limits)
-            writer = stream_framing.MessageWriter(conn, sealing[0])
+        writer = stream_framing.LoopMessageWriter(self._loop, conn, sealing[0] if sealing is not None else None)
         lane = DirectLane(conn, identity, reader, writer)
+        writer.on_failure = functools.partial(self._stopped_writing, lane)
         old = self._direct.get(identity)
         if old is not None:
             # The client opened a new lane (its old one was cut by a Ctrl-C mid-answer): requests
@@ -104,33 +104,12 @@ class DirectLanes:
             self._schedule_drain()
 
     def _send_direct(self, lane: "DirectLane", parts: list) -> None:
-        if lane.write_failed:
-            return  # nobody reads this lane any more (see DirectLane.write_failed)
-        try:
-            lane.writer.write(parts)
-        except ConnectionError as e:
-            self._stop_writing(lane, e)
-            return
-        if lane.writer.pending:  # the client is slow to read: the rest goes when it can take it
-            self._loop.add_writer(lane.sock.fileno(), self._flush_direct, lane)
+        lane.writer.send(parts)  # dropped once the writer failed: nobody reads this lane any more
 
-    def _flush_direct(self, lane: "DirectLane") -> None:
-        try:
-            lane.writer.flush()
-        except ConnectionError as e:
-            self._stop_writing(lane, e)
-            return
-        if not lane.writer.pending:
-            self._loop.remove_writer(lane.sock.fileno())
-
-    def _stop_writing(self, lane: "DirectLane", why) -> None:
+    @staticmethod
+    def _stopped_writing(lane: "DirectLane", why) -> None:
         """An answer could not be written: no more answers go on this lane, but requests already in
         it are still read and run (the reader closes the lane at its end)."""
-        lane.write_failed = True
-        try:
-            self._loop.remove_writer(lane.sock.fileno())
-        except (ValueError, OSError):
-            pass
         log.info("direct lane of %s takes no more answers: %s", lane.identity.hex(), why)
 
     def _close_direct(self, lane: "DirectLane", why) -> None:
@@ -138,9 +117,9 @@ class DirectLanes:
             del self._direct[lane.identity]
         try:
             self._loop.remove_reader(lane.sock.fileno())
-            self._loop.remove_writer(lane.sock.fileno())
         except (ValueError, OSError):
             pass
+        lane.writer.stop()
         lane.sock.close()
         log.info("direct lane of %s closed: %s", lane.identity.hex(), why)
 

@@ -3,8 +3,8 @@
 Inside ZeroMQ a deposit passes an I/O thread at each end: from A's event loop to B's took ~200
 us of a 16 KiB copy's ~600 on this 2-core machine. On a direct lane A's loop writes the socket
 and B's loop reads it, as for a client's blocking requests (daemon/direct_lanes.py takes it at
-B: the peer greets like a client). Writes never wait (stream_framing.MessageWriter: what the
-socket does not take now goes when it is writable); B's answers are read here and dropped, a
+B: the peer greets like a client). Writes never wait (stream_framing.LoopMessageWriter: what
+the socket does not take now goes when it is writable); B's answers are read here and dropped, a
 refusal logged. A lane that fails is closed, and deposits go inside ZeroMQ again.
 """
 from __future__ import annotations
@@ -39,10 +39,10 @@ class PeerDirectLane:
         self.loop, self.endpoint, self.sock = loop, endpoint, sock
         if sealing is None:
             self.reader = stream_framing.MessageReader(sock, *_ANSWER_LIMITS)
-            self.writer = stream_framing.MessageWriter(sock)
         else:
             self.reader = stream_framing.SealedMessageReader(sock, sealing[1], *_ANSWER_LIMITS)
-            self.writer = stream_framing.MessageWriter(sock, sealing[0])
+        self.writer = stream_framing.LoopMessageWriter(loop, sock, sealing[0] if sealing is not None else None,
+                                                       on_failure=self.close)
         self.path = "tcp-sealed" if sealing is not None else "unix" if sock.family == socket.AF_UNIX else "tcp"
         self.closed = False
         self.sent = 0  # messages written
@@ -51,26 +51,10 @@ class PeerDirectLane:
     def write(self, parts: list) -> bool:
         """Write one message (header, frames); False where the lane is closed or fails now (the
         message did not go: send it another way)."""
-        if self.closed:
-            return False
-        try:
-            self.writer.write(parts)
-        except ConnectionError as e:
-            self.close(e)
+        if self.closed or not self.writer.send(parts):
             return False
         self.sent += 1
-        if self.writer.pending:
-            self.loop.add_writer(self.sock.fileno(), self._flush)
         return True
-
-    def _flush(self) -> None:
-        try:
-            self.writer.flush()
-        except ConnectionError as e:
-            self.close(e)
-            return
-        if not self.writer.pending:
-            self.loop.remove_writer(self.sock.fileno())
 
     def _read(self) -> None:
         try:
@@ -92,9 +76,9 @@ class PeerDirectLane:
         self.closed = True
         try:
             self.loop.remove_reader(self.sock.fileno())
-            self.loop.remove_writer(self.sock.fileno())
         except (ValueError, OSError, RuntimeError):  # RuntimeError: the loop is closed (daemon stopping)
             pass
+        self.writer.stop()
         self.sock.close()
         if why is not None:
             log.info("direct lane to peer %s closed (its deposits go over ZeroMQ): %s", self.endpoint, why)

@@ -2,11 +2,12 @@
 
 `exec`, `stats` and `bye` go, in arrival order, to one worker thread that owns all
 tensors (so each client's ops run in program order), and their replies are sent when
-that work is done; a small request a client is blocked on (or a peer daemon's client, for
-a send to that peer) runs at once when the worker is idle. A request that needs a peer's
+that work is done; a small request a client is blocked on (or a small copy to or from a
+peer daemon) runs at once on the loop when the worker is idle. A request that needs a peer's
 tensor or bulk-lane bytes not yet arrived is parked (with that client's later requests)
-until they come, so it never holds up other clients. `hello`, `ping` and `event` are answered at once. Any malformed message gets an
-error reply; nothing a client sends can stop the loop.
+until they come, so it never holds up other clients. `hello`, `ping` and `event` are
+answered at once. Any malformed message gets an error reply; nothing a client sends can
+stop the loop.
 """
 from __future__ import annotations
 

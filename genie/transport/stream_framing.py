@@ -419,3 +419,51 @@ class MessageWriter:
                 else:
                     self._queue[0] = head[sent:]
                     sent = 0
+
+
+class LoopMessageWriter(MessageWriter):
+    """A MessageWriter on an asyncio event loop (the daemon's lanes, to clients and to peers):
+    what the socket does not take now goes when the loop sees it writable. A write or flush that
+    fails calls `on_failure(error)` once and stops the writer: later messages do not go."""
+
+    def __init__(self, loop, sock: socket.socket, sending: "sealed_lane.Direction | None" = None,
+                 on_failure=None) -> None:
+        super().__init__(sock, sending)
+        self.loop, self.on_failure = loop, on_failure
+        self.failed = False
+
+    def send(self, parts: list) -> bool:
+        """Write one message (header, frames); False where the writer failed, now or before: the
+        message did not go."""
+        if self.failed:
+            return False
+        try:
+            self.write(parts)
+        except ConnectionError as e:
+            self._fail(e)
+            return False
+        if self._queue:  # the reader is slow: the rest goes when it can take it
+            self.loop.add_writer(self.sock.fileno(), self._flush_when_writable)
+        return True
+
+    def _flush_when_writable(self) -> None:
+        try:
+            self.flush()
+        except ConnectionError as e:
+            self._fail(e)
+            return
+        if not self._queue:
+            self.loop.remove_writer(self.sock.fileno())
+
+    def stop(self) -> None:
+        """Stop waiting for the socket to be writable (it is closing)."""
+        try:
+            self.loop.remove_writer(self.sock.fileno())
+        except (ValueError, OSError, RuntimeError):  # closed already; RuntimeError: the loop is closed
+            pass
+
+    def _fail(self, error: ConnectionError) -> None:
+        self.failed = True
+        self.stop()
+        if self.on_failure is not None:
+            self.on_failure(error)

@@ -184,3 +184,35 @@ def test_many_messages_in_one_read_and_a_length_table_bigger_than_the_stage():
     t.join(10)
     assert [[f.bytes for f in m] for m in out] == [*many, wide, big]
     a.close(), b.close()
+
+
+def test_a_loop_writer_flushes_on_the_loop_and_stops_once_a_write_fails():
+    import asyncio
+
+    failures: list = []
+
+    async def scenario():
+        a, b = _pair()
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        writer = sf.LoopMessageWriter(asyncio.get_running_loop(), b, on_failure=failures.append)
+        big = bytes(range(256)) * 2048  # 512 KiB: more than the socket takes now
+        assert writer.send([b"header", big])
+        assert writer.pending  # the rest goes when the loop sees the socket writable
+        a.settimeout(10)
+        got = await asyncio.get_running_loop().run_in_executor(None, sf.receive_message, a, 4, 1 << 20, 1 << 20)
+        for _ in range(100):
+            if not writer.pending:
+                break
+            await asyncio.sleep(0.01)
+        assert not writer.pending and [f.bytes for f in got] == [b"header", big]
+        a.close()
+        for _ in range(3):  # the peer is gone: the first send that meets it fails, once
+            writer.send([b"after", big])
+            await asyncio.sleep(0.01)
+        sent_after = writer.send([b"more"])
+        b.close()
+        return writer, sent_after
+
+    writer, sent_after = asyncio.run(scenario())
+    assert writer.failed and not sent_after
+    assert len(failures) == 1 and isinstance(failures[0], ConnectionError)
