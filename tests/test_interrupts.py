@@ -284,7 +284,7 @@ def test_ctrl_c_in_the_middle_of_sending_a_request(daemon_endpoint, monkeypatch)
         first = channel.direct_stream
         real_send = stream_framing.send_message
 
-        def interrupted(sock, parts, sealing=None):
+        def interrupted(sock, parts, sealing=None, waiting=None):
             monkeypatch.setattr(stream_framing, "send_message", real_send)  # once
             whole = b"".join(bytes(buf) for buf in stream_framing.encode(parts))
             sock.sendall(whole[:len(whole) // 2])  # half the message went out

@@ -285,9 +285,9 @@ class Channel:
         stream = self.direct_stream
         if stream is not None:
             try:
-                with let_through():  # a full socket buffer may block this: Ctrl-C stops it (below)
-                    stream_framing.send_message(stream, [header, *frames],
-                                                self.direct_sealing[0] if self.direct_sealing else None)
+                # Only a full socket buffer makes this wait, and only there Ctrl-C stops it (below).
+                stream_framing.send_message(stream, [header, *frames],
+                                            self.direct_sealing[0] if self.direct_sealing else None, let_through)
             except KeyboardInterrupt:
                 # Ctrl-C in the middle of sending (a full socket buffer): the daemon would read the
                 # rest of the lane misframed. It is dropped, as a cut mid-answer is, and answers

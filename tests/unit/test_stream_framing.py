@@ -216,3 +216,45 @@ def test_a_loop_writer_flushes_on_the_loop_and_stops_once_a_write_fails():
     writer, sent_after = asyncio.run(scenario())
     assert writer.failed and not sent_after
     assert len(failures) == 1 and isinstance(failures[0], ConnectionError)
+
+
+class _Waits:
+    entered = 0
+
+    def __enter__(self):
+        _Waits.entered += 1
+
+    def __exit__(self, *exc):
+        pass
+
+
+def test_a_message_the_socket_takes_at_once_never_enters_the_wait():
+    a, b = socket.socketpair()
+    _Waits.entered = 0
+    sf.send_message(b, [b"header", bytes(1000)], None, _Waits)
+    a.settimeout(10)
+    assert [f.bytes for f in sf.receive_message(a, 4, 1 << 20, 1 << 20)] == [b"header", bytes(1000)]
+    assert _Waits.entered == 0
+    a.close(), b.close()
+
+
+def test_only_what_a_full_socket_leaves_is_written_inside_the_wait():
+    a, b = socket.socketpair()
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    parts = [b"header", bytes(range(256)) * 1024, b"tail" * 1000]  # 256 KiB: more than the socket takes
+    got = []
+    reader = threading.Thread(target=lambda: got.append(sf.receive_message(a, 4, 1 << 20, 1 << 20)))
+    _Waits.entered = 0
+    reader.start()
+    sf.send_message(b, parts, None, _Waits)
+    reader.join(10)
+    assert _Waits.entered == 1 and [f.bytes for f in got[0]] == parts
+    a.close(), b.close()
+
+
+def test_unsent_is_what_follows_the_bytes_that_went():
+    bufs = [b"abc", memoryview(b"defg"), b"hi"]
+    assert [bytes(x) for x in sf._unsent(bufs, 0)] == [b"abc", b"defg", b"hi"]
+    assert [bytes(x) for x in sf._unsent(bufs, 3)] == [b"defg", b"hi"]
+    assert [bytes(x) for x in sf._unsent(bufs, 5)] == [b"fg", b"hi"]
+    assert sf._unsent(bufs, 9) == []
