@@ -768,8 +768,8 @@ PARK_POLL_S = 0.05
 
 def _from_another_host(source) -> bool:
     """Whether a message (a ZeroMQ frame of it, or the direct lane's socket it came on) came over
-    TCP from an address other than loopback (a peer on this host reached by one of its other
-    addresses counts as another host)."""
+    TCP from another host: not from loopback, nor from one of this host's own addresses (a peer
+    daemon on this host that reached us by our LAN address shares our cores all the same)."""
     try:
         if isinstance(source, socket.socket):
             if source.family not in (socket.AF_INET, socket.AF_INET6):
@@ -780,9 +780,22 @@ def _from_another_host(source) -> bool:
     except (AttributeError, OSError, zmq.ZMQError):  # no address
         return False
     try:
-        return not ipaddress.ip_address(address).is_loopback
+        ip = ipaddress.ip_address(address)
     except ValueError:  # ipc ("localhost:..."): this host
         return False
+    if ip.version == 6 and ip.ipv4_mapped is not None:  # a dual-stack listener's view of an IPv4 peer
+        ip = ip.ipv4_mapped
+    return not ip.is_loopback and not _own_address(ip)
+
+
+def _own_address(ip) -> bool:
+    """Whether `ip` is an address of this host: only those can be bound (once per peer client)."""
+    with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.bind((str(ip), 0))
+        except OSError:  # EADDRNOTAVAIL: another host's
+            return False
+    return True
 
 
 def _transfers_awaited(request, bulk_refs: list) -> list:

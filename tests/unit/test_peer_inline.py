@@ -9,6 +9,7 @@ import asyncio
 import threading
 import types
 
+import pytest
 import torch
 import zmq
 
@@ -200,3 +201,30 @@ def test_peers_on_other_hosts_do_not_stop_the_idle_poll_for_a_programs_requests(
 
     assert served(None) == 1 and served(None, "elsewhere") == 1 and served(None, "elsewhere", "elsewhere") == 1
     assert served(None, "here") == 2 and served(None, None) == 2 and served() == 0
+
+
+def _own_lan_address() -> str | None:
+    """This host's address towards a LAN (a UDP socket's connect sends nothing), or None."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.123", 9))  # TEST-NET-1: only the route is looked up
+        except OSError:
+            return None
+        address = probe.getsockname()[0]
+    return None if address.startswith("127.") or address == "0.0.0.0" else address
+
+
+def test_a_peer_on_this_host_reached_by_its_lan_address_counts_as_here():
+    # Before, a peer daemon on this host that connected to our LAN address counted as another
+    # host's, so the idle poll went on while its process shared these cores.
+    from genie_daemon.server import _from_another_host
+
+    address = _own_lan_address()
+    if address is None:
+        pytest.skip("needs a non-loopback IPv4 address on this host (none is routed here)")
+    assert not _from_another_host(_Frame(address))
+    assert not _from_another_host(_Frame(f"::ffff:{address}"))  # as a dual-stack listener sees it
+    assert not _from_another_host(_Frame("::ffff:127.0.0.1"))
+    assert _from_another_host(_Frame("::ffff:10.77.0.2"))
