@@ -197,7 +197,7 @@ print("value", x[0].item(), (x * 2).cpu().tolist())
 @pytest.mark.parametrize("direct_lane", ["1", "0"], ids=["direct lane", "zeromq"])
 def test_ctrl_c_just_after_an_answer_was_taken_loses_nothing(daemon_endpoint, direct_lane):
     """SIGINT whose KeyboardInterrupt Python raises just after an answer came off the socket, before
-    it was filed (the random Ctrl-Cs above hung so about 1 run in 40 under load): the answer was
+    it was filed (the random Ctrl-Cs above hung so in 2 of about 11 runs with the other core busy): the answer was
     lost, its posted batch stayed unread, and every later read waited for it (here: "did not
     answer within 8s"). The interrupt is now held until the answer is settled (interrupts.py)."""
     env = dict(os.environ, GENIE_REQUEST_TIMEOUT="8", GENIE_DIRECT_LANE=direct_lane)

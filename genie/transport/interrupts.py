@@ -2,9 +2,10 @@
 
 Python raises KeyboardInterrupt at its next check after SIGINT, which may be just after a C call
 that took a message off a socket and before the message was filed anywhere: the answer was gone
-and its reader waited for it for good (1 run in ~40 of tests/test_interrupts.py's random Ctrl-Cs
-under load hung so). Likewise a bulk transfer is a header and then its bytes on a stream socket:
-an interrupt in the middle left the stream between two records (the next transfer never arrived).
+and its reader waited for it for good (tests/test_interrupts.py's loop of random Ctrl-Cs hung so
+in 2 of about 11 runs with the other core busy). Likewise a bulk transfer is a header and then
+its bytes on a stream socket: an interrupt in the middle left the stream between two records
+(the next transfer never arrived).
 
 Within `held_interrupts()` a Ctrl-C is noted, and raised when the outermost block ends, where the
 state is whole again (CUDA cannot stop a copy halfway either). `held_between_waits()` is the

@@ -437,19 +437,12 @@ class MessageWriter:
         """Send what the socket takes now; raises ConnectionError when the peer is gone."""
         while self._queue:
             try:
-                sent = self.sock.sendmsg(self._queue[:64])
+                sent = self.sock.sendmsg(self._queue[:_IOV_AT_ONCE])
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:
                 raise ConnectionError(f"direct lane send failed: {e}") from e
-            while sent and self._queue:
-                head = self._queue[0]
-                if sent >= head.nbytes:
-                    sent -= head.nbytes
-                    self._queue.pop(0)
-                else:
-                    self._queue[0] = head[sent:]
-                    sent = 0
+            self._queue = _unsent(self._queue, sent)
 
 
 class LoopMessageWriter(MessageWriter):
