@@ -165,10 +165,20 @@ import os, signal, sys
 import torch, genie
 from genie.runtime import get_runtime
 from genie.transport import channel
+handled = []
+
+def own(signum, frame):  # a program's own handler, set before genie waits on a daemon or after
+    handled.append(signum)
+    raise KeyboardInterrupt
+
+if sys.argv[2] == "own before":
+    signal.signal(signal.SIGINT, own)
 genie.init(sys.argv[1])
 d = "remote_accelerator:0"
 x = torch.zeros(4, device=d)
 torch.remote_accelerator.synchronize()
+if sys.argv[2] == "own after":
+    signal.signal(signal.SIGINT, own)
 link = get_runtime().streams[0].link
 for _ in range(200):
     x += 1  # full batches posted ahead on the direct socket, their answers unread
@@ -191,21 +201,27 @@ except KeyboardInterrupt:
     print("interrupted")
 channel.Channel._reply_for = original
 print("value", x[0].item(), (x * 2).cpu().tolist())
+print("handled", len(handled))
 """
 
 
-@pytest.mark.parametrize("direct_lane", ["1", "0"], ids=["direct lane", "zeromq"])
-def test_ctrl_c_just_after_an_answer_was_taken_loses_nothing(daemon_endpoint, direct_lane):
+@pytest.mark.parametrize("direct_lane, handler", [("1", "default"), ("0", "default"), ("1", "own before"),
+                                                   ("1", "own after")],
+                         ids=["direct lane", "zeromq", "own handler set first", "own handler set later"])
+def test_ctrl_c_just_after_an_answer_was_taken_loses_nothing(daemon_endpoint, direct_lane, handler):
     """SIGINT whose KeyboardInterrupt Python raises just after an answer came off the socket, before
-    it was filed (the random Ctrl-Cs above hung so in 2 of about 11 runs with the other core busy): the answer was
-    lost, its posted batch stayed unread, and every later read waited for it (here: "did not
-    answer within 8s"). The interrupt is now held until the answer is settled (interrupts.py)."""
+    it was filed (the random Ctrl-Cs above hung so in 2 of about 11 runs with the other core busy):
+    the answer was lost, its posted batch stayed unread, and every later read waited for it (here:
+    "did not answer within 8s"). The interrupt is now held until the answer is settled
+    (interrupts.py), also when the program has a SIGINT handler of its own that raises, set before
+    genie first waited on the daemon or after."""
     env = dict(os.environ, GENIE_REQUEST_TIMEOUT="8", GENIE_DIRECT_LANE=direct_lane)
-    done = subprocess.run([sys.executable, "-c", TAKEN_PROGRAM, daemon_endpoint], capture_output=True, text=True,
-                          timeout=120, env=env)
+    done = subprocess.run([sys.executable, "-c", TAKEN_PROGRAM, daemon_endpoint, handler], capture_output=True,
+                          text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     lines = done.stdout.split("\n")
-    assert lines[:3] == [f"lane {direct_lane == '1'}", "interrupted", "value 200.0 [400.0, 400.0, 400.0, 400.0]"]
+    assert lines[:4] == [f"lane {direct_lane == '1'}", "interrupted", "value 200.0 [400.0, 400.0, 400.0, 400.0]",
+                         f"handled {0 if handler == 'default' else 1}"]
 
 
 @pytest.fixture(params=["tcp", "tcp local lane", "ipc"])

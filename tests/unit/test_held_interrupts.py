@@ -1,5 +1,6 @@
 """genie.transport.interrupts: a Ctrl-C waits for the end of a held block, or for a wait inside
-`held_between_waits`; outside blocks it is raised as Python's own handler raises it."""
+`held_between_waits`; outside blocks it reaches its handler at once (Python's own, which raises,
+or the program's)."""
 import os
 import signal
 import threading
@@ -21,7 +22,6 @@ def _default_handler_after():
     yield
     assert interrupts._hold.depth == 0 and interrupts._hold.strict == 0 and not interrupts._hold.came
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    interrupts._hold.installed = False
 
 
 def test_an_interrupt_inside_is_raised_at_the_end():
@@ -106,14 +106,73 @@ def test_a_strict_block_lets_no_wait_through():
     assert reached == ["waited on", "sent"]
 
 
-def test_a_programs_own_handler_is_left_alone():
+class _Stop(BaseException):
+    """What a program's own SIGINT handler raises in these tests."""
+
+
+def _own_handler(seen: list):
+    def own(signum, frame):
+        seen.append(signum)
+        raise _Stop
+
+    return own
+
+
+def test_a_programs_own_handler_is_held_back_too():
+    seen = []
+    previous = signal.signal(signal.SIGINT, _own_handler(seen))
+    try:
+        reached = []
+        with pytest.raises(_Stop):
+            with held_interrupts():
+                _interrupt_self()
+                reached.append("after the signal")
+                assert seen == []  # not yet
+        assert reached == ["after the signal"] and seen == [signal.SIGINT]
+        with pytest.raises(_Stop):  # outside a block it runs at once
+            _interrupt_self()
+        assert seen == [signal.SIGINT] * 2
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_a_handler_set_after_ours_is_held_back_from_the_next_block_on():
+    with held_interrupts():
+        pass
+    assert signal.getsignal(signal.SIGINT) is interrupts._on_sigint
+    seen = []
+    signal.signal(signal.SIGINT, _own_handler(seen))  # the program's, set later
+    with pytest.raises(_Stop):
+        with held_between_waits():
+            _interrupt_self()
+            assert seen == []
+            with pytest.raises(_Stop):  # a wait lets it through
+                with let_through():
+                    pass
+            assert seen == [signal.SIGINT]
+            _interrupt_self()
+    assert seen == [signal.SIGINT] * 2
+
+
+def test_a_handler_that_only_notes_the_interrupt_notes_it_at_the_end():
     seen = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
     try:
         with held_interrupts():
             _interrupt_self()
-            assert seen == [signal.SIGINT]  # ran at once, as without the block
-        assert signal.getsignal(signal.SIGINT) is not interrupts._on_sigint
+            assert seen == []
+        assert seen == [signal.SIGINT]
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_an_ignored_interrupt_is_left_alone():
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with held_interrupts():
+            _interrupt_self()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert not interrupts._hold.came
     finally:
         signal.signal(signal.SIGINT, previous)
 
@@ -142,12 +201,15 @@ def test_standing_down_puts_the_default_handler_back():
     assert signal.getsignal(signal.SIGINT) is interrupts._on_sigint
 
 
-def test_standing_down_leaves_a_programs_own_handler():
+def test_standing_down_puts_a_programs_own_handler_back():
     def own(signum, frame):
         pass
 
     previous = signal.signal(signal.SIGINT, own)
     try:
+        with held_interrupts():
+            pass
+        assert signal.getsignal(signal.SIGINT) is interrupts._on_sigint
         interrupts.stand_down()
         assert signal.getsignal(signal.SIGINT) is own
     finally:
