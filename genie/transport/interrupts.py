@@ -15,7 +15,8 @@ once, so Ctrl-C still stops a long wait for an answer.
 This needs a SIGINT handler of our own: swapping it in per block cost ~5-9 us (two sigaction
 calls), too much for a ~100 us round trip, so it stays in. The first block entered on the main
 thread puts it in front of the handler it finds, Python's default one or the program's own, and
-an outermost block looks again (~0.05 us) in case the program set another since. Outside blocks
+an outermost block looks again (~0.05 us) in case the program set another since (ipykernel
+puts Python's in for each cell and its own back after it). Outside blocks
 it calls the handler it stands in front of at once; a Ctrl-C that came within a block reaches
 that handler as the block ends (or as a wait lets it through). So a program's handler that
 raises (KeyboardInterrupt, SystemExit) is held back like the default one, and one that only
