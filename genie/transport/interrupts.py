@@ -38,16 +38,15 @@ _get_ident = threading.get_ident
 
 class _Hold:
     """Process-wide: how deep the main thread is in held blocks (and in those that let no wait
-    through), and whether a SIGINT came meanwhile. An instance, not class attributes: setting a
-    class's attribute costs several times more, and this runs a few times per round trip."""
+    through), and the handler a SIGINT that came meanwhile is for. An instance, not class
+    attributes: setting a class's attribute costs several times more, and this runs a few times
+    per round trip."""
 
-    __slots__ = ("depth", "strict", "came", "chained", "declined")
+    __slots__ = ("depth", "strict", "came", "declined")
 
     def __init__(self) -> None:
         self.depth = self.strict = 0
-        self.came = False
-        self.chained = signal.default_int_handler  # the handler ours stands in front of (kept: a
-        # program may put ours back after setting its own for a while)
+        self.came = None  # the handler a SIGINT that came while held is delivered to
         self.declined = None  # a handler found and left alone (SIG_IGN, SIG_DFL): not looked at again
 
 
@@ -57,11 +56,21 @@ _hold = _Hold()
 _SIGINT = int(signal.SIGINT)
 
 
-def _on_sigint(signum, frame) -> None:
-    if _hold.depth:
-        _hold.came = True
-        return
-    _hold.chained(signum, frame)  # Python's default handler raises KeyboardInterrupt, as without us
+class _InFront:
+    """Our SIGINT handler, standing in front of `chained` (the one it found in force). One per
+    handler it stands in front of: a program that saved it (`old = signal.signal(SIGINT, mine)`)
+    and puts it back later gets the handler that was in force then, not one set since."""
+
+    __slots__ = ("chained",)
+
+    def __init__(self, chained) -> None:
+        self.chained = chained
+
+    def __call__(self, signum, frame) -> None:
+        if _hold.depth:
+            _hold.came = self.chained
+            return
+        self.chained(signum, frame)  # Python's default handler raises KeyboardInterrupt, as without us
 
 
 def _stand_in_front(found) -> None:
@@ -70,9 +79,8 @@ def _stand_in_front(found) -> None:
     if not callable(found):  # SIG_IGN, SIG_DFL (ints), or None (set from outside Python)
         hold.declined = found
         return
-    hold.chained = found
     try:
-        signal.signal(signal.SIGINT, _on_sigint)
+        signal.signal(signal.SIGINT, _InFront(found))
         hold.declined = None
     except ValueError:  # not the main interpreter's main thread after all: nothing to hold
         hold.declined = found
@@ -80,16 +88,18 @@ def _stand_in_front(found) -> None:
 
 def _deliver_if_came() -> None:
     """A Ctrl-C that came while held reaches the handler it came to (the default one raises)."""
-    if _hold.came:
-        _hold.came = False
-        _hold.chained(_SIGINT, sys._getframe(1))
+    handler = _hold.came
+    if handler is not None:
+        _hold.came = None
+        handler(_SIGINT, sys._getframe(1))
 
 
 class held_interrupts:
     """`with held_interrupts():` SIGINT does not raise KeyboardInterrupt within the block, waits
     included; one that came reaches its handler when the outermost block ends (the default one
-    raises then, also when the block raised something else: the user's Ctrl-C is not lost). For bytes that must all go out. Blocks nest.
-    A class, not a generator: entered a few times per answer read (~0.3 us each).
+    raises then, also when the block raised something else: the user's Ctrl-C is not lost). For
+    bytes that must all go out. Blocks nest. A class, not a generator: entered a few times per
+    answer read (~0.3 us each).
 
     Each block puts back the depths it found rather than counting down: an interrupt raised as a
     `let_through` ends (before it restored them) then cannot leave the count off for good."""
@@ -104,7 +114,7 @@ class held_interrupts:
         hold = _hold
         if not hold.depth:
             found = _getsignal(_SIGINT)
-            if found is not _on_sigint and found is not hold.declined:
+            if type(found) is not _InFront and found is not hold.declined:
                 _stand_in_front(found)
         self.depth, self.strict = hold.depth, hold.strict
         hold.depth += 1
@@ -116,7 +126,7 @@ class held_interrupts:
         if self.depth is not None:
             hold = _hold
             hold.depth, hold.strict = self.depth, self.strict
-            if not self.depth and hold.came:
+            if not self.depth and hold.came is not None:
                 _deliver_if_came()
 
 
@@ -158,8 +168,9 @@ def stand_down() -> None:
     if _get_ident() != _MAIN_THREAD or _hold.depth:
         return
     try:
-        if _getsignal(_SIGINT) is _on_sigint:
-            signal.signal(signal.SIGINT, _hold.chained)
+        found = _getsignal(_SIGINT)
+        if type(found) is _InFront:
+            signal.signal(signal.SIGINT, found.chained)
     except ValueError:
         pass
     _hold.declined = None

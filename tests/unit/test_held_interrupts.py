@@ -17,6 +17,10 @@ def _interrupt_self() -> None:
     time.sleep(0.05)  # Python runs the handler at its next check, well within this
 
 
+def _ours_in() -> bool:
+    return isinstance(signal.getsignal(signal.SIGINT), interrupts._InFront)
+
+
 @pytest.fixture(autouse=True)
 def _default_handler_after():
     yield
@@ -36,7 +40,7 @@ def test_an_interrupt_inside_is_raised_at_the_end():
 def test_outside_a_block_the_handler_raises_at_once():
     with held_interrupts():
         pass
-    assert signal.getsignal(signal.SIGINT) is interrupts._on_sigint  # installed once, kept
+    assert _ours_in()  # installed once, kept
     reached = []
     with pytest.raises(KeyboardInterrupt):
         _interrupt_self()
@@ -139,7 +143,7 @@ def test_a_programs_own_handler_is_held_back_too():
 def test_a_handler_set_after_ours_is_held_back_from_the_next_block_on():
     with held_interrupts():
         pass
-    assert signal.getsignal(signal.SIGINT) is interrupts._on_sigint
+    assert _ours_in()
     seen = []
     signal.signal(signal.SIGINT, _own_handler(seen))  # the program's, set later
     with pytest.raises(_Stop):
@@ -164,6 +168,22 @@ def test_a_handler_that_only_notes_the_interrupt_notes_it_at_the_end():
         assert seen == [signal.SIGINT]
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_a_handler_the_program_saved_and_puts_back_is_the_one_in_force_then():
+    """`old = signal.signal(SIGINT, mine)` ... `signal.signal(SIGINT, old)` (a context manager of
+    the program's): once it puts back what it saved, its own handler no longer gets Ctrl-C."""
+    with held_interrupts():  # ours in front of Python's default
+        pass
+    seen = []
+    saved = signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
+    with held_interrupts():  # ours in front of the program's, for a while
+        pass
+    assert _ours_in()
+    signal.signal(signal.SIGINT, saved)
+    with pytest.raises(KeyboardInterrupt):
+        _interrupt_self()
+    assert seen == []
 
 
 def test_an_ignored_interrupt_is_left_alone():
@@ -193,12 +213,12 @@ def test_off_the_main_thread_it_changes_nothing():
 def test_standing_down_puts_the_default_handler_back():
     with held_interrupts():
         pass
-    assert signal.getsignal(signal.SIGINT) is interrupts._on_sigint
+    assert _ours_in()
     interrupts.stand_down()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     with held_interrupts():  # and the next block installs it again
         pass
-    assert signal.getsignal(signal.SIGINT) is interrupts._on_sigint
+    assert _ours_in()
 
 
 def test_standing_down_puts_a_programs_own_handler_back():
@@ -209,7 +229,7 @@ def test_standing_down_puts_a_programs_own_handler_back():
     try:
         with held_interrupts():
             pass
-        assert signal.getsignal(signal.SIGINT) is interrupts._on_sigint
+        assert _ours_in()
         interrupts.stand_down()
         assert signal.getsignal(signal.SIGINT) is own
     finally:
