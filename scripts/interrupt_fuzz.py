@@ -65,7 +65,7 @@ args = [int(a) for a in sys.argv[1:4]] + [1, 400, 1][len(sys.argv) - 1:]
 lo, hi, step = args[0], min(args[1], total), args[2]
 bad = 0
 for at in range(lo, hi, step):
-    state["n"] = 0; state["at"] = at
+    state["n"] = 0; state["at"] = at; state["where"] = None  # None: this pass ran fewer lines
     t0 = time.time()
     try:
         sys.settrace(tracer)
