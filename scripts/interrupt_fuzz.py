@@ -1,20 +1,29 @@
 """Ctrl-C at every point of a small program's passage through Genie, one point per try.
 
-A tracer counts the lines Genie's own code runs on the main thread and, at the N-th, sends this
-process SIGINT (Python then runs the handler at its next check, as for a real Ctrl-C). Each try
-catches the KeyboardInterrupt and then checks that the program is still usable: a value within
-one increment of what was added, a fresh computation right, nothing waiting past
-GENIE_REQUEST_TIMEOUT (6 s here). Prints BAD (wrong values), FAIL (an error) or nothing per try;
-a try that hangs prints nothing more (`py-spy dump` the process to see where).
+Python raises a KeyboardInterrupt only at its checks: after a call returns, at a function's
+start, and at a loop's jump back (CPython's eval breaker). A tracer follows the instructions
+Genie's code (and threading's and concurrent.futures', as Genie calls them) runs on the main
+thread, counts those checks and, at the N-th, sends this process SIGINT, which raises there.
+(Checks after which the next instruction has another exception handler are skipped: raised from
+the tracer, the interrupt would land at that instruction, where a real one cannot, e.g. between
+a `with` block's last call and its `__exit__`.) Each try catches the KeyboardInterrupt and
+then checks that the program is still usable: a value within one increment of what was added, a
+fresh computation right, nothing waiting past GENIE_REQUEST_TIMEOUT (6 s here). Prints BAD
+(wrong values), FAIL (an error) or nothing per try; a try that hangs prints nothing more
+(`py-spy dump` the process to see where).
 
-    python scripts/interrupt_fuzz.py [first try] [last try] [step]   # default 1 400 1
+    python scripts/interrupt_fuzz.py [first try] [last try] [step]   # default: every line of a pass
+    GENIE_FUZZ_ONLY=runtime/link.py,runtime/stream.py python scripts/interrupt_fuzz.py   # those files' checks
 
-With no daemon configured it uses the embedded one. Found on 2026-11-29 (see bench/NOTES.md):
-batches taken from the stream but not yet sent are lost (values off by the ops they held); the
-direct socket claimed and never handed back (every later op: "acknowledged nothing"); and a
-lock taken by a `with` and never released (the next blocking read waits for good). Not fixed yet.
+With no daemon configured it uses the embedded one. Ends with "done FIRST LAST bad N" and exits
+1 when N > 0. Found on 2026-11-29 (see bench/NOTES.md), and mended since: batches taken from the
+stream but not yet sent were lost (values off by the ops they held); the direct socket claimed and
+never handed back (every later op: "acknowledged nothing"); a lock taken by a `with` and never
+released (the next blocking read waited for good); Ctrl-Cs swallowed in `__del__`.
+tests/test_interrupts.py runs it over the checks in runtime/link.py and runtime/stream.py.
 """
-import os, signal, sys, time
+import dis, os, signal, sys, threading, time
+import concurrent.futures
 os.environ.setdefault("GENIE_REQUEST_TIMEOUT", "6")
 import torch, genie
 if os.environ.get("GENIE_SERVER_URL"):
@@ -23,19 +32,43 @@ d = "remote_accelerator:0"
 GENIE = os.path.dirname(genie.__file__)
 state = {"n": 0, "at": -1}
 
-def tracer(frame, event, arg):
-    if not frame.f_code.co_filename.startswith(GENIE):
-        return None
-    return local
+ONLY = tuple(os.path.join(GENIE, f) for f in os.environ.get("GENIE_FUZZ_ONLY", "").split(",") if f)
+TRACED = ONLY or (GENIE, threading.__file__, concurrent.futures._base.__file__)
+CHECKS = ("CALL", "CALL_FUNCTION_EX", "RESUME", "JUMP_BACKWARD", "POP_JUMP_BACKWARD_IF_FALSE",
+          "POP_JUMP_BACKWARD_IF_TRUE", "POP_JUMP_BACKWARD_IF_NONE", "POP_JUMP_BACKWARD_IF_NOT_NONE")
+_layout: dict = {}
 
-def local(frame, event, arg):
-    if event == "line":
-        state["n"] += 1
-        if state["n"] == state["at"]:
-            state["where"] = (frame.f_code.co_filename.rsplit("/", 2)[-2:], frame.f_lineno, frame.f_code.co_name)
-            # A Ctrl-C now: Python runs the SIGINT handler at its next check (inside a held
-            # block Genie's handler keeps it back; elsewhere it raises KeyboardInterrupt).
-            os.kill(os.getpid(), signal.SIGINT)
+def layout(code):
+    """{offset: (a check?, its exception handler)} for the instructions of `code`."""
+    found = _layout.get(code)
+    if found is None:
+        entries = dis.Bytecode(code).exception_entries
+        found = _layout[code] = {
+            i.offset: (i.opname in CHECKS, next((e.target for e in entries if e.start <= i.offset < e.end), None))
+            for i in dis.get_instructions(code)}
+    return found
+
+def tracer(frame, event, arg):
+    if not frame.f_code.co_filename.startswith(TRACED):
+        return None
+    frame.f_trace_opcodes = True
+    frame.f_trace_lines = False
+    at = layout(frame.f_code)
+    previous = [None]
+
+    def local(frame, event, arg):
+        if event == "opcode":
+            now, before = frame.f_lasti, previous[0]
+            previous[0] = now
+            if before is not None and at[before][0] and at[before][1] == at.get(now, (0, -1))[1]:
+                state["n"] += 1
+                if state["n"] == state["at"]:
+                    state["where"] = (frame.f_code.co_filename.rsplit("/", 2)[-2:], frame.f_lineno,
+                                      frame.f_code.co_name)
+                    # A Ctrl-C now: Python runs the SIGINT handler at once (inside a held block
+                    # Genie's handler keeps it back; elsewhere it raises KeyboardInterrupt).
+                    os.kill(os.getpid(), signal.SIGINT)
+        return local
     return local
 
 x = torch.zeros(4, device=d)
@@ -55,14 +88,14 @@ def work():
     assert torch.equal(back, big[:1000] * 2)
     torch.remote_accelerator.synchronize()
 
-# dry run: how many lines one pass runs
+# dry run: how many checks one pass passes
 state["at"] = -1; state["n"] = 0
 sys.settrace(tracer); work(); sys.settrace(None)
 total = state["n"]
 got = x[0].item(); assert got == expected, (got, expected)
-print("lines per pass", total, flush=True)
-args = [int(a) for a in sys.argv[1:4]] + [1, 400, 1][len(sys.argv) - 1:]
-lo, hi, step = args[0], min(args[1], total), args[2]
+print("checks per pass", total, flush=True)
+args = [int(a) for a in sys.argv[1:4]] + [1, total, 1][len(sys.argv) - 1:]
+lo, hi, step = args[0], min(args[1], total + 1), args[2]
 bad = 0
 for at in range(lo, hi, step):
     state["n"] = 0; state["at"] = at; state["where"] = None  # None: this pass ran fewer lines
@@ -73,6 +106,11 @@ for at in range(lo, hi, step):
         hit = False
     except KeyboardInterrupt:
         hit = True
+    except Exception as e:  # work()'s own check, or an error out of Genie
+        sys.settrace(None)
+        bad += 1
+        hit = None
+        print("FAIL in the try at", at, state.get("where"), type(e).__name__, str(e)[:300], flush=True)
     finally:
         sys.settrace(None)
     try:
@@ -90,5 +128,9 @@ for at in range(lo, hi, step):
     except Exception as e:
         bad += 1
         print("FAIL at", at, state.get("where"), type(e).__name__, str(e)[:300], f"{time.time()-t0:.1f}s", flush=True)
+    if bad >= 10:
+        print("stopping: 10 tries went bad", flush=True)
+        break
 print("done", lo, hi, "bad", bad, flush=True)
 genie.shutdown()
+sys.exit(1 if bad else 0)

@@ -54,31 +54,42 @@ class StorageIdentity:
     CPU's are. It lives as long as one of them, and a later storage may get the same address, as
     freed memory is reused."""
 
-    __slots__ = ("slot",)
+    __slots__ = ("slot", "__weakref__")
 
     def __init__(self) -> None:
         self.slot = 0  # its address range, once asked for (see storage_address); 0: none yet
-
-    def __del__(self) -> None:
-        if self.slot and _address_slots is not None:  # (None: the interpreter is shutting down)
-            _address_slots.release(self.slot)
 
 
 class _AddressSlots:
     """Numbers for the live storages whose address was asked for, the lowest free first, so that
     addresses stay below 2**63 as a pointer's (an address made from id() overflowed int64: a
     C consumer of data_ptr(), struct.pack('q', ...), refused it). No lock (a forked child could
-    inherit one held): heappop, heappush and next() of a count are each one step under the GIL."""
+    inherit one held): heappop, heappush, next() of a count and a dict's item set or pop are each
+    one step under the GIL.
+
+    A number comes back when its StorageIdentity dies, through a weak reference whose callback
+    is C (`dead[slot] = `): no Python code runs at that moment. A `__del__` did, and a Ctrl-C
+    landing in it was swallowed ("Exception ignored in __del__")."""
 
     def __init__(self) -> None:
         self._free: list[int] = []
         self._numbers = itertools.count(1)
+        self._holders: dict[int, weakref.ref] = {}  # slot -> its StorageIdentity, weakly
+        self._dead: dict[int, weakref.ref] = {}  # slots whose StorageIdentity died
 
     def take(self) -> int:
+        while self._dead:
+            slot = self._dead.popitem()[0]
+            self._holders.pop(slot, None)
+            heapq.heappush(self._free, slot)
         try:
             return heapq.heappop(self._free)
         except IndexError:
             return next(self._numbers)
+
+    def hold(self, slot: int, identity: StorageIdentity) -> None:
+        """`slot` is `identity`'s until it dies."""
+        self._holders[slot] = weakref.ref(identity, functools.partial(self._dead.__setitem__, slot))
 
     def release(self, slot: int) -> None:
         heapq.heappush(self._free, slot)
@@ -110,6 +121,7 @@ def storage_address(ref: HandleRef) -> int:
         if identity.slot:  # another thread was first
             _address_slots.release(slot)
         else:
+            _address_slots.hold(slot, identity)
             identity.slot = slot
     return identity.slot * STORAGE_SPAN
 

@@ -26,7 +26,7 @@ from genie.errors import GenieConnectionError, GenieError
 from genie.transport import bulk, cuda_ipc, lane_set, protocol, reachability, sealed_lane, stream_framing, ucx_lane
 from genie.transport.channel import AnswerLost, Channel, ChannelClosed, RemoteError, Reply
 from genie.transport.errors import ProtocolError
-from genie.transport.interrupts import held_between_waits
+from genie.transport.interrupts import Condition, held_between_waits, held_interrupts, let_through
 
 from .stream import DeviceStream, remote_error
 
@@ -121,10 +121,11 @@ class DaemonLink:
         self.bandwidth: float | None = None  # bytes/s client -> daemon, measured at connect
         # Backpressure: payload bytes posted to this daemon and not yet acknowledged.
         self.inflight_bytes = 0
-        self._inflight = threading.Condition()
+        self._inflight = Condition()
         self._outstanding = 0  # exec requests posted through the loop and not yet answered
-        self.blocking_waits = 0  # answers a caller thread blocked on (transport_stats)
-        self._waits_lock = threading.Lock()
+        # Answers each caller thread blocked on (transport_stats): one count per thread, which only
+        # it writes, so no lock (a Ctrl-C could cut a `with lock:` just after taking it).
+        self._waits_by_thread: dict[int, int] = {}
         self._direct_busy = False  # a caller thread is using the direct socket (see `direct_exec`)
         # Batches posted on the direct socket whose answers are not read yet, oldest first (see `post_direct`).
         self._direct_unread: collections.deque[_Posted] = collections.deque()
@@ -521,7 +522,7 @@ class DaemonLink:
         tensor from before the fork raises that reason instead of hanging or talking on the
         parent's sockets."""
         self.lost = reason
-        self._inflight = threading.Condition()
+        self._inflight = Condition()
         self._direct_unread = collections.deque()
         self._direct_unread_ops = self._direct_unread_bytes = 0
         self._collector_running = False
@@ -544,18 +545,25 @@ class DaemonLink:
                 return future
         nbytes = sum(memoryview(f).nbytes for f in frames)
         limit = self.runtime.config.max_inflight_bytes
-        self.collect_direct()  # an unread direct answer goes first: program order, and it frees the direct socket
-        with self._inflight:
-            # Wait while too much is in flight (a single batch larger than the bound still goes alone).
-            if not self._inflight.wait_for(lambda: self.lost is not None or not self._direct_busy and (
-                    self.inflight_bytes == 0 or self.inflight_bytes + nbytes <= limit),
-                    timeout=self.runtime.config.request_timeout):
-                raise GenieConnectionError(f"genie-daemon at {self.endpoint} acknowledged nothing for "
-                                           f"{self.runtime.config.request_timeout:.0f}s ({self.inflight_bytes} bytes in flight)")
-            if self.lost is not None:
-                raise GenieConnectionError(self.lost)
-            self.inflight_bytes += nbytes
-            self._outstanding += 1
+        try:
+            self.collect_direct()  # an unread direct answer goes first: program order, and it frees the direct socket
+            with self._inflight:
+                # Wait while too much is in flight (a single batch larger than the bound still goes alone).
+                with let_through():  # nothing is sent yet: a Ctrl-C stops the wait, the batch goes back
+                    admitted = self._inflight.wait_for(lambda: self.lost is not None or not self._direct_busy and (
+                        self.inflight_bytes == 0 or self.inflight_bytes + nbytes <= limit),
+                        timeout=self.runtime.config.request_timeout)
+                if not admitted:
+                    raise GenieConnectionError(f"genie-daemon at {self.endpoint} acknowledged nothing for "
+                                               f"{self.runtime.config.request_timeout:.0f}s ({self.inflight_bytes} bytes in flight)")
+                if self.lost is not None:
+                    raise GenieConnectionError(self.lost)
+                self.inflight_bytes += nbytes
+                self._outstanding += 1
+        except BaseException as e:
+            if not isinstance(e, Exception):  # a Ctrl-C before it went: the next post sends it
+                stream.put_back(body, frames)
+            raise
         future = self.channel.post_threadsafe(self.runtime.loop.loop, "exec", body, frames)
 
         def done(f: concurrent.futures.Future) -> None:
@@ -602,13 +610,16 @@ class DaemonLink:
             return _Answered(reply)
         except Exception as e:  # noqa: BLE001 - handed to the waiter like a loop-path failure
             return _Answered(error=self._direct_failure(e))
-        except KeyboardInterrupt:
+        except BaseException:
             # Ctrl-C while blocked: the request runs on (as CUDA work does), its answer is dropped
-            # when it comes (or now, if it came just before), and the program carries on.
+            # when it comes (or now, if it came just before), and the program carries on. One
+            # that stopped the request going out puts the batch back for the next post.
             if reply is not None:
                 self.abandon_reply(True, reply.body)
             elif rid is not None:
                 self.channel.forget_reply(rid)
+            else:
+                stream.put_back(body, frames)
             raise
         finally:
             self._release_direct()
@@ -645,6 +656,10 @@ class DaemonLink:
             if posted.rid is None:
                 raise  # never sent: the caller settles it
             return posted.future  # sent, and failed with the connection (settled by `_read_posted`)
+        except BaseException:
+            if posted.rid is not None:  # sent, and a Ctrl-C came while reading older answers
+                self._collect_in_background()
+            raise
         self._collect_in_background()
         return posted.future
 
@@ -660,6 +675,10 @@ class DaemonLink:
                 self._read_posted(everything=False)
         except Exception as e:  # noqa: BLE001 - a lost connection, said to this caller
             raise self._direct_failure(e) from None
+        except BaseException:
+            if posted.rid is None:  # a Ctrl-C stopped it going out: the next post sends it
+                posted.stream.put_back(body, frames)
+            raise
         finally:
             self._release_direct()
 
@@ -755,7 +774,8 @@ class DaemonLink:
             return self._direct_busy or loop_idle and self._outstanding > 0
 
         with self._inflight:
-            self._inflight.wait_for(lambda: not in_use() or self.lost is not None, timeout)
+            with let_through():  # nothing claimed yet: a Ctrl-C stops the wait
+                self._inflight.wait_for(lambda: not in_use() or self.lost is not None, timeout)
             if in_use():
                 return False
             self._direct_busy = True
@@ -870,15 +890,28 @@ class DaemonLink:
         if self.runtime.loop.in_loop_thread():
             raise GenieError("blocking materialization called from Genie's own event loop thread")
         timeout = self.runtime.config.request_timeout if timeout is None else timeout
-        with self._waits_lock:
-            self.blocking_waits += 1
         reader = threading.get_ident()
-        future.add_done_callback(lambda done: self._hand_over_answer(done, reader))
+        waits = self._waits_by_thread
+        waits[reader] = waits.get(reader, 0) + 1
         try:
-            return future.result(timeout)
+            # Held but for the wait itself: a Future's `result` takes its lock in a Python
+            # `with`, which a Ctrl-C could cut with the lock held (the loop thread then hangs
+            # answering it). So the wait is on a bare lock the answer releases.
+            with held_between_waits():
+                future.add_done_callback(lambda done: self._hand_over_answer(done, reader))
+                if not future.done():
+                    arrived = threading.Lock()
+                    arrived.acquire()
+                    future.add_done_callback(lambda _done: arrived.release())
+                    with let_through():
+                        if not arrived.acquire(timeout=timeout):
+                            raise concurrent.futures.TimeoutError
+                    # (A Ctrl-C just after the acquire: `arrived` is this call's alone.)
+                return future.result(0)
         except KeyboardInterrupt:
             # Ctrl-C while blocked: the request runs on; its reply, when it comes, is let go.
-            self.abandon_future(future)
+            with held_interrupts():  # (a Future's lock again: see above)
+                self.abandon_future(future)
             raise
         except concurrent.futures.TimeoutError:
             self.abandon_future(future)
@@ -889,6 +922,11 @@ class DaemonLink:
             # The future holds its exception, whose traceback holds this frame: drop the local so
             # that cycle (and every tensor the callers' frames hold) does not wait for the GC.
             del future
+
+    @property
+    def blocking_waits(self) -> int:
+        """Answers caller threads blocked on (transport_stats)."""
+        return sum(list(self._waits_by_thread.values()))
 
     async def close(self, say_bye: bool) -> None:
         if self._heartbeat:

@@ -10,11 +10,12 @@ of the next batch, so a free never overtakes an op that still reads it.
 from __future__ import annotations
 
 import collections
-import contextlib
 import concurrent.futures
+import functools
 import logging
 import re
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,7 +25,7 @@ from genie.transport import bulk, numerics, protocol
 from genie.transport.channel import RemoteError
 from genie.transport.bulk import tensor_bytes
 from genie.transport.errors import ProtocolError
-from genie.transport.interrupts import held_interrupts
+from genie.transport.interrupts import Condition, held_between_waits, held_interrupts
 from genie.transport.tensors import bytes_as_tensor, check_frames, check_shape, frames_to_tensor, laid_out, parse_dtype
 
 from .device_type import DEVICE_TYPE
@@ -77,8 +78,8 @@ class HandleRef:
     __slots__ = ("stream", "id", "storage_nbytes", "meta_key", "storage", "wire", "__weakref__")
 
     def __init__(self, stream: "DeviceStream", handle_id: int, storage_nbytes: int) -> None:
-        self.stream = stream
         self.id = handle_id
+        self.stream = stream
         self.storage_nbytes = storage_nbytes
         self.meta_key = None  # the tensor's metadata as a cache-key part (set by the frontend)
         # What the handles of one storage on the daemon share (views of one another), set by the
@@ -86,15 +87,30 @@ class HandleRef:
         self.storage = None
         # Encoded once, reused by every op that reads it (protocol.encode_handle, inlined: once per op).
         self.wire = tuple.__new__(_ExtType, (_EXT_HANDLE, _pack_handle(handle_id)))
-
-    def __del__(self) -> None:
-        # deque.append is atomic: safe from any thread, and from GC inside a locked section.
-        stream = getattr(self, "stream", None)  # absent if __init__ never ran
-        if stream is not None:
-            stream.frees.append(self.id)
+        # When this dies, `frees[handle_id] = ` its weak reference: a callback all in C, so no
+        # Python code runs at that moment. A `__del__` did, wherever the last reference went, and
+        # a Ctrl-C landing in it was swallowed ("Exception ignored in __del__"), with the free.
+        # The stream keeps the reference, so that the callback runs also when a cycle held this.
+        stream.live_handles[handle_id] = weakref.ref(self, functools.partial(stream.frees.__setitem__, handle_id))
 
     def __reduce__(self):
         raise TypeError("a remote handle cannot be copied or pickled; copy the tensor instead")
+
+
+class _Once:
+    """Calls `fn` the first time it is called, from whichever thread (list.pop is atomic)."""
+
+    __slots__ = ("_fn",)
+
+    def __init__(self, fn) -> None:
+        self._fn = [fn]
+
+    def __call__(self) -> None:
+        try:
+            fn = self._fn.pop()
+        except IndexError:
+            return
+        fn()
 
 
 class DeviceStream:
@@ -107,7 +123,10 @@ class DeviceStream:
         self.ops: list[list] = []
         self.frames: list = []
         self.inline_bytes = 0
-        self.frees: collections.deque[int] = collections.deque()
+        # Ids of handles whose HandleRef died (set from any thread, at any moment; the values are
+        # its dead weak reference), freed with the next batch; `live_handles`: those references.
+        self.frees: dict[int, weakref.ref] = {}
+        self.live_handles: dict[int, weakref.ref] = {}
         # Programs (genie.graph) whose Graph died, dropped with the next batch; like frees, queued
         # from finalizers at any moment, so never into `ops` directly: a Graph collected while
         # another block records would have its drop recorded into that block's program.
@@ -135,15 +154,19 @@ class DeviceStream:
         # its kernels are the CPU's, which meta.plan_op's dtype check runs (their refusals are exact).
         self.runs_cpu_kernels = link.devices[local_index].get("type") == "cpu"
         self._unsettled = 0  # batches posted through the loop whose answer has not been handled yet
-        self._settled = threading.Condition()
+        self._settled = Condition()
+        # Batches taken and never sent, oldest first: a Ctrl-C stopped the wait before they went
+        # (see `put_back`). The next post sends them first.
+        self.unsent: collections.deque[tuple[dict, list]] = collections.deque()
 
     def abandon(self) -> None:
         """In a forked child: fresh locks (a parent thread may have held these at the fork), so ops
         on this stream's tensors reach its link and fail there with the reason, instead of hanging."""
         self.lock = threading.RLock()
-        self._settled = threading.Condition()
+        self._settled = Condition()
         self._unsettled = 0
         self.pending_bulk = []
+        self.unsent.clear()
 
     # ------------------------------------------------------------ building batches (lock held by caller)
 
@@ -214,7 +237,8 @@ class DeviceStream:
             # A batch runs on one daemon-side stream: switching streams closes the batch.
             if self.ops:
                 pending, self.pending_bulk = self.pending_bulk, []  # they belong to `entry`
-                self._post_unwaited(self._take(fetch=[], report=False))
+                with held_between_waits():  # taken and sent, or put back (see `put_back`)
+                    self._post_unwaited(self._take(fetch=[], report=False))
                 self.pending_bulk = pending
             self.batch_stream = sid
         self.ops.append(entry)
@@ -239,7 +263,8 @@ class DeviceStream:
                            or self.inline_bytes >= self.batch_bytes):
             # Not on an upload's empty (UPLOAD_FIRST_HALVES), unless empties alone filled it twice over.
             if entry[0] not in UPLOAD_FIRST_HALVES or len(self.ops) >= 2 * self._batch_limit():
-                self._post_unwaited(self._take(fetch=[], report=False))
+                with held_between_waits():  # taken and sent, or put back (see `put_back`)
+                    self._post_unwaited(self._take(fetch=[], report=False))
 
     def _batch_limit(self) -> int:
         """Ops in a batch sent unasked: batch_ops, doubled for every 4 posted batches whose answers
@@ -258,7 +283,9 @@ class DeviceStream:
             self.ops[at:at] = drops
         frees = []
         while self.frees:
-            frees.append(self.frees.popleft())
+            handle = self.frees.popitem()[0]
+            self.live_handles.pop(handle, None)
+            frees.append(handle)
         body = {"dev": self.local_index, "stream": self.batch_stream, "ops": self.ops, "frees": frees,
                 "fetch": fetch, "report": report}
         if self.ops:
@@ -281,26 +308,60 @@ class DeviceStream:
 
     def _post(self, batch: tuple[dict, list], wait: bool, direct: bool = False) -> concurrent.futures.Future:
         """Send a batch; `direct`: the caller is about to block on it, so it may go on its own thread
-        (then what comes back may be an already-answered stand-in with `result()`, for `link.wait`)."""
+        (then what comes back may be an already-answered stand-in with `result()`, for `link.wait`).
+        Callers take the batch and post it within `held_between_waits`: a Ctrl-C in between would
+        lose it (see `put_back`)."""
+        if self.unsent:
+            self._send_unsent(batch)
         body, frames = batch
         if direct:
             body["wait"] = True  # the daemon may run it at once rather than queue it for its worker
             done = self.link.direct_exec(body, frames, self)
             if done is not None:
                 return done
+        return self._post_through_loop(batch, wait)
+
+    def _post_through_loop(self, batch: tuple[dict, list], wait: bool) -> concurrent.futures.Future:
         with self._settled:
             self._unsettled += 1
+        settled = _Once(self._on_settled)
         try:
-            return self.link.submit_exec(body, frames, self, waited=wait, on_settled=self._on_settled)
+            return self.link.submit_exec(*batch, self, waited=wait, on_settled=settled)
         except BaseException:
-            self._on_settled()  # never posted
+            settled()  # never posted (or a Ctrl-C after: then its answer, read later, settles nothing)
             raise
 
     def _post_unwaited(self, batch: tuple[dict, list]) -> None:
         """Send a batch nobody waits for: on the direct socket when it is free (the daemon runs it
         while this thread captures the next, and no thread hop on either side), else through the loop."""
+        if self.unsent:
+            self._send_unsent(batch)
         if not self.link.post_direct(*batch, self):
-            self._post(batch, wait=False)
+            self._post_through_loop(batch, wait=False)
+
+    def put_back(self, body: dict, frames: list, last: bool = False) -> None:
+        """(The link, when a Ctrl-C stopped a taken batch before it went out.) Keep it, as taken
+        (its ops, frees, frames and settings), to go before anything posted later: left out, its
+        ops would never run and every later read would be off by them. What it fetched, nobody
+        reads now. `last`: behind the batches already kept (`_send_unsent`, interrupted)."""
+        body["fetch"] = []
+        body.pop("bulk_min", None)
+        if last:
+            self.unsent.append((body, frames))
+        else:
+            self.unsent.appendleft((body, frames))
+
+    def _send_unsent(self, behind: tuple[dict, list]) -> None:
+        """Post the batches a Ctrl-C kept back, oldest first, before `behind` (the batch being posted)."""
+        try:
+            while self.unsent:
+                batch = self.unsent.popleft()  # held: a Ctrl-C now waits for the send, which puts it back
+                if not self.link.post_direct(*batch, self):
+                    self._post_through_loop(batch, wait=False)
+        except BaseException as e:
+            if not isinstance(e, Exception):
+                self.put_back(*behind, last=True)
+            raise
 
     def _on_settled(self) -> None:
         """A posted batch's answer was handled (a failure nobody waited for is recorded by now)."""
@@ -340,17 +401,17 @@ class DeviceStream:
         """Send what is queued without waiting; a failure of the batch is kept for the next sync.
         `settings`: the numerics settings (numerics.read()) the queued ops run under, when not
         this process's current ones."""
-        with self.lock:
-            if self.ops or self.frees:
+        with self.lock, held_between_waits():  # taken and sent, or put back (see `put_back`)
+            if self.ops or self.frees or self.unsent:
                 self._post_unwaited(self._take(fetch=[], report=False, settings=settings))
 
     def synchronize(self) -> None:
         """Wait until every op queued so far has run on the daemon.
 
         With nothing queued, the answers to batches already posted say that: no round trip."""
-        with self.lock:
+        with self.lock, held_between_waits():  # taken and sent, or put back (see `put_back`)
             future = None
-            if self.ops or self.frees:
+            if self.ops or self.frees or self.unsent:
                 future = self._post(self._take(fetch=[], report=False), wait=True, direct=True)
         if future is not None:
             self.note_failure(self.link.wait(future))
@@ -365,7 +426,7 @@ class DeviceStream:
         biggest fetched tensor's bytes, when known: below the bulk threshold the request does not
         ask for the bulk lane, and the daemon may answer it on its event loop (one thread hop less)."""
         self._not_while_recording("reading a tensor's value")
-        with self.lock:
+        with self.lock, held_between_waits():  # taken and sent, or put back (see `put_back`)
             return self._post(self._take(fetch=handles, report=False, largest=largest), wait=True, direct=direct)
 
     def fetch(self, handles: list[int], largest: int | None = None) -> list[torch.Tensor]:
@@ -448,7 +509,7 @@ class DeviceStream:
             # Not send_now: an entry that filled the batch went out with it, unreported (its
             # answer came back empty, and the op was captured and run a second time).
             self.append(entry, send_now=False)
-            with held_interrupts() if self.pending_bulk else contextlib.nullcontext():
+            with held_interrupts() if self.pending_bulk else held_between_waits():
                 # With bulk bytes to follow, the request cannot go direct (that thread would block
                 # on the answer before sending them).
                 future = self._post(self._take(fetch=[], report=True), wait=True, direct=not self.pending_bulk)

@@ -23,6 +23,9 @@ raises (KeyboardInterrupt, SystemExit) is held back like the default one, and on
 notes the Ctrl-C notes it a little later. While it is in, `signal.getsignal(SIGINT)` returns ours.
 Handlers that are not Python functions (SIG_IGN, SIG_DFL) are left alone, as are threads, which
 never see KeyboardInterrupt: there the blocks change nothing.
+
+`Condition` is threading.Condition with a `with` that cannot be cut between taking its lock and
+entering the block (or leaving it and giving the lock back): see its docstring.
 """
 from __future__ import annotations
 
@@ -160,6 +163,19 @@ class let_through:
     def __exit__(self, *exc) -> None:
         if self.depth is not None:
             _hold.depth = self.depth
+
+
+class Condition(threading.Condition):
+    """threading.Condition whose `with` takes and gives back its lock in C. Condition's own
+    `__enter__` and `__exit__` are Python functions: a Ctrl-C raised at the start of `__exit__`, or
+    in `__enter__` just after the lock was taken, leaves the lock held for good, and the next
+    thread to take it (Genie's event loop among them) waits forever. These look up the lock's own
+    methods instead (in a Python getter, run before the lock is taken); `with` then calls them
+    with no Python frame, so no point where Python raises, between the two. (scripts/interrupt_fuzz.py
+    found such a lock held.)"""
+
+    __enter__ = property(lambda self: self._lock.__enter__)
+    __exit__ = property(lambda self: self._lock.__exit__)
 
 
 def stand_down() -> None:

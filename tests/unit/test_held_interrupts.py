@@ -234,3 +234,32 @@ def test_standing_down_puts_a_programs_own_handler_back():
         assert signal.getsignal(signal.SIGINT) is own
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_a_conditions_with_runs_no_python_between_taking_and_giving_back_its_lock():
+    """threading.Condition's __enter__ and __exit__ are Python functions: a KeyboardInterrupt raised
+    at the start of __exit__ (or in __enter__ just after the lock was taken) leaves the lock held.
+    interrupts.Condition's `with` calls the lock's own (C) methods; only its getters, which run
+    before the lock is taken, are Python."""
+    import sys
+
+    from genie.transport.interrupts import Condition
+
+    def python_calls_in_with(cond) -> list[str]:
+        seen = []
+        sys.setprofile(lambda frame, event, arg: seen.append(frame.f_code.co_name) if event == "call" else None)
+        try:
+            with cond:
+                sys.setprofile(sys.getprofile())  # (a call inside the block, for the profiler to see)
+        finally:
+            sys.setprofile(None)
+        return seen
+
+    assert {"__enter__", "__exit__"} <= set(python_calls_in_with(threading.Condition()))
+    assert not {"__enter__", "__exit__"} & set(python_calls_in_with(Condition()))
+    cond, ready = Condition(), []
+    threading.Timer(0.05, lambda: (cond.acquire(), ready.append(1), cond.notify_all(), cond.release())).start()
+    with cond:
+        assert cond.wait_for(lambda: ready, 5.0)
+    assert cond.acquire(blocking=False)  # given back
+    cond.release()
