@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import functools
 import logging
 import re
 import threading
@@ -87,11 +86,12 @@ class HandleRef:
         self.storage = None
         # Encoded once, reused by every op that reads it (protocol.encode_handle, inlined: once per op).
         self.wire = tuple.__new__(_ExtType, (_EXT_HANDLE, _pack_handle(handle_id)))
-        # When this dies, `frees[handle_id] = ` its weak reference: a callback all in C, so no
-        # Python code runs at that moment. A `__del__` did, wherever the last reference went, and
-        # a Ctrl-C landing in it was swallowed ("Exception ignored in __del__"), with the free.
-        # The stream keeps the reference, so that the callback runs also when a cycle held this.
-        stream.live_handles[handle_id] = weakref.ref(self, functools.partial(stream.frees.__setitem__, handle_id))
+        # When this dies, its weak reference is appended to `frees` (deque.append, a C callback:
+        # no Python code runs at that moment; a `__del__` did, wherever the last reference went,
+        # and a Ctrl-C landing in it was swallowed, "Exception ignored in __del__", with the free).
+        # The stream keeps the reference, with the id, so that the callback runs also when a cycle
+        # held this. (A functools.partial per handle cost twice as much as the __del__; this, the same.)
+        stream.live_handles[weakref.ref(self, stream.frees.append)] = handle_id
 
     def __reduce__(self):
         raise TypeError("a remote handle cannot be copied or pickled; copy the tensor instead")
@@ -123,10 +123,11 @@ class DeviceStream:
         self.ops: list[list] = []
         self.frames: list = []
         self.inline_bytes = 0
-        # Ids of handles whose HandleRef died (set from any thread, at any moment; the values are
-        # its dead weak reference), freed with the next batch; `live_handles`: those references.
-        self.frees: dict[int, weakref.ref] = {}
-        self.live_handles: dict[int, weakref.ref] = {}
+        # The weak references of HandleRefs that died (appended from any thread, at any moment),
+        # whose handles are freed with the next batch; `live_handles`: every such reference, with
+        # its handle id, until then.
+        self.frees: collections.deque[weakref.ref] = collections.deque()
+        self.live_handles: dict[weakref.ref, int] = {}
         # Programs (genie.graph) whose Graph died, dropped with the next batch; like frees, queued
         # from finalizers at any moment, so never into `ops` directly: a Graph collected while
         # another block records would have its drop recorded into that block's program.
@@ -283,9 +284,9 @@ class DeviceStream:
             self.ops[at:at] = drops
         frees = []
         while self.frees:
-            handle = self.frees.popitem()[0]
-            self.live_handles.pop(handle, None)
-            frees.append(handle)
+            handle = self.live_handles.pop(self.frees.popleft(), None)
+            if handle is not None:  # (None: a HandleRef whose __init__ a Ctrl-C stopped)
+                frees.append(handle)
         body = {"dev": self.local_index, "stream": self.batch_stream, "ops": self.ops, "frees": frees,
                 "fetch": fetch, "report": report}
         if self.ops:
