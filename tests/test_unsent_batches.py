@@ -9,14 +9,14 @@ import torch
 from genie.runtime import get_runtime
 
 
-class _InterruptOnce:
-    """Stands in for a wait: the first call raises KeyboardInterrupt, later ones run `wait`."""
+class _Interrupting:
+    """Stands in for a wait: the first `times` calls raise KeyboardInterrupt, later ones run `wait`."""
 
-    def __init__(self, wait) -> None:
-        self.wait, self.fired = wait, 0
+    def __init__(self, wait, times: int = 1) -> None:
+        self.wait, self.times, self.fired = wait, times, 0
 
     def __call__(self, *args, **kwargs):
-        if not self.fired:
+        if self.fired < self.times:
             self.fired += 1
             raise KeyboardInterrupt
         return self.wait(*args, **kwargs)
@@ -28,7 +28,7 @@ def test_a_batch_stopped_in_the_flow_control_wait_goes_with_the_next_post(dev, m
     stream = get_runtime().stream(0)
     link = stream.link
     monkeypatch.setattr(link, "post_direct", lambda *a: False)  # through the loop, to its wait
-    stopper = _InterruptOnce(link._inflight.wait_for)
+    stopper = _Interrupting(link._inflight.wait_for)
     monkeypatch.setattr(link._inflight, "wait_for", stopper)
     x.add_(1)
     with pytest.raises(KeyboardInterrupt):
@@ -44,7 +44,7 @@ def test_a_direct_request_that_never_went_is_sent_before_the_next(dev, monkeypat
     torch.remote_accelerator.synchronize()
     stream = get_runtime().stream(0)
     channel = stream.link.channel
-    stopper = _InterruptOnce(channel._send_direct)
+    stopper = _Interrupting(channel._send_direct)
     monkeypatch.setattr(channel, "_send_direct", stopper)
     x.add_(2)
     with pytest.raises(KeyboardInterrupt):
@@ -62,16 +62,7 @@ def test_batches_kept_back_twice_keep_their_order(dev, monkeypatch):
     stream = get_runtime().stream(0)
     link = stream.link
     monkeypatch.setattr(link, "post_direct", lambda *a: False)
-    wait_for = link._inflight.wait_for
-    calls = []
-
-    def interrupted(*args, **kwargs):  # the first two waits are interrupted
-        calls.append(1)
-        if len(calls) <= 2:
-            raise KeyboardInterrupt
-        return wait_for(*args, **kwargs)
-
-    monkeypatch.setattr(link._inflight, "wait_for", interrupted)
+    monkeypatch.setattr(link._inflight, "wait_for", _Interrupting(link._inflight.wait_for, times=2))
     x.add_(1)
     with pytest.raises(KeyboardInterrupt):
         stream.flush()  # (x + 1) kept back

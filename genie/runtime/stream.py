@@ -337,6 +337,9 @@ class DeviceStream:
         while this thread captures the next, and no thread hop on either side), else through the loop."""
         if self.unsent:
             self._send_unsent(batch)
+        self._send_unwaited(batch)
+
+    def _send_unwaited(self, batch: tuple[dict, list]) -> None:
         if not self.link.post_direct(*batch, self):
             self._post_through_loop(batch, wait=False)
 
@@ -356,9 +359,7 @@ class DeviceStream:
         """Post the batches a Ctrl-C kept back, oldest first, before `behind` (the batch being posted)."""
         try:
             while self.unsent:
-                batch = self.unsent.popleft()  # held: a Ctrl-C now waits for the send, which puts it back
-                if not self.link.post_direct(*batch, self):
-                    self._post_through_loop(batch, wait=False)
+                self._send_unwaited(self.unsent.popleft())  # held: a Ctrl-C waits for the send, which puts it back
         except BaseException as e:
             if not isinstance(e, Exception):
                 self.put_back(*behind, last=True)
