@@ -14,6 +14,10 @@ fresh computation right, nothing waiting past GENIE_REQUEST_TIMEOUT (6 s here). 
 
     python scripts/interrupt_fuzz.py [first try] [last try] [step]   # default: every line of a pass
     GENIE_FUZZ_ONLY=runtime/link.py,runtime/stream.py python scripts/interrupt_fuzz.py   # those files' checks
+    GENIE_FUZZ_HANDLER=exception python scripts/interrupt_fuzz.py   # the program's own SIGINT handler,
+                                                  # raising an Exception subclass, not KeyboardInterrupt
+    GENIE_FUZZ_PROGRAM=more python scripts/interrupt_fuzz.py   # also a whole download (bulk lane),
+                                                  # a module's forward and backward, and a state_dict
 
 With no daemon configured it uses the embedded one. Ends with "done FIRST LAST bad N" and exits
 1 when N > 0. Found on 2026-11-29 (see bench/NOTES.md), and mended since: batches taken from the
@@ -29,6 +33,15 @@ import torch, genie
 if os.environ.get("GENIE_SERVER_URL"):
     genie.init(os.environ["GENIE_SERVER_URL"])
 d = "remote_accelerator:0"
+
+class Stopped(Exception):
+    """What the program's own SIGINT handler raises with GENIE_FUZZ_HANDLER=exception."""
+
+STOPS = (KeyboardInterrupt, Stopped)
+if os.environ.get("GENIE_FUZZ_HANDLER") == "exception":
+    def stop(signum, frame):
+        raise Stopped("Ctrl-C")
+    signal.signal(signal.SIGINT, stop)
 GENIE = os.path.dirname(genie.__file__)
 state = {"n": 0, "at": -1}
 
@@ -75,6 +88,10 @@ x = torch.zeros(4, device=d)
 big = torch.arange(300000, dtype=torch.float32)
 torch.remote_accelerator.synchronize()
 expected = 0.0
+MORE = os.environ.get("GENIE_FUZZ_PROGRAM") == "more"
+torch.manual_seed(0)
+lin = torch.nn.Linear(16, 8).to(d)
+inputs = torch.randn(4, 16).to(d)
 
 def work():
     global expected
@@ -86,6 +103,13 @@ def work():
     r = big.to(d)
     back = (r[:1000] * 2).cpu()
     assert torch.equal(back, big[:1000] * 2)
+    if MORE:
+        assert torch.equal(r.cpu(), big)  # a download large enough for the bulk lane
+        lin.zero_grad(set_to_none=True)
+        lin(inputs).sum().backward()
+        assert torch.allclose(lin.weight.grad.cpu(), inputs.cpu().sum(0).expand(8, 16))
+        state = {k: v.cpu() for k, v in lin.state_dict().items()}
+        assert state["weight"].shape == (8, 16)
     torch.remote_accelerator.synchronize()
 
 # dry run: how many checks one pass passes
@@ -104,7 +128,7 @@ for at in range(lo, hi, step):
         sys.settrace(tracer)
         work()
         hit = False
-    except KeyboardInterrupt:
+    except STOPS:
         hit = True
     except Exception as e:  # work()'s own check, or an error out of Genie
         sys.settrace(None)
@@ -115,7 +139,7 @@ for at in range(lo, hi, step):
         sys.settrace(None)
     try:
         time.sleep(0.002)  # a signal not yet delivered lands here, outside Genie
-    except KeyboardInterrupt:
+    except STOPS:
         hit = True
     try:
         got = x[0].item()

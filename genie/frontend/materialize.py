@@ -11,6 +11,8 @@ import asyncio
 import torch
 import torch.utils._pytree as pytree
 
+from genie.transport.interrupts import is_interrupt
+
 from . import sync_debug
 from .lazy_tensor import LazyTensor
 from .sparse_coo import RemoteSparse
@@ -87,6 +89,8 @@ def _place(out: list, idx: list, take) -> BaseException | None:
     try:
         fetched = take()
     except Exception as e:  # noqa: BLE001 - raised by the caller after the other answers
+        if is_interrupt(e):
+            raise  # a program's SIGINT handler raised it: the caller lets the other answers go
         return e
     for i, value in zip(idx, fetched):
         out[i] = value

@@ -26,7 +26,7 @@ from genie.errors import GenieConnectionError, GenieError
 from genie.transport import bulk, cuda_ipc, lane_set, protocol, reachability, sealed_lane, stream_framing, ucx_lane
 from genie.transport.channel import AnswerLost, Channel, ChannelClosed, RemoteError, Reply
 from genie.transport.errors import ProtocolError
-from genie.transport.interrupts import Condition, held_between_waits, held_interrupts, let_through
+from genie.transport.interrupts import Condition, held_between_waits, held_interrupts, is_interrupt, let_through
 
 from .stream import DeviceStream, remote_error
 
@@ -561,7 +561,7 @@ class DaemonLink:
                 self.inflight_bytes += nbytes
                 self._outstanding += 1
         except BaseException as e:
-            if not isinstance(e, Exception):  # a Ctrl-C before it went: the next post sends it
+            if is_interrupt(e):  # a Ctrl-C before it went: the next post sends it
                 stream.put_back(body, frames)
             raise
         future = self.channel.post_threadsafe(self.runtime.loop.loop, "exec", body, frames)
@@ -608,9 +608,9 @@ class DaemonLink:
                 self.hand_over(reply)
                 self._log_timing(reply, stream)
             return _Answered(reply)
-        except Exception as e:  # noqa: BLE001 - handed to the waiter like a loop-path failure
-            return _Answered(error=self._direct_failure(e))
-        except BaseException:
+        except BaseException as e:
+            if not is_interrupt(e):  # handed to the waiter like a loop-path failure
+                return _Answered(error=self._direct_failure(e))
             # Ctrl-C while blocked: the request runs on (as CUDA work does), its answer is dropped
             # when it comes (or now, if it came just before), and the program carries on. One
             # that stopped the request going out puts the batch back for the next post.
@@ -652,14 +652,12 @@ class DaemonLink:
         posted = _Posted(stream, concurrent.futures.Future(), waited, on_settled)
         try:
             self._send_posted(body, frames, posted)
-        except Exception:
-            if posted.rid is None:
-                raise  # never sent: the caller settles it
-            return posted.future  # sent, and failed with the connection (settled by `_read_posted`)
-        except BaseException:
+        except BaseException as e:
+            if not is_interrupt(e) and posted.rid is not None:
+                return posted.future  # sent, and failed with the connection (settled by `_read_posted`)
             if posted.rid is not None:  # sent, and a Ctrl-C came while reading older answers
                 self._collect_in_background()
-            raise
+            raise  # (never sent: the caller settles it, or it was put back)
         self._collect_in_background()
         return posted.future
 
@@ -673,9 +671,9 @@ class DaemonLink:
                 self._direct_unread_ops += posted.ops
                 self._direct_unread_bytes += posted.nbytes
                 self._read_posted(everything=False)
-        except Exception as e:  # noqa: BLE001 - a lost connection, said to this caller
-            raise self._direct_failure(e) from None
-        except BaseException:
+        except BaseException as e:
+            if not is_interrupt(e):  # a lost connection, said to this caller
+                raise self._direct_failure(e) from None
             if posted.rid is None:  # a Ctrl-C stopped it going out: the next post sends it
                 posted.stream.put_back(body, frames)
             raise
@@ -732,8 +730,6 @@ class DaemonLink:
                     self._forget_oldest_posted()
                     posted.settle(error=self._error_from(e))
                     continue
-                except KeyboardInterrupt:
-                    raise  # Ctrl-C while waiting: the answer still comes, and the next reader reads it
                 except AnswerLost as e:
                     # Ctrl-C cut the lane mid-answer: the batch ran, its answer is gone. A failure it
                     # would have told of shows at its outputs' next read (the daemon keeps the poison);
@@ -745,10 +741,11 @@ class DaemonLink:
                         posted.settle(error=GenieConnectionError(str(e)))
                     continue
                 except BaseException as e:
+                    if is_interrupt(e):
+                        raise  # Ctrl-C while waiting: the answer still comes, and the next reader reads it
                     # The connection is gone: no answer will come. Each batch's waiter, or its
                     # stream's next sync, learns it too (this caller may be the collector thread).
-                    self._drop_posted(self._direct_failure(e) if isinstance(e, Exception)
-                                      else GenieConnectionError(repr(e)))
+                    self._drop_posted(self._direct_failure(e))
                     raise
                 self._forget_oldest_posted()
                 self._log_timing(reply, posted.stream)
@@ -908,16 +905,17 @@ class DaemonLink:
                             raise concurrent.futures.TimeoutError
                     # (A Ctrl-C just after the acquire: `arrived` is this call's alone.)
                 return future.result(0)
-        except KeyboardInterrupt:
-            # Ctrl-C while blocked: the request runs on; its reply, when it comes, is let go.
-            with held_interrupts():  # (a Future's lock again: see above)
-                self.abandon_future(future)
-            raise
         except concurrent.futures.TimeoutError:
             self.abandon_future(future)
             raise GenieConnectionError(f"genie-daemon at {self.endpoint} did not answer within {timeout:.0f}s") from None
         except (RemoteError, ChannelClosed) as e:
             raise self._error_from(e) from None
+        except BaseException as e:
+            if is_interrupt(e):
+                # Ctrl-C while blocked: the request runs on; its reply, when it comes, is let go.
+                with held_interrupts():  # (a Future's lock again: see above)
+                    self.abandon_future(future)
+            raise
         finally:
             # The future holds its exception, whose traceback holds this frame: drop the local so
             # that cycle (and every tensor the callers' frames hold) does not wait for the GC.

@@ -24,7 +24,7 @@ from genie.transport import bulk, numerics, protocol
 from genie.transport.channel import RemoteError
 from genie.transport.bulk import tensor_bytes
 from genie.transport.errors import ProtocolError
-from genie.transport.interrupts import Condition, held_between_waits, held_interrupts
+from genie.transport.interrupts import Condition, held_between_waits, held_interrupts, is_interrupt
 from genie.transport.tensors import bytes_as_tensor, check_frames, check_shape, frames_to_tensor, laid_out, parse_dtype
 
 from .device_type import DEVICE_TYPE
@@ -361,7 +361,7 @@ class DeviceStream:
             while self.unsent:
                 self._send_unwaited(self.unsent.popleft())  # held: a Ctrl-C waits for the send, which puts it back
         except BaseException as e:
-            if not isinstance(e, Exception):
+            if is_interrupt(e):
                 self.put_back(*behind, last=True)
             raise
 

@@ -22,7 +22,7 @@ import zmq.asyncio
 from . import protocol, stream_framing
 from .busy_poll import BusyPoll
 from .errors import ProtocolError
-from .interrupts import held_between_waits, let_through
+from .interrupts import held_between_waits, is_interrupt, let_through
 
 log = logging.getLogger("genie.transport")
 
@@ -288,19 +288,20 @@ class Channel:
                 # Only a full socket buffer makes this wait, and only there Ctrl-C stops it (below).
                 stream_framing.send_message(stream, [header, *frames],
                                             self.direct_sealing[0] if self.direct_sealing else None, let_through)
-            except KeyboardInterrupt:
-                # Ctrl-C in the middle of sending (a full socket buffer): the daemon would read the
-                # rest of the lane misframed. It is dropped, as a cut mid-answer is, and answers
-                # due on it are lost; this request did not go.
-                self._cut_streams.add(stream)
-                self._drop_direct_stream("interrupted while sending a request")
-                raise
             except OSError as e:
                 self._drop_direct_stream(e)
                 if self._direct_awaiting:  # their answers were to come on that lane: lost with it
                     raise ChannelClosed(f"direct lane to {self.endpoint} failed with "
                                         f"{len(self._direct_awaiting)} answers unread: {e}") from None
                 stream = None  # nothing usable went out: this request goes by ZeroMQ
+            except BaseException as e:
+                if is_interrupt(e):
+                    # Ctrl-C in the middle of sending (a full socket buffer): the daemon would read the
+                    # rest of the lane misframed. It is dropped, as a cut mid-answer is, and answers
+                    # due on it are lost; this request did not go.
+                    self._cut_streams.add(stream)
+                    self._drop_direct_stream("interrupted while sending a request")
+                raise
         if stream is None:
             self._direct_socket().send_multipart([header, *frames], copy=all(n < COPY_THRESHOLD for n in sizes))
         self.bytes_sent += len(header) + sum(sizes)
@@ -345,10 +346,10 @@ class Channel:
             waited = time.perf_counter() - max(sent_at, reading_from)
             self._typical_wait += WAIT_AVERAGING * (waited - self._typical_wait)
             return reply
-        except KeyboardInterrupt:
+        except BaseException as e:
             # Ctrl-C while waiting (see _receive_stream_direct): the answer still comes, in order,
             # and a later reader keeps it for this request's next reader (or `forget_reply` drops it).
-            interrupted = True
+            interrupted = is_interrupt(e)
             raise
         finally:
             if not interrupted:

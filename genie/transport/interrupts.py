@@ -21,6 +21,9 @@ it calls the handler it stands in front of at once; a Ctrl-C that came within a 
 that handler as the block ends (or as a wait lets it through). So a program's handler that
 raises (KeyboardInterrupt, SystemExit) is held back like the default one, and one that only
 notes the Ctrl-C notes it a little later. While it is in, `signal.getsignal(SIGINT)` returns ours.
+What a program's handler raises may be any exception, not only KeyboardInterrupt: ours marks it,
+and `is_interrupt` tells it from a failure, so that Genie's code treats it as the Ctrl-C it is (a
+batch not yet sent is kept, a lane cut mid-message is dropped), not as a lost connection.
 Handlers that are not Python functions (SIG_IGN, SIG_DFL) are left alone, as are threads, which
 never see KeyboardInterrupt: there the blocks change nothing.
 
@@ -73,7 +76,30 @@ class _InFront:
         if _hold.depth:
             _hold.came = self.chained
             return
-        self.chained(signum, frame)  # Python's default handler raises KeyboardInterrupt, as without us
+        _call_marking(self.chained, signum, frame)  # Python's default one raises KeyboardInterrupt, as without us
+
+
+# Set on what a SIGINT handler raised through ours (an attribute of the exception itself: holding
+# it elsewhere would keep its traceback's frames, and their tensors, alive).
+_MARK = "_genie_raised_by_sigint"
+
+
+def _call_marking(handler, signum, frame) -> None:
+    try:
+        handler(signum, frame)
+    except BaseException as e:
+        try:
+            setattr(e, _MARK, True)
+        except AttributeError:  # (no instance dict: nothing in the standard library; still raised)
+            pass
+        raise
+
+
+def is_interrupt(exc: BaseException) -> bool:
+    """Whether `exc` stops the program rather than reports a failure: a KeyboardInterrupt (or
+    another exception that is not an Exception, as SystemExit), or anything a program's own SIGINT
+    handler raised through ours, whatever its class."""
+    return not isinstance(exc, Exception) or getattr(exc, _MARK, False)
 
 
 def _stand_in_front(found) -> None:
@@ -94,7 +120,7 @@ def _deliver_if_came() -> None:
     handler = _hold.came
     if handler is not None:
         _hold.came = None
-        handler(_SIGINT, sys._getframe(1))
+        _call_marking(handler, _SIGINT, sys._getframe(1))
 
 
 class held_interrupts:

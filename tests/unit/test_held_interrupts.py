@@ -140,6 +140,44 @@ def test_a_programs_own_handler_is_held_back_too():
         signal.signal(signal.SIGINT, previous)
 
 
+class _Stopped(Exception):
+    """An Exception subclass, raised by a program's own SIGINT handler."""
+
+
+def test_what_a_programs_handler_raises_is_told_from_a_failure():
+    """A handler may raise an Exception subclass: Genie's code must treat it as the Ctrl-C it is
+    (before, a batch it stopped was reported as a lost connection, and its exception raised again
+    at the next sync). Raised at a block's end, in a let-through wait, or outside any block, it is
+    marked; the same class raised by anything else is a failure."""
+    def stop(signum, frame):
+        raise _Stopped("Ctrl-C")
+
+    previous = signal.signal(signal.SIGINT, stop)
+    try:
+        raised = []
+        for where in ("block end", "wait", "outside"):
+            try:
+                if where == "outside":
+                    with held_interrupts():  # puts ours in front of `stop`
+                        pass
+                    _interrupt_self()
+                else:
+                    with held_between_waits():
+                        _interrupt_self()
+                        if where == "wait":
+                            with let_through():
+                                pass
+                        assert where == "block end"  # (the wait raised)
+            except _Stopped as e:
+                raised.append(e)
+        assert len(raised) == 3 and all(interrupts.is_interrupt(e) for e in raised)
+        assert not interrupts.is_interrupt(_Stopped("a failure"))
+        assert interrupts.is_interrupt(KeyboardInterrupt()) and interrupts.is_interrupt(SystemExit())
+        assert not interrupts.is_interrupt(ConnectionError())
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_a_handler_set_after_ours_is_held_back_from_the_next_block_on():
     with held_interrupts():
         pass
