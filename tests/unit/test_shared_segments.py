@@ -4,6 +4,7 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
+import sys
 import tempfile
 import time
 
@@ -103,6 +104,38 @@ def test_receiver_maps_a_sealed_memfd_and_hands_it_back_when_the_payload_is_free
     incoming.forget(1)
     with pytest.raises(ProtocolError):
         incoming.payload(1, 100)
+
+
+def test_a_hand_back_cut_by_ctrl_c_in_the_finalizer_is_made_at_the_next_one(monkeypatch):
+    """A Ctrl-C can land in the finalizer that hands a segment back (scripts/interrupt_fuzz.py
+    found it lost for good: the sender never reused it). The payload's death is noted in C first,
+    so the next reclaim (a payload taken, a count asked for) hands it back."""
+    real_reclaim = shared_segments.IncomingSegments.reclaim
+    cut = []
+
+    def reclaim_cut_once(self):
+        if not cut:
+            cut.append(True)
+            raise KeyboardInterrupt  # as a Ctrl-C at the finalizer's first check
+        real_reclaim(self)
+
+    monkeypatch.setattr(shared_segments.IncomingSegments, "reclaim", reclaim_cut_once)
+    freed = []
+    incoming = shared_segments.IncomingSegments(freed.append)
+    incoming.attach(1, _sealed_memfd(2 * MiB))
+    incoming.attach(2, _sealed_memfd(2 * MiB))
+    payload = incoming.payload(1, 100)
+    ignored, hook = [], sys.unraisablehook
+    sys.unraisablehook = lambda raised: ignored.append(raised.exc_type)  # (Python prints it as ignored)
+    try:
+        del payload
+    finally:
+        sys.unraisablehook = hook
+    assert ignored == [KeyboardInterrupt] and freed == []
+    other = incoming.payload(2, 100)  # taking the next payload hands the first back
+    assert freed == [1]
+    del other
+    assert freed == [1, 2] and incoming.in_use() == 0
 
 
 @pytest.mark.parametrize("make, why", [
