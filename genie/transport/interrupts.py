@@ -76,6 +76,7 @@ class _InFront:
         if _hold.depth:
             _hold.came = self.chained
             return
+        _hold.came = None  # one kept for later (`held_in_finalizer`) is this one now
         _call_marking(self.chained, signum, frame)  # Python's default one raises KeyboardInterrupt, as without us
 
 
@@ -157,6 +158,18 @@ class held_interrupts:
             hold.depth, hold.strict = self.depth, self.strict
             if not self.depth and hold.came is not None:
                 _deliver_if_came()
+
+
+class held_in_finalizer(held_interrupts):
+    """`held_interrupts` for a finalizer: a Ctrl-C that came within is not raised as the block ends,
+    where Python would print it as ignored and the program would never see it, but kept for the
+    end of the program's next held block or wait (its next Genie call), or for its next Ctrl-C."""
+
+    __slots__ = ()
+
+    def __exit__(self, *exc) -> None:
+        if self.depth is not None:
+            _hold.depth, _hold.strict = self.depth, self.strict
 
 
 class held_between_waits(held_interrupts):

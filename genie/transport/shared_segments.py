@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from .errors import ProtocolError
-from .interrupts import held_interrupts
+from .interrupts import held_in_finalizer, held_interrupts
 
 SEGMENT_CLASS_BYTES = 2 << 20  # segment sizes are multiples of this
 MAX_PEER_BYTES = 64 << 30      # the most a receiver maps of one peer's segments at once
@@ -207,7 +207,8 @@ class IncomingSegments:
     about 4,200 checks). So a payload's death is first noted in C (a weak reference whose callback is
     `dead.__setitem__(ident)`, no Python frame), and the finalizer then hands back whatever is
     noted (`reclaim`). Cut by a Ctrl-C, it leaves the rest noted, handed back by the next
-    `reclaim` (the next payload's death, or the next payload taken).
+    `reclaim` (the next payload's death, or the next payload taken). A Ctrl-C that comes while
+    it hands back is kept for the program's next Genie call (`held_in_finalizer`).
     """
 
     def __init__(self, on_free: Callable[[int], None], max_bytes: int = MAX_PEER_BYTES,
@@ -266,16 +267,15 @@ class IncomingSegments:
             array = np.frombuffer(mapping, dtype=np.uint8, count=nbytes)
             # Run when the tensor below lets go of `array`: the weak reference's callback first
             # (a later one runs first), then the finalizer.
-            release = weakref.finalize(array, self.reclaim)
+            release = weakref.finalize(array, self.reclaim, True)
             release.atexit = False  # at exit there is nobody to hand it back to
             self._watching[ident] = weakref.ref(array, functools.partial(self._dead.__setitem__, ident))
         return torch.from_numpy(array)
 
-    def reclaim(self) -> None:
-        """Hand back the segments whose payloads died (see the class). Within a finalizer, a
-        Ctrl-C that came while held is raised as the block ends, where Python prints it as
-        ignored, as it does any exception out of a finalizer."""
-        with held_interrupts():
+    def reclaim(self, in_finalizer: bool = False) -> None:
+        """Hand back the segments whose payloads died (see the class). In the finalizer, a Ctrl-C
+        that came meanwhile waits for the program's next Genie call (see `held_in_finalizer`)."""
+        with held_in_finalizer() if in_finalizer else held_interrupts():
             while self._dead:
                 try:
                     ident, _ = self._dead.popitem()

@@ -178,6 +178,27 @@ def test_what_a_programs_handler_raises_is_told_from_a_failure():
         signal.signal(signal.SIGINT, previous)
 
 
+def test_a_ctrl_c_in_a_finalizers_block_waits_for_the_next_block_not_lost():
+    """Raised at the end of a finalizer's block, a Ctrl-C is printed as ignored and never reaches
+    the program; `held_in_finalizer` keeps it for the next held block's end. A Ctrl-C pressed
+    again before then is raised at once, and the kept one with it: not twice."""
+    with held_interrupts():  # ours in front
+        pass
+    with interrupts.held_in_finalizer():
+        _interrupt_self()
+    assert interrupts._hold.came is not None  # kept, not raised
+    with pytest.raises(KeyboardInterrupt):
+        with held_interrupts():
+            pass
+    with interrupts.held_in_finalizer():
+        _interrupt_self()
+    with pytest.raises(KeyboardInterrupt):
+        _interrupt_self()  # pressed again, outside any block
+    assert interrupts._hold.came is None
+    with held_interrupts():  # nothing left to raise
+        pass
+
+
 def test_a_handler_set_after_ours_is_held_back_from_the_next_block_on():
     with held_interrupts():
         pass

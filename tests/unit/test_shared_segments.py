@@ -113,11 +113,11 @@ def test_a_hand_back_cut_by_ctrl_c_in_the_finalizer_is_made_at_the_next_one(monk
     real_reclaim = shared_segments.IncomingSegments.reclaim
     cut = []
 
-    def reclaim_cut_once(self):
+    def reclaim_cut_once(self, in_finalizer=False):
         if not cut:
             cut.append(True)
             raise KeyboardInterrupt  # as a Ctrl-C at the finalizer's first check
-        real_reclaim(self)
+        real_reclaim(self, in_finalizer)
 
     monkeypatch.setattr(shared_segments.IncomingSegments, "reclaim", reclaim_cut_once)
     freed = []
