@@ -156,7 +156,7 @@ for at in range(lo, hi, step):
         sys.settrace(None)
     try:
         time.sleep(0.002)  # a signal not yet delivered lands here, outside Genie
-        with held_interrupts():  # one a finalizer kept for the next Genie call (held_in_finalizer)
+        with held_interrupts():  # one a finalizer kept for the next Genie call (interrupts.finalizer)
             pass
     except STOPS:
         hit = True

@@ -381,7 +381,7 @@ def test_only_fetches_of_big_tensors_ask_for_the_bulk_lane(dev):
     gc.disable()
     try:
         with stream.lock:
-            assert not stream.ops and not stream.frees
+            assert not stream.ops and not stream.deaths.dead
             assert "bulk_min" not in stream._take(fetch=[1], report=False, largest=threshold - 1)[0]
             assert stream._take(fetch=[1], report=False, largest=threshold)[0]["bulk_min"] == threshold
             assert stream._take(fetch=[1], report=False)[0]["bulk_min"] == threshold  # size unknown

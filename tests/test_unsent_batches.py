@@ -85,10 +85,10 @@ def test_handles_are_freed_when_their_tensors_die_also_in_a_cycle(dev, monkeypat
     b = [a]
     b.append(b)  # a cycle: only the garbage collector frees it
     handle = a._genie.id
-    assert handle in stream.live_handles.values()
+    assert handle in stream.deaths.watching
     del a, b
     gc.collect()
-    assert handle in [stream.live_handles.get(ref) for ref in stream.frees]
+    assert handle in [ref.key for ref in stream.deaths.dead]
     freed = []
     take = DeviceStream._take
 
@@ -100,4 +100,4 @@ def test_handles_are_freed_when_their_tensors_die_also_in_a_cycle(dev, monkeypat
     monkeypatch.setattr(DeviceStream, "_take", spy)
     torch.remote_accelerator.synchronize()
     assert handle in freed
-    assert not stream.frees and handle not in stream.live_handles.values()
+    assert not stream.deaths.dead and handle not in stream.deaths.watching

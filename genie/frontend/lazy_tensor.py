@@ -18,6 +18,7 @@ import weakref
 import torch
 
 from genie.runtime.stream import DeviceStream, HandleRef
+from genie.transport.death_notes import DeathNotes
 from genie.transport.protocol import RESIZE_STORAGE_OP
 from genie.transport.tensors import as_marked_view
 
@@ -67,21 +68,19 @@ class _AddressSlots:
     inherit one held): heappop, heappush, next() of a count and a dict's item set or pop are each
     one step under the GIL.
 
-    A number comes back when its StorageIdentity dies, through a weak reference whose callback
-    is C (`dead[slot] = `): no Python code runs at that moment. A `__del__` did, and a Ctrl-C
-    landing in it was swallowed ("Exception ignored in __del__")."""
+    A number comes back when its StorageIdentity dies, noted in C (transport/death_notes.py): a
+    `__del__` ran Python at that moment, and a Ctrl-C landing in it was swallowed ("Exception
+    ignored in __del__")."""
 
     def __init__(self) -> None:
         self._free: list[int] = []
         self._numbers = itertools.count(1)
-        self._holders: dict[int, weakref.ref] = {}  # slot -> its StorageIdentity, weakly
-        self._dead: dict[int, weakref.ref] = {}  # slots whose StorageIdentity died
+        self._deaths = DeathNotes()  # slots whose StorageIdentity is watched
 
     def take(self) -> int:
-        while self._dead:
-            slot = self._dead.popitem()[0]
-            self._holders.pop(slot, None)
-            heapq.heappush(self._free, slot)
+        if self._deaths.dead:
+            for slot in self._deaths.take_all():
+                heapq.heappush(self._free, slot)
         try:
             return heapq.heappop(self._free)
         except IndexError:
@@ -89,7 +88,7 @@ class _AddressSlots:
 
     def hold(self, slot: int, identity: StorageIdentity) -> None:
         """`slot` is `identity`'s until it dies."""
-        self._holders[slot] = weakref.ref(identity, functools.partial(self._dead.__setitem__, slot))
+        self._deaths.watch(identity, slot)
 
     def release(self, slot: int) -> None:
         heapq.heappush(self._free, slot)

@@ -14,7 +14,6 @@ import concurrent.futures
 import logging
 import re
 import threading
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,6 +21,7 @@ import torch
 from genie.errors import GenieConnectionError, RemoteExecutionError, remote_execution_error
 from genie.transport import bulk, numerics, protocol
 from genie.transport.channel import RemoteError
+from genie.transport.death_notes import DeathNotes, KeyedRef as _KeyedRef
 from genie.transport.bulk import tensor_bytes
 from genie.transport.errors import ProtocolError
 from genie.transport.interrupts import Condition, held_between_waits, held_interrupts, is_interrupt
@@ -86,12 +86,14 @@ class HandleRef:
         self.storage = None
         # Encoded once, reused by every op that reads it (protocol.encode_handle, inlined: once per op).
         self.wire = tuple.__new__(_ExtType, (_EXT_HANDLE, _pack_handle(handle_id)))
-        # When this dies, its weak reference is appended to `frees` (deque.append, a C callback:
-        # no Python code runs at that moment; a `__del__` did, wherever the last reference went,
-        # and a Ctrl-C landing in it was swallowed, "Exception ignored in __del__", with the free).
-        # The stream keeps the reference, with the id, so that the callback runs also when a cycle
-        # held this. (A functools.partial per handle cost twice as much as the __del__; this, the same.)
-        stream.live_handles[weakref.ref(self, stream.frees.append)] = handle_id
+        # When this dies, its id is noted for the next batch's frees (a C callback, see
+        # death_notes.py: a `__del__` ran Python wherever the last reference went, and a Ctrl-C
+        # landing there was swallowed with the free). The stream keeps the weak reference, so
+        # that it fires also when a cycle held this. (DeathNotes.watch, inlined: once per op.)
+        deaths = stream.deaths
+        ref = _KeyedRef(self, deaths.dead.append)
+        ref.key = handle_id
+        deaths.watching[handle_id] = ref
 
     def __reduce__(self):
         raise TypeError("a remote handle cannot be copied or pickled; copy the tensor instead")
@@ -123,11 +125,9 @@ class DeviceStream:
         self.ops: list[list] = []
         self.frames: list = []
         self.inline_bytes = 0
-        # The weak references of HandleRefs that died (appended from any thread, at any moment),
-        # whose handles are freed with the next batch; `live_handles`: every such reference, with
-        # its handle id, until then.
-        self.frees: collections.deque[weakref.ref] = collections.deque()
-        self.live_handles: dict[weakref.ref, int] = {}
+        # Ids of handles whose HandleRef died (noted from any thread, at any moment), freed with
+        # the next batch.
+        self.deaths = DeathNotes()
         # Programs (genie.graph) whose Graph died, dropped with the next batch; like frees, queued
         # from finalizers at any moment, so never into `ops` directly: a Graph collected while
         # another block records would have its drop recorded into that block's program.
@@ -282,11 +282,7 @@ class DeviceStream:
             # After every queued op (a replay of the program may be one), before a reported op (it stays last).
             at = len(self.ops) - 1 if report and self.ops else len(self.ops)
             self.ops[at:at] = drops
-        frees = []
-        while self.frees:
-            handle = self.live_handles.pop(self.frees.popleft(), None)
-            if handle is not None:  # (None: a HandleRef whose __init__ a Ctrl-C stopped)
-                frees.append(handle)
+        frees = self.deaths.take_all()
         body = {"dev": self.local_index, "stream": self.batch_stream, "ops": self.ops, "frees": frees,
                 "fetch": fetch, "report": report}
         if self.ops:
@@ -404,7 +400,7 @@ class DeviceStream:
         `settings`: the numerics settings (numerics.read()) the queued ops run under, when not
         this process's current ones."""
         with self.lock, held_between_waits():  # taken and sent, or put back (see `put_back`)
-            if self.ops or self.frees or self.unsent:
+            if self.ops or self.deaths.dead or self.unsent:
                 self._post_unwaited(self._take(fetch=[], report=False, settings=settings))
 
     def synchronize(self) -> None:
@@ -413,7 +409,7 @@ class DeviceStream:
         With nothing queued, the answers to batches already posted say that: no round trip."""
         with self.lock, held_between_waits():  # taken and sent, or put back (see `put_back`)
             future = None
-            if self.ops or self.frees or self.unsent:
+            if self.ops or self.deaths.dead or self.unsent:
                 future = self._post(self._take(fetch=[], report=False), wait=True, direct=True)
         if future is not None:
             self.note_failure(self.link.wait(future))

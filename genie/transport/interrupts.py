@@ -27,6 +27,10 @@ batch not yet sent is kept, a lane cut mid-message is dropped), not as a lost co
 Handlers that are not Python functions (SIG_IGN, SIG_DFL) are left alone, as are threads, which
 never see KeyboardInterrupt: there the blocks change nothing.
 
+A finalizer (code run when an object dies, wherever that happens) cannot raise to the program:
+Python prints what it raises as "Exception ignored" and drops it. Functions marked `finalizer`
+keep a Ctrl-C that comes while they run for the program's next Genie call.
+
 `Condition` is threading.Condition with a `with` that cannot be cut between taking its lock and
 entering the block (or leaving it and giving the lock back): see its docstring.
 """
@@ -73,10 +77,10 @@ class _InFront:
         self.chained = chained
 
     def __call__(self, signum, frame) -> None:
-        if _hold.depth:
+        if _hold.depth or (_FINALIZERS and _in_finalizer(frame)):
             _hold.came = self.chained
             return
-        _hold.came = None  # one kept for later (`held_in_finalizer`) is this one now
+        _hold.came = None  # one kept for later (see `finalizer`) is this one now
         _call_marking(self.chained, signum, frame)  # Python's default one raises KeyboardInterrupt, as without us
 
 
@@ -117,11 +121,38 @@ def _stand_in_front(found) -> None:
 
 
 def _deliver_if_came() -> None:
-    """A Ctrl-C that came while held reaches the handler it came to (the default one raises)."""
+    """A Ctrl-C that came while held reaches the handler it came to (the default one raises),
+    unless this is a finalizer's block: then it is kept (see `finalizer`)."""
     handler = _hold.came
     if handler is not None:
+        frame = sys._getframe(1)
+        if _FINALIZERS and _in_finalizer(frame):
+            return
         _hold.came = None
-        _call_marking(handler, _SIGINT, sys._getframe(1))
+        _call_marking(handler, _SIGINT, frame)
+
+
+# The code of Genie's finalizers (see `finalizer`).
+_FINALIZERS: set = set()
+
+
+def finalizer(function):
+    """Marks `function` as one Genie runs from a weak reference's callback, at whatever moment an
+    object dies. A Ctrl-C raised there, held block or not, would be printed as "Exception ignored"
+    and never reach the program: one that comes while it runs (anywhere below its frame) is kept
+    for the end of the program's next held block or wait (its next Genie call), or for its next
+    Ctrl-C, which is raised at once and clears the kept one. The frames are looked at only when a
+    Ctrl-C comes: nothing is paid otherwise."""
+    _FINALIZERS.add(function.__code__)
+    return function
+
+
+def _in_finalizer(frame) -> bool:
+    while frame is not None:
+        if frame.f_code in _FINALIZERS:
+            return True
+        frame = frame.f_back
+    return False
 
 
 class held_interrupts:
@@ -158,18 +189,6 @@ class held_interrupts:
             hold.depth, hold.strict = self.depth, self.strict
             if not self.depth and hold.came is not None:
                 _deliver_if_came()
-
-
-class held_in_finalizer(held_interrupts):
-    """`held_interrupts` for a finalizer: a Ctrl-C that came within is not raised as the block ends,
-    where Python would print it as ignored and the program would never see it, but kept for the
-    end of the program's next held block or wait (its next Genie call), or for its next Ctrl-C."""
-
-    __slots__ = ()
-
-    def __exit__(self, *exc) -> None:
-        if self.depth is not None:
-            _hold.depth, _hold.strict = self.depth, self.strict
 
 
 class held_between_waits(held_interrupts):

@@ -21,13 +21,13 @@ can already signal or trace each other.
 from __future__ import annotations
 
 import fcntl
-import functools
 import hashlib
 import mmap
 import os
 import socket
 import stat
 import struct
+import sys
 import threading
 import weakref
 from typing import Callable
@@ -35,8 +35,9 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .death_notes import DeathNotes
 from .errors import ProtocolError
-from .interrupts import held_in_finalizer, held_interrupts
+from .interrupts import finalizer, held_interrupts
 
 SEGMENT_CLASS_BYTES = 2 << 20  # segment sizes are multiples of this
 MAX_PEER_BYTES = 64 << 30      # the most a receiver maps of one peer's segments at once
@@ -204,11 +205,12 @@ class IncomingSegments:
 
     A Ctrl-C can land in any Python finalizer, and one landing in the finalizer that handed a
     segment back lost it for good (the sender never reused it; scripts/interrupt_fuzz.py, 1 in
-    about 4,200 checks). So a payload's death is first noted in C (a weak reference whose callback is
-    `dead.__setitem__(ident)`, no Python frame), and the finalizer then hands back whatever is
-    noted (`reclaim`). Cut by a Ctrl-C, it leaves the rest noted, handed back by the next
-    `reclaim` (the next payload's death, or the next payload taken). A Ctrl-C that comes while
-    it hands back is kept for the program's next Genie call (`held_in_finalizer`).
+    about 4,200 checks). So a payload's death is first noted in C (death_notes.py: no Python
+    frame), and the finalizer (`_payload_died`) then hands back whatever is noted (`reclaim`). A
+    Ctrl-C that comes while it runs is kept for the program's next Genie call
+    (`interrupts.finalizer`); should something still cut it (a handler the program set since
+    Genie's last call), what is noted is handed back by the next `reclaim` (the next payload's
+    death, or the next payload taken).
     """
 
     def __init__(self, on_free: Callable[[int], None], max_bytes: int = MAX_PEER_BYTES,
@@ -220,8 +222,8 @@ class IncomingSegments:
         self._mapped = 0
         self._on_free = on_free
         self._lock = threading.Lock()
-        self._watching: dict[int, weakref.ref] = {}  # busy segment -> weak reference to its payload
-        self._dead: dict[int, weakref.ref] = {}  # segments whose payload died, not handed back yet
+        self._deaths = DeathNotes()  # busy segments, each watching its payload
+        self._hand_backs: dict[int, weakref.ref] = {}  # busy segment -> the reference that calls _payload_died
 
     def attach(self, ident: int, fd: int) -> None:
         """Map segment `ident` from `fd` (which this call closes) after checking what it is."""
@@ -252,7 +254,7 @@ class IncomingSegments:
     def payload(self, ident: int, nbytes: int) -> torch.Tensor:
         """The first `nbytes` of segment `ident` as a uint8 tensor, in place; the segment counts as
         in use until that tensor's storage is freed."""
-        if self._dead:
+        if self._deaths.dead:
             self.reclaim()
         with held_interrupts():  # in use and its hand-back set up, or neither (a Ctrl-C between kept it for good)
             with self._lock:
@@ -265,25 +267,27 @@ class IncomingSegments:
                     raise ProtocolError(f"{nbytes} bytes do not fit shared segment {ident}")
                 self._busy.add(ident)
             array = np.frombuffer(mapping, dtype=np.uint8, count=nbytes)
-            # Run when the tensor below lets go of `array`: the weak reference's callback first
-            # (a later one runs first), then the finalizer.
-            release = weakref.finalize(array, self.reclaim, True)
-            release.atexit = False  # at exit there is nobody to hand it back to
-            self._watching[ident] = weakref.ref(array, functools.partial(self._dead.__setitem__, ident))
+            # When the tensor below lets go of `array`, these two weak references' callbacks run,
+            # the later one first: the death is noted (C), then `_payload_died` hands it back.
+            self._hand_backs[ident] = weakref.ref(array, self._payload_died)
+            self._deaths.watch(array, ident)
         return torch.from_numpy(array)
 
-    def reclaim(self, in_finalizer: bool = False) -> None:
-        """Hand back the segments whose payloads died (see the class). In the finalizer, a Ctrl-C
-        that came meanwhile waits for the program's next Genie call (see `held_in_finalizer`)."""
-        with held_in_finalizer() if in_finalizer else held_interrupts():
-            while self._dead:
-                try:
-                    ident, _ = self._dead.popitem()
-                except KeyError:  # another thread took the last one
+    @finalizer
+    def _payload_died(self, _ref, _finalizing=sys.is_finalizing) -> None:
+        if not _finalizing():  # at exit there is nobody to hand it back to
+            self.reclaim()
+
+    def reclaim(self) -> None:
+        """Hand back the segments whose payloads died (see the class)."""
+        with held_interrupts():
+            while self._deaths.dead:
+                ident = self._deaths.take()
+                if ident is None:  # another thread took the last one
                     return
                 with self._lock:
                     self._busy.discard(ident)
-                    self._watching.pop(ident, None)
+                    self._hand_backs.pop(ident, None)
                 self._on_free(ident)
 
     def forget(self, ident: int) -> None:
@@ -296,7 +300,7 @@ class IncomingSegments:
         del mapping
 
     def in_use(self) -> int:
-        if self._dead:
+        if self._deaths.dead:
             self.reclaim()
         with self._lock:
             return len(self._busy)

@@ -178,20 +178,28 @@ def test_what_a_programs_handler_raises_is_told_from_a_failure():
         signal.signal(signal.SIGINT, previous)
 
 
-def test_a_ctrl_c_in_a_finalizers_block_waits_for_the_next_block_not_lost():
-    """Raised at the end of a finalizer's block, a Ctrl-C is printed as ignored and never reaches
-    the program; `held_in_finalizer` keeps it for the next held block's end. A Ctrl-C pressed
-    again before then is raised at once, and the kept one with it: not twice."""
+@interrupts.finalizer
+def _finalizer_interrupted(in_block: bool) -> None:
+    if in_block:
+        with held_interrupts():
+            _interrupt_self()
+    else:
+        _interrupt_self()
+
+
+@pytest.mark.parametrize("in_block", [False, True], ids=["outside-a-block", "in-a-block"])
+def test_a_ctrl_c_in_a_finalizer_waits_for_the_next_block_not_lost(in_block):
+    """Raised in a finalizer, a Ctrl-C is printed as ignored and never reaches the program; in one
+    marked `interrupts.finalizer`, held block or not, it is kept for the next held block's end. A
+    Ctrl-C pressed again before then is raised at once, and the kept one with it: not twice."""
     with held_interrupts():  # ours in front
         pass
-    with interrupts.held_in_finalizer():
-        _interrupt_self()
+    _finalizer_interrupted(in_block)
     assert interrupts._hold.came is not None  # kept, not raised
     with pytest.raises(KeyboardInterrupt):
         with held_interrupts():
             pass
-    with interrupts.held_in_finalizer():
-        _interrupt_self()
+    _finalizer_interrupted(in_block)
     with pytest.raises(KeyboardInterrupt):
         _interrupt_self()  # pressed again, outside any block
     assert interrupts._hold.came is None

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import fcntl
 import os
+import signal
 import socket
 import sys
+import threading
 import tempfile
 import time
 
@@ -14,6 +16,7 @@ import torch
 from genie.transport import bulk, shared_segments
 from genie.transport.errors import ProtocolError
 from genie.transport.hostmem import HostBufferPool
+from genie.transport.interrupts import held_interrupts
 
 pytestmark = pytest.mark.skipif(not shared_segments.supported(), reason="needs memfd seals and fd passing (Linux)")
 
@@ -107,17 +110,17 @@ def test_receiver_maps_a_sealed_memfd_and_hands_it_back_when_the_payload_is_free
 
 
 def test_a_hand_back_cut_by_ctrl_c_in_the_finalizer_is_made_at_the_next_one(monkeypatch):
-    """A Ctrl-C can land in the finalizer that hands a segment back (scripts/interrupt_fuzz.py
-    found it lost for good: the sender never reused it). The payload's death is noted in C first,
-    so the next reclaim (a payload taken, a count asked for) hands it back."""
+    """A Ctrl-C that cut the finalizer handing a segment back lost it for good (the sender never
+    reused it; scripts/interrupt_fuzz.py). The payload's death is noted in C first, so should
+    anything still cut it, the next reclaim (a payload taken, a count asked for) hands it back."""
     real_reclaim = shared_segments.IncomingSegments.reclaim
     cut = []
 
-    def reclaim_cut_once(self, in_finalizer=False):
+    def reclaim_cut_once(self):
         if not cut:
             cut.append(True)
-            raise KeyboardInterrupt  # as a Ctrl-C at the finalizer's first check
-        real_reclaim(self, in_finalizer)
+            raise KeyboardInterrupt  # as a program's own SIGINT handler set since Genie's last call
+        real_reclaim(self)
 
     monkeypatch.setattr(shared_segments.IncomingSegments, "reclaim", reclaim_cut_once)
     freed = []
@@ -136,6 +139,37 @@ def test_a_hand_back_cut_by_ctrl_c_in_the_finalizer_is_made_at_the_next_one(monk
     assert freed == [1]
     del other
     assert freed == [1, 2] and incoming.in_use() == 0
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="SIGINT reaches the main thread only")
+def test_a_ctrl_c_in_the_finalizer_reaches_the_program_at_its_next_genie_call(monkeypatch):
+    """A Ctrl-C arriving as the finalizer starts (before any held block) was printed as
+    "Exception ignored" and lost; now it is kept for the program's next Genie call, and the
+    segment is handed back all the same."""
+    real_reclaim = shared_segments.IncomingSegments.reclaim
+
+    def reclaim_after_a_ctrl_c(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # Python runs the handler at its next check, here in the finalizer
+        real_reclaim(self)
+
+    with held_interrupts():  # Genie's handler in front, as after any Genie call
+        pass
+    monkeypatch.setattr(shared_segments.IncomingSegments, "reclaim", reclaim_after_a_ctrl_c)
+    freed = []
+    incoming = shared_segments.IncomingSegments(freed.append)
+    incoming.attach(1, _sealed_memfd(2 * MiB))
+    payload = incoming.payload(1, 100)
+    ignored, hook = [], sys.unraisablehook
+    sys.unraisablehook = lambda raised: ignored.append(raised.exc_type)
+    try:
+        del payload
+    finally:
+        sys.unraisablehook = hook
+    assert ignored == [] and freed == [1]
+    with pytest.raises(KeyboardInterrupt):
+        with held_interrupts():  # the program's next Genie call
+            pass
 
 
 @pytest.mark.parametrize("make, why", [
