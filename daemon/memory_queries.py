@@ -47,6 +47,7 @@ class MemoryQueries:
             "parked_requests": sum(len(q) for q in self._parked.values()),
             "limit": self.memory_limit,
             "process_cap": self.process_cap or 0,
+            "programs": sum(len(c.programs) for c in self.clients.values()),  # recorded genie.graph blocks held
             "program_segments": dict(fused.counts),
             **self.executor.gpu_path_stats(),
             **self.kv_store.stats(),

@@ -17,7 +17,8 @@ fresh computation right, nothing waiting past GENIE_REQUEST_TIMEOUT (6 s here). 
     GENIE_FUZZ_HANDLER=exception python scripts/interrupt_fuzz.py   # the program's own SIGINT handler,
                                                   # raising an Exception subclass, not KeyboardInterrupt
     GENIE_FUZZ_PROGRAM=more python scripts/interrupt_fuzz.py   # also a whole download (bulk lane),
-                                                  # a module's forward and backward, and a state_dict
+                                                  # a module's forward and backward, a state_dict, and
+                                                  # a genie.graph recorded, replayed and dropped
 
 With no daemon configured it uses the embedded one. Ends with "done FIRST LAST bad N" and exits
 1 when N > 0. Found on 2026-11-29 (see bench/NOTES.md), and mended since: batches taken from the
@@ -29,7 +30,7 @@ connection (raised again at the next read); with GENIE_FUZZ_PROGRAM=more, a down
 segment never handed back (a Ctrl-C as it was taken, or in the finalizer that hands it back).
 tests/test_interrupts.py runs it over the checks in runtime/link.py and runtime/stream.py.
 """
-import dis, os, signal, sys, threading, time
+import dis, gc, os, signal, sys, threading, time
 import concurrent.futures
 os.environ.setdefault("GENIE_REQUEST_TIMEOUT", "6")
 import torch, genie
@@ -94,18 +95,21 @@ torch.remote_accelerator.synchronize()
 expected = 0.0
 MORE = os.environ.get("GENIE_FUZZ_PROGRAM") == "more"
 
-def lent(limit=0, wait_s=2.0):
-    """Bytes of the daemon's shared segments this client holds (downloads not handed back yet),
-    once at most `limit`, or after `wait_s` (hand-backs travel on the lane)."""
+def held(what, limit=0, wait_s=2.0):
+    """The daemon's figure `what` for this client: "segment_bytes_lent" (shared segments of
+    downloads not handed back yet) or "programs" (genie.graph recordings not dropped), once at most
+    `limit`, or after `wait_s` (hand-backs travel on the lane; drops go with the next batch)."""
     from genie.runtime import get_runtime
     deadline = time.monotonic() + wait_s
     while True:
-        held = get_runtime().streams[0].link.request("stats", {"dev": 0}).body.get("segment_bytes_lent", 0)
-        if held <= limit or time.monotonic() >= deadline:
-            return held
+        torch.remote_accelerator.synchronize()
+        now = get_runtime().streams[0].link.request("stats", {"dev": 0}).body.get(what, 0)
+        if now <= limit or time.monotonic() >= deadline:
+            return now
         time.sleep(0.05)
 
 kept = 0  # segment bytes never handed back so far (each try's counted once)
+kept_programs = 0  # likewise, recorded programs never dropped
 torch.manual_seed(0)
 lin = torch.nn.Linear(16, 8).to(d)
 inputs = torch.randn(4, 16).to(d)
@@ -127,6 +131,12 @@ def work():
         assert torch.allclose(lin.weight.grad.cpu(), inputs.cpu().sum(0).expand(8, 16))
         state = {k: v.cpu() for k, v in lin.state_dict().items()}
         assert state["weight"].shape == (8, 16)
+        g = genie.Graph()  # recorded, replayed, dropped (its finalizer queues the daemon's drop)
+        with torch.no_grad(), genie.graph(g):
+            out = lin(inputs)
+        g.replay()
+        assert torch.allclose(out.cpu(), lin(inputs).detach().cpu())
+        del g
     torch.remote_accelerator.synchronize()
 
 # dry run: how many checks one pass passes
@@ -156,7 +166,7 @@ for at in range(lo, hi, step):
         sys.settrace(None)
     try:
         time.sleep(0.002)  # a signal not yet delivered lands here, outside Genie
-        with held_interrupts():  # one a finalizer kept for the next Genie call (interrupts.finalizer)
+        with held_interrupts():  # one a finalizer kept for the next Genie call (interrupts.runs_whole)
             pass
     except STOPS:
         hit = True
@@ -167,10 +177,15 @@ for at in range(lo, hi, step):
         if MORE and check:  # every shared segment of a download handed back (a hand-back a Ctrl-C
             # cut is made at the next one: this download's)
             check = torch.equal(torch.arange(300000.0, device=d).cpu(), torch.arange(300000.0))
-            held = lent(limit=kept) if check else kept
-            if held > kept:
-                print("segment bytes still lent after 2 s:", held, flush=True)
-                check, kept = False, held
+            lent = held("segment_bytes_lent", limit=kept) if check else kept
+            if lent > kept:
+                print("segment bytes still lent after 2 s:", lent, flush=True)
+                check, kept = False, lent
+            gc.collect()  # (a graph in an interrupted try's frames, which cycles may hold)
+            programs = held("programs", limit=kept_programs) if check else kept_programs
+            if programs > kept_programs:
+                print("recorded programs still held after 2 s:", programs, flush=True)
+                check, kept_programs = False, programs
         if not (ok and check):
             bad += 1
             print("BAD at", at, state.get("where"), "hit", hit, "got", got, "expected", expected, "check", check, flush=True)

@@ -79,6 +79,38 @@ def test_dropped_outputs_are_freed_after_each_replay_and_the_program_with_the_gr
     assert allocated() <= before, (before, allocated())
 
 
+def test_a_ctrl_c_as_the_program_is_defined_still_drops_it_with_the_graph(dev, monkeypatch):
+    """The drop was set up only once the daemon had checked the definition: a Ctrl-C in that
+    wait left the program on the daemon for good (scripts/interrupt_fuzz.py)."""
+    from genie.runtime import get_runtime
+    from genie.runtime.stream import DeviceStream
+
+    stream = get_runtime().stream(0)
+
+    def programs() -> int:
+        gc.collect()
+        torch.remote_accelerator.synchronize()  # (drops go with the next batch)
+        return stream.link.request("stats", {"dev": 0}).body["programs"]
+
+    x = torch.ones(8, device=dev)
+    before = programs()
+    real_synchronize = DeviceStream.synchronize
+
+    def interrupted_once(self):
+        monkeypatch.setattr(DeviceStream, "synchronize", real_synchronize)
+        real_synchronize(self)  # the definition goes out and is checked,
+        raise KeyboardInterrupt  # and the Ctrl-C lands as the wait returns
+
+    g = genie.Graph()
+    with pytest.raises(KeyboardInterrupt):
+        with genie.graph(g):
+            x.add_(1)
+            monkeypatch.setattr(DeviceStream, "synchronize", interrupted_once)
+    assert programs() == before + 1
+    del g
+    assert programs() == before
+
+
 def test_a_graph_keeps_the_tensors_it_reads_after_their_owners_drop_them(dev):
     # The usual shape of a decode loop: a helper records a step over tensors only its closure
     # holds, and hands back the graph and the output. Replays must still find those tensors.

@@ -27,6 +27,7 @@ from genie.errors import GenieError
 from genie.runtime import get_runtime
 from genie.runtime.device_type import DEVICE_TYPE
 from genie.runtime.stream import unreplayed_captures
+from genie.transport.interrupts import runs_whole
 from genie.transport.protocol import DEFINE_PROGRAM_OP as DEFINE_OP, REPLAY_OP
 
 from .lazy_tensor import LazyTensor
@@ -106,9 +107,11 @@ class _OnlyThisDevice(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _begin(g: Graph, device, run: bool) -> tuple:
-    """Start recording into `g` on `device`; `run`: the recorded ops also run now (genie.graph),
-    else they only record (torch.accelerator.Graph, whose capture runs nothing, as CUDA's)."""
+def _begin(g: Graph, device, run: bool, began: list) -> None:
+    """Start recording into `g` on `device`, appending (stream, guard) to `began` once recording is
+    on; `run`: the recorded ops also run now (genie.graph), else they only record
+    (torch.accelerator.Graph, whose capture runs nothing, as CUDA's). The caller calls this inside
+    its `try`, and `_stop_recording` if `began` was appended to, whatever was raised."""
     if g.program_id is not None:
         raise GenieError("this genie.Graph already holds a program; make a new one")
     device = torch.device(device)
@@ -117,15 +120,25 @@ def _begin(g: Graph, device, run: bool) -> tuple:
         if stream.recording is not None:
             raise GenieError("genie.graph blocks cannot be nested on one device")
         stream.flush()  # ops from before the block are not part of it
-        stream.recording = []
-        stream.record_only = not run
-        guard = _OnlyThisDevice(stream.device, stream, first_new=stream.new_handle())
+        _start_recording(stream, run, began)
+
+
+# These two run whole (a Ctrl-C is kept for the next Genie call): one that stopped them halfway
+# left the stream recording for good, every later read refused (scripts/interrupt_fuzz.py).
+
+@runs_whole
+def _start_recording(stream, run: bool, began: list) -> None:
+    stream.recording = []
+    stream.record_only = not run
+    guard = _OnlyThisDevice(stream.device, stream, first_new=stream.new_handle())
     guard.__enter__()
-    return stream, guard
+    began.append((stream, guard))
 
 
-def _end(g: Graph, stream, guard, completed: bool) -> None:
-    """Stop recording; when the block `completed`, define its program on the daemon."""
+@runs_whole
+def _stop_recording(stream, guard, completed: bool, state: list | None = None) -> tuple[list, bool]:
+    """Stop recording (and clear `state[1]`, a torch.accelerator.Graph's capture); the batches
+    recorded, and whether they ran."""
     try:
         guard.__exit__(None, None, None)
         if completed:
@@ -135,8 +148,13 @@ def _end(g: Graph, stream, guard, completed: bool) -> None:
         with stream.lock:
             batches, stream.recording = stream.recording, None
             ran, stream.record_only = not stream.record_only, False
-    if not completed:
-        return
+        if state is not None:
+            state[1] = None
+    return batches, ran
+
+
+def _define(g: Graph, stream, guard, batches: list, ran: bool) -> None:
+    """Define the program of a block that completed on the daemon, and make `g` replay it."""
     batches = [b for b in batches if b[0]]  # frees alone need no replay
     if not batches:
         raise GenieError("the genie.graph block recorded no remote ops")
@@ -151,12 +169,15 @@ def _end(g: Graph, stream, guard, completed: bool) -> None:
     recorded = batches[0][2]
     with stream.lock:
         program_id = stream.new_handle()
+        # The drop is set up before the definition is queued: set up after the synchronize below,
+        # a Ctrl-C in it left the program on the daemon for good (scripts/interrupt_fuzz.py). A drop
+        # of a program never defined, or refused, does nothing.
+        g._finalizer = weakref.finalize(g, _drop, stream, program_id)
         stream.append([DEFINE_OP, [program_id, [b[:2] for b in batches]] + ([recorded] if recorded else []), {}, None])
     stream.synchronize()  # the daemon checks the program now, so a bad one fails here, not at replay
     g.program_id, g._stream, g._inputs = program_id, stream, guard.inputs
     g.ops = sum(len(b[0]) for b in batches)
     g.op_names = [op[0] for b in batches for op in b[0]]
-    g._finalizer = weakref.finalize(g, _drop, stream, program_id)
     if not ran:
         g._unreplayed = (stream.link.endpoint, guard.first_new, program_id)
         unreplayed_captures.add(g._unreplayed)
@@ -166,13 +187,16 @@ def _end(g: Graph, stream, guard, completed: bool) -> None:
 @contextlib.contextmanager
 def graph(g: Graph, device="remote_accelerator:0"):
     """Run the block once and record its ops on `device` into `g` (see the module docstring)."""
-    stream, guard = _begin(g, device, run=True)
+    began = []  # (stream, guard) once recording is on
     try:
+        _begin(g, device, True, began)
         yield g
     except BaseException:
-        _end(g, stream, guard, completed=False)
+        if began:
+            _stop_recording(*began[0], completed=False)
         raise
-    _end(g, stream, guard, completed=True)
+    recorded = _stop_recording(*began[0], completed=True)
+    _define(g, *began[0], *recorded)
 
 
 # ------------------------------------------------------------------ torch.accelerator.Graph
@@ -184,18 +208,23 @@ def graph(g: Graph, device="remote_accelerator:0"):
 def _accelerator_graph(action: str, state: list | None, path: str):
     """state: [genie.Graph, (stream, guard) while capturing, else None], made by "begin"."""
     if action == "begin":
-        g = Graph()
-        return [g, _begin(g, torch.device(DEVICE_TYPE, get_runtime().current_device), run=False)]
+        g, began = Graph(), []
+        try:
+            _begin(g, torch.device(DEVICE_TYPE, get_runtime().current_device), False, began)
+        except BaseException:
+            if began:
+                _stop_recording(*began[0], completed=False)
+            raise
+        return [g, began[0]]
     if action == "end":
         g, capture = state
-        state[1] = None
-        _end(g, *capture, completed=True)
+        recorded = _stop_recording(*capture, completed=True, state=state)
+        _define(g, *capture, *recorded)
     elif action == "replay":
         state[0].replay()
     elif action == "reset":  # the graph (and its program on the daemon) goes; a capture in progress ends
         if state[1] is not None:
-            capture, state[1] = state[1], None
-            _end(state[0], *capture, completed=False)
+            _stop_recording(*state[1], completed=False, state=state)
         state[0] = None
     elif action == "dump":
         with open(path, "w") as f:

@@ -395,12 +395,16 @@ class DeviceStream:
 
     # ------------------------------------------------------------ synchronisation points
 
+    def _anything_to_send(self) -> bool:
+        """Ops, frees, batches put back, or drops of programs (those wait while a block records)."""
+        return bool(self.ops or self.deaths.dead or self.unsent or (self.dropped_programs and self.recording is None))
+
     def flush(self, settings: list | None = None) -> None:
         """Send what is queued without waiting; a failure of the batch is kept for the next sync.
         `settings`: the numerics settings (numerics.read()) the queued ops run under, when not
         this process's current ones."""
         with self.lock, held_between_waits():  # taken and sent, or put back (see `put_back`)
-            if self.ops or self.deaths.dead or self.unsent:
+            if self._anything_to_send():
                 self._post_unwaited(self._take(fetch=[], report=False, settings=settings))
 
     def synchronize(self) -> None:
@@ -409,7 +413,7 @@ class DeviceStream:
         With nothing queued, the answers to batches already posted say that: no round trip."""
         with self.lock, held_between_waits():  # taken and sent, or put back (see `put_back`)
             future = None
-            if self.ops or self.deaths.dead or self.unsent:
+            if self._anything_to_send():
                 future = self._post(self._take(fetch=[], report=False), wait=True, direct=True)
         if future is not None:
             self.note_failure(self.link.wait(future))

@@ -27,9 +27,11 @@ batch not yet sent is kept, a lane cut mid-message is dropped), not as a lost co
 Handlers that are not Python functions (SIG_IGN, SIG_DFL) are left alone, as are threads, which
 never see KeyboardInterrupt: there the blocks change nothing.
 
-A finalizer (code run when an object dies, wherever that happens) cannot raise to the program:
-Python prints what it raises as "Exception ignored" and drops it. Functions marked `finalizer`
-keep a Ctrl-C that comes while they run for the program's next Genie call.
+Some code must run whole, and a held block cannot cover it, since entering one is Python too: a
+finalizer (run when an object dies, wherever that happens; Python prints what it raises as
+"Exception ignored" and drops it), or the step that turns a state on or off (a genie.graph's
+recording). Functions marked `runs_whole`, and any `weakref.finalize` callback, keep a Ctrl-C
+that comes while they run for the program's next Genie call.
 
 `Condition` is threading.Condition with a `with` that cannot be cut between taking its lock and
 entering the block (or leaving it and giving the lock back): see its docstring.
@@ -39,6 +41,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import weakref
 
 from _signal import getsignal as _getsignal  # signal.getsignal wraps it in ~1.9 us; this is ~0.02
 
@@ -77,10 +80,10 @@ class _InFront:
         self.chained = chained
 
     def __call__(self, signum, frame) -> None:
-        if _hold.depth or (_FINALIZERS and _in_finalizer(frame)):
+        if _hold.depth or _in_runs_whole(frame):
             _hold.came = self.chained
             return
-        _hold.came = None  # one kept for later (see `finalizer`) is this one now
+        _hold.came = None  # one kept for later (see `runs_whole`) is this one now
         _call_marking(self.chained, signum, frame)  # Python's default one raises KeyboardInterrupt, as without us
 
 
@@ -122,34 +125,36 @@ def _stand_in_front(found) -> None:
 
 def _deliver_if_came() -> None:
     """A Ctrl-C that came while held reaches the handler it came to (the default one raises),
-    unless this is a finalizer's block: then it is kept (see `finalizer`)."""
+    unless this block is in a function that runs whole: then it is kept (see `runs_whole`)."""
     handler = _hold.came
     if handler is not None:
         frame = sys._getframe(1)
-        if _FINALIZERS and _in_finalizer(frame):
+        if _in_runs_whole(frame):
             return
         _hold.came = None
         _call_marking(handler, _SIGINT, frame)
 
 
-# The code of Genie's finalizers (see `finalizer`).
-_FINALIZERS: set = set()
+# The code of the functions that run whole (see `runs_whole`), and weakref.finalize's call of any
+# finalizer: a Ctrl-C landing in one of those (Genie's dropping a graph's program, the program's
+# own) was dropped too.
+_RUN_WHOLE: set = {weakref.finalize.__call__.__code__}
 
 
-def finalizer(function):
-    """Marks `function` as one Genie runs from a weak reference's callback, at whatever moment an
-    object dies. A Ctrl-C raised there, held block or not, would be printed as "Exception ignored"
-    and never reach the program: one that comes while it runs (anywhere below its frame) is kept
-    for the end of the program's next held block or wait (its next Genie call), or for its next
-    Ctrl-C, which is raised at once and clears the kept one. The frames are looked at only when a
+def runs_whole(function):
+    """Marks `function` to run whole: a Ctrl-C that comes while it runs (anywhere below its frame),
+    held block or not, is kept for the end of the program's next held block or wait after it (its
+    next Genie call), or for its next Ctrl-C, which is raised at once and clears the kept one. For
+    finalizers (a Ctrl-C raised there would be printed as "Exception ignored" and never reach the
+    program) and short steps that must not stop halfway. The frames are looked at only when a
     Ctrl-C comes: nothing is paid otherwise."""
-    _FINALIZERS.add(function.__code__)
+    _RUN_WHOLE.add(function.__code__)
     return function
 
 
-def _in_finalizer(frame) -> bool:
+def _in_runs_whole(frame) -> bool:
     while frame is not None:
-        if frame.f_code in _FINALIZERS:
+        if frame.f_code in _RUN_WHOLE:
             return True
         frame = frame.f_back
     return False

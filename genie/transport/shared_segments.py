@@ -37,7 +37,7 @@ import torch
 
 from .death_notes import DeathNotes
 from .errors import ProtocolError
-from .interrupts import finalizer, held_interrupts
+from .interrupts import held_interrupts, runs_whole
 
 SEGMENT_CLASS_BYTES = 2 << 20  # segment sizes are multiples of this
 MAX_PEER_BYTES = 64 << 30      # the most a receiver maps of one peer's segments at once
@@ -208,7 +208,7 @@ class IncomingSegments:
     about 4,200 checks). So a payload's death is first noted in C (death_notes.py: no Python
     frame), and the finalizer (`_payload_died`) then hands back whatever is noted (`reclaim`). A
     Ctrl-C that comes while it runs is kept for the program's next Genie call
-    (`interrupts.finalizer`); should something still cut it (a handler the program set since
+    (`interrupts.runs_whole`); should something still cut it (a handler the program set since
     Genie's last call), what is noted is handed back by the next `reclaim` (the next payload's
     death, or the next payload taken).
     """
@@ -273,7 +273,7 @@ class IncomingSegments:
             self._deaths.watch(array, ident)
         return torch.from_numpy(array)
 
-    @finalizer
+    @runs_whole
     def _payload_died(self, _ref, _finalizing=sys.is_finalizing) -> None:
         if not _finalizing():  # at exit there is nobody to hand it back to
             self.reclaim()

@@ -3,8 +3,10 @@
 or the program's)."""
 import os
 import signal
+import sys
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -178,7 +180,7 @@ def test_what_a_programs_handler_raises_is_told_from_a_failure():
         signal.signal(signal.SIGINT, previous)
 
 
-@interrupts.finalizer
+@interrupts.runs_whole
 def _finalizer_interrupted(in_block: bool) -> None:
     if in_block:
         with held_interrupts():
@@ -190,7 +192,7 @@ def _finalizer_interrupted(in_block: bool) -> None:
 @pytest.mark.parametrize("in_block", [False, True], ids=["outside-a-block", "in-a-block"])
 def test_a_ctrl_c_in_a_finalizer_waits_for_the_next_block_not_lost(in_block):
     """Raised in a finalizer, a Ctrl-C is printed as ignored and never reaches the program; in one
-    marked `interrupts.finalizer`, held block or not, it is kept for the next held block's end. A
+    marked `interrupts.runs_whole`, held block or not, it is kept for the next held block's end. A
     Ctrl-C pressed again before then is raised at once, and the kept one with it: not twice."""
     with held_interrupts():  # ours in front
         pass
@@ -205,6 +207,33 @@ def test_a_ctrl_c_in_a_finalizer_waits_for_the_next_block_not_lost(in_block):
     assert interrupts._hold.came is None
     with held_interrupts():  # nothing left to raise
         pass
+
+
+def test_a_ctrl_c_in_any_weakref_finalize_callback_is_kept_not_ignored(monkeypatch):
+    """Genie drops a graph's program from a weakref.finalize callback (so do programs, for their
+    own things): a Ctrl-C there was printed as "Exception ignored" and dropped, with the rest of
+    the callback's work. Now it is kept for the next Genie call, and the callback runs to its end."""
+    with held_interrupts():  # ours in front
+        pass
+
+    class Thing:
+        pass
+
+    done = []
+
+    def callback():
+        _interrupt_self()
+        done.append(True)
+
+    thing = Thing()
+    weakref.finalize(thing, callback)
+    ignored = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda raised: ignored.append(raised.exc_type))
+    del thing
+    assert ignored == [] and done == [True]
+    with pytest.raises(KeyboardInterrupt):
+        with held_interrupts():
+            pass
 
 
 def test_a_handler_set_after_ours_is_held_back_from_the_next_block_on():

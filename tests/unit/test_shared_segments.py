@@ -128,12 +128,9 @@ def test_a_hand_back_cut_by_ctrl_c_in_the_finalizer_is_made_at_the_next_one(monk
     incoming.attach(1, _sealed_memfd(2 * MiB))
     incoming.attach(2, _sealed_memfd(2 * MiB))
     payload = incoming.payload(1, 100)
-    ignored, hook = [], sys.unraisablehook
-    sys.unraisablehook = lambda raised: ignored.append(raised.exc_type)  # (Python prints it as ignored)
-    try:
-        del payload
-    finally:
-        sys.unraisablehook = hook
+    ignored = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda raised: ignored.append(raised.exc_type))  # (Python prints it as ignored)
+    del payload
     assert ignored == [KeyboardInterrupt] and freed == []
     other = incoming.payload(2, 100)  # taking the next payload hands the first back
     assert freed == [1]
@@ -160,12 +157,9 @@ def test_a_ctrl_c_in_the_finalizer_reaches_the_program_at_its_next_genie_call(mo
     incoming = shared_segments.IncomingSegments(freed.append)
     incoming.attach(1, _sealed_memfd(2 * MiB))
     payload = incoming.payload(1, 100)
-    ignored, hook = [], sys.unraisablehook
-    sys.unraisablehook = lambda raised: ignored.append(raised.exc_type)
-    try:
-        del payload
-    finally:
-        sys.unraisablehook = hook
+    ignored = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda raised: ignored.append(raised.exc_type))
+    del payload
     assert ignored == [] and freed == [1]
     with pytest.raises(KeyboardInterrupt):
         with held_interrupts():  # the program's next Genie call
