@@ -27,7 +27,6 @@ import os
 import socket
 import stat
 import struct
-import sys
 import threading
 import weakref
 from typing import Callable
@@ -37,7 +36,7 @@ import torch
 
 from .death_notes import DeathNotes
 from .errors import ProtocolError
-from .interrupts import held_interrupts, runs_whole
+from .interrupts import held_interrupts
 
 SEGMENT_CLASS_BYTES = 2 << 20  # segment sizes are multiples of this
 MAX_PEER_BYTES = 64 << 30      # the most a receiver maps of one peer's segments at once
@@ -206,9 +205,9 @@ class IncomingSegments:
     A Ctrl-C can land in any Python finalizer, and one landing in the finalizer that handed a
     segment back lost it for good (the sender never reused it; scripts/interrupt_fuzz.py, 1 in
     about 4,200 checks). So a payload's death is first noted in C (death_notes.py: no Python
-    frame), and the finalizer (`_payload_died`) then hands back whatever is noted (`reclaim`). A
-    Ctrl-C that comes while it runs is kept for the program's next Genie call
-    (`interrupts.runs_whole`); should something still cut it (a handler the program set since
+    frame), and a finalizer then hands back whatever is noted (`reclaim`). A Ctrl-C that comes
+    while it runs is kept for the program's next Genie call (any `weakref.finalize` callback
+    runs whole: `interrupts.runs_whole`); should something still cut it (a handler the program set since
     Genie's last call), what is noted is handed back by the next `reclaim` (the next payload's
     death, or the next payload taken).
     """
@@ -223,7 +222,6 @@ class IncomingSegments:
         self._on_free = on_free
         self._lock = threading.Lock()
         self._deaths = DeathNotes()  # busy segments, each watching its payload
-        self._hand_backs: dict[int, weakref.ref] = {}  # busy segment -> the reference that calls _payload_died
 
     def attach(self, ident: int, fd: int) -> None:
         """Map segment `ident` from `fd` (which this call closes) after checking what it is."""
@@ -267,16 +265,12 @@ class IncomingSegments:
                     raise ProtocolError(f"{nbytes} bytes do not fit shared segment {ident}")
                 self._busy.add(ident)
             array = np.frombuffer(mapping, dtype=np.uint8, count=nbytes)
-            # When the tensor below lets go of `array`, these two weak references' callbacks run,
-            # the later one first: the death is noted (C), then `_payload_died` hands it back.
-            self._hand_backs[ident] = weakref.ref(array, self._payload_died)
+            # When the tensor below lets go of `array`, the later of these runs first: the death
+            # is noted (C), then the finalizer hands it back.
+            release = weakref.finalize(array, self.reclaim)
+            release.atexit = False  # at exit there is nobody to hand it back to
             self._deaths.watch(array, ident)
         return torch.from_numpy(array)
-
-    @runs_whole
-    def _payload_died(self, _ref, _finalizing=sys.is_finalizing) -> None:
-        if not _finalizing():  # at exit there is nobody to hand it back to
-            self.reclaim()
 
     def reclaim(self) -> None:
         """Hand back the segments whose payloads died (see the class)."""
@@ -287,7 +281,6 @@ class IncomingSegments:
                     return
                 with self._lock:
                     self._busy.discard(ident)
-                    self._hand_backs.pop(ident, None)
                 self._on_free(ident)
 
     def forget(self, ident: int) -> None:
