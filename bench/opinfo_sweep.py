@@ -48,6 +48,29 @@ def is_deterministic(opinfo) -> bool:
                    for n in NONDETERMINISTIC) and "dropout" not in name and "rand" not in name
 
 
+def samples_of(opinfo, dtype: torch.dtype, requires_grad: bool) -> list:
+    """The op's CPU samples, made exactly as PyTorch's tests make them: every random generator
+    seeded with the tests' SEED before each sample. Seeded here rather than by the OpInfo's own
+    iterator (`set_seed=True`), because its `torch.manual_seed` also seeds every lazily started
+    backend, and on this torch each such call records a stack trace: ~50 µs per sample at a
+    test's stack depth, most of the sweep's time outside the daemon (bench/NOTES.md)."""
+    import random
+
+    from torch.testing._internal.common_utils import SEED, TEST_NUMPY
+
+    made, samples = [], iter(opinfo.sample_inputs("cpu", dtype, requires_grad=requires_grad, set_seed=False))
+    while True:
+        torch.default_generator.manual_seed(SEED)
+        random.seed(SEED)
+        if TEST_NUMPY:
+            import numpy
+            numpy.random.seed(SEED)
+        try:
+            made.append(next(samples))
+        except StopIteration:
+            return made
+
+
 def to_device(tree, dev):
     """The tensors of `tree` on `dev`, as leaves that require grad where the originals did."""
     return pytree.tree_map_only(torch.Tensor, lambda t: t.detach().to(dev).requires_grad_(t.requires_grad), tree)
@@ -235,7 +258,7 @@ def sweep(only: set[str] | None = None, max_samples: int | None = None, dev: str
                 backward and not opinfo.supports_autograd) or (forward_ad and not opinfo.supports_forward_ad):
             continue
         try:
-            samples = list(opinfo.sample_inputs("cpu", dtype, requires_grad=backward))
+            samples = samples_of(opinfo, dtype, backward)
         except Exception:
             continue
         if max_samples:
