@@ -18,7 +18,9 @@ fresh computation right, nothing waiting past GENIE_REQUEST_TIMEOUT (6 s here). 
                                                   # raising an Exception subclass, not KeyboardInterrupt
     GENIE_FUZZ_PROGRAM=more python scripts/interrupt_fuzz.py   # also a whole download (bulk lane),
                                                   # a module's forward and backward, a state_dict, and
-                                                  # a genie.graph recorded, replayed and dropped
+                                                  # a genie.graph recorded, replayed and dropped,
+                                                  # and a torch.accelerator.Graph captured, replayed,
+                                                  # reset, captured again and dropped
 
 With no daemon configured it uses the embedded one. Ends with "done FIRST LAST bad N" and exits
 1 when N > 0. Found on 2026-11-29 (see bench/NOTES.md), and mended since: batches taken from the
@@ -28,6 +30,9 @@ released (the next blocking read waited for good); Ctrl-Cs swallowed in `__del__
 with the program's own handler raising an Exception subclass, that exception taken for a lost
 connection (raised again at the next read); with GENIE_FUZZ_PROGRAM=more, a download's shared
 segment never handed back (a Ctrl-C as it was taken, or in the finalizer that hands it back).
+With torch.accelerator.Graph added (22:00 UTC): a Ctrl-C in its capture came as a RuntimeError
+(Genie's C++ graph turned its hooks' exceptions into RuntimeErrors, and an empty capture raised
+"recorded no remote ops" over the Ctrl-C that ended the block).
 tests/test_interrupts.py runs it over the checks in runtime/link.py and runtime/stream.py.
 """
 import dis, gc, os, signal, sys, threading, time
@@ -137,6 +142,18 @@ def work():
         g.replay()
         assert torch.allclose(out.cpu(), lin(inputs).detach().cpu())
         del g
+        if hasattr(torch.accelerator, "Graph"):  # PyTorch's own (>= 2.13): captured without running
+            ag = torch.accelerator.Graph()
+            with torch.no_grad(), ag:
+                again = lin(inputs)
+            ag.replay()
+            assert torch.allclose(again.cpu(), out.cpu())
+            ag.reset()  # its program dropped now; one not reset goes with the graph, as g above
+            with torch.no_grad(), ag:
+                again.mul_(2)
+            ag.replay()
+            assert torch.allclose(again.cpu(), out.cpu() * 2)
+            del ag
     torch.remote_accelerator.synchronize()
 
 # dry run: how many checks one pass passes

@@ -544,3 +544,58 @@ def test_a_training_step_captured_with_torch_accelerator_graph_replays_like_eage
         g.replay()
         got.append(loss.item())
     twins.assert_same(got, expected)
+
+
+@needs_accelerator_graph
+def test_an_empty_torch_accelerator_graph_capture_warns_and_replays_nothing(dev, tmp_path):
+    """As a CUDA graph's: torch's __exit__ ends the capture whatever happened in the block, so an
+    error there, when nothing was recorded yet, must reach the program as itself (a Ctrl-C as a
+    KeyboardInterrupt, found by scripts/interrupt_fuzz.py), not as "recorded no remote ops"."""
+    x = torch.ones(4, device=dev)
+    g = torch.accelerator.Graph()
+    g.enable_debug_mode()
+    with pytest.warns(UserWarning, match="captured no remote_accelerator ops"):
+        with pytest.raises(KeyboardInterrupt):
+            with g:
+                raise KeyboardInterrupt
+    g.replay()  # nothing
+    g.debug_dump(str(tmp_path / "ops.txt"))
+    assert (tmp_path / "ops.txt").read_text() == ""
+    assert x.cpu().tolist() == [1.0] * 4
+    g.reset()
+    with g:  # it may capture again
+        x.add_(1)
+    g.replay()
+    assert x.cpu().tolist() == [2.0] * 4
+
+
+@needs_accelerator_graph
+def test_an_exception_in_a_graph_hook_reaches_the_program_as_itself(dev):
+    """Genie's C++ graph calls into Python; what that raises comes back to the program with its own
+    type (a python_error, restored by torch's bindings), not as a RuntimeError with its text: a
+    Ctrl-C as a capture begins was a RuntimeError with an empty message."""
+    from genie.frontend import graphs, native_guard
+
+    def hook(action, state, path):
+        if action == "begin":
+            raise KeyboardInterrupt
+        if action == "replay":
+            raise LookupError("from the hook")
+        return graphs._accelerator_graph(action, state, path)
+
+    x = torch.ones(4, device=dev)
+    g = torch.accelerator.Graph()
+    native_guard.set_graph_hook(hook)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            g.capture_begin()
+        native_guard.set_graph_hook(graphs._accelerator_graph)
+        with g:
+            x.add_(1)
+        native_guard.set_graph_hook(hook)
+        with pytest.raises(LookupError, match="from the hook"):
+            g.replay()
+    finally:
+        native_guard.set_graph_hook(graphs._accelerator_graph)
+    g.replay()
+    assert x.cpu().tolist() == [2.0] * 4

@@ -22,6 +22,7 @@
 #include <c10/core/GeneratorImpl.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/alloc_cpu.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/Generator.h>
 #include <torch/csrc/autograd/engine.h>
 
@@ -51,23 +52,15 @@ struct GilHeld {
   ~GilHeld() { PyGILState_Release(state); }
 };
 
-// The pending Python exception of a hook, as a c10::Error (a RuntimeError to the program) with
-// its message. The GIL is held.
+// The pending Python exception of a hook, thrown on as torch's own C++ throws one: torch's
+// bindings restore a python_error as they return to Python, so the program gets the hook's
+// exception itself, type and all (a Ctrl-C in a hook stays a KeyboardInterrupt, not a
+// RuntimeError with an empty message). The GIL is held.
 [[noreturn]] void throw_hook_error() {
-  PyObject *type = nullptr, *value = nullptr, *traceback = nullptr;
-  PyErr_Fetch(&type, &value, &traceback);
-  std::string message = "remote_accelerator: a hook into Genie failed";
-  if (value != nullptr) {
-    if (PyObject* text = PyObject_Str(value)) {
-      if (const char* utf8 = PyUnicode_AsUTF8(text)) message = utf8;
-      Py_DECREF(text);
-    }
-  }
-  PyErr_Clear();
-  Py_XDECREF(type);
-  Py_XDECREF(value);
-  Py_XDECREF(traceback);
-  TORCH_CHECK(false, message);
+  TORCH_CHECK(PyErr_Occurred() != nullptr, "remote_accelerator: a hook into Genie failed");
+  python_error error;
+  error.persist();  // taken out of this thread's error indicator: nothing on the way up clears it
+  throw error;
 }
 
 // Genie's Python side of streams and events (genie.frontend.streams; borrowed: it keeps both

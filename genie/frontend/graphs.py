@@ -17,6 +17,7 @@ replay. Replays queue like any op, in program order.
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 
 import torch
@@ -218,17 +219,25 @@ def _accelerator_graph(action: str, state: list | None, path: str):
         return [g, began[0]]
     if action == "end":
         g, capture = state
-        recorded = _stop_recording(*capture, completed=True, state=state)
-        _define(g, *capture, *recorded)
+        batches, ran = _stop_recording(*capture, completed=True, state=state)
+        if any(b[0] for b in batches):
+            _define(g, *capture, batches, ran)
+        else:  # as CUDA's: a warning, and replays that do nothing (raising here would replace the
+            # exception of a block that ended early, a Ctrl-C among them: torch's __exit__ ends
+            # the capture whatever happened)
+            state[0] = None
+            warnings.warn("this torch.accelerator.Graph captured no remote_accelerator ops (on another "
+                          "device or stream, or the block ended early): its replays do nothing", stacklevel=2)
     elif action == "replay":
-        state[0].replay()
+        if state[0] is not None:
+            state[0].replay()
     elif action == "reset":  # the graph (and its program on the daemon) goes; a capture in progress ends
         if state[1] is not None:
             _stop_recording(*state[1], completed=False, state=state)
         state[0] = None
     elif action == "dump":
         with open(path, "w") as f:
-            f.write("".join(f"{name}\n" for name in state[0].op_names))
+            f.write("".join(f"{name}\n" for name in (state[0].op_names if state[0] is not None else ())))
     else:
         raise ValueError(f"unknown graph action {action!r}")
     return None
