@@ -49,16 +49,18 @@ def is_deterministic(opinfo) -> bool:
 
 
 def samples_of(opinfo, dtype: torch.dtype, requires_grad: bool) -> list:
-    """The op's CPU samples, made exactly as PyTorch's tests make them: every random generator
-    seeded with the tests' SEED before each sample. Seeded here rather than by the OpInfo's own
-    iterator (`set_seed=True`), because its `torch.manual_seed` also seeds every lazily started
-    backend, and on this torch each such call records a stack trace: ~50 µs per sample at a
-    test's stack depth, most of the sweep's time outside the daemon (bench/NOTES.md)."""
+    """The op's CPU samples, made exactly as `opinfo.sample_inputs` makes them for PyTorch's tests:
+    its function called, then every random generator seeded with the tests' SEED before each
+    sample is taken. Not through `sample_inputs` itself, which costs most of the sweep's time
+    outside the daemon (bench/NOTES.md): its `torch.manual_seed` also seeds every lazily started
+    backend, and on this torch each such call records a stack trace (~50 µs per sample at a
+    test's stack depth), and it looks up the calling unittest twice per op with
+    `inspect.stack()`, which reads the source of every frame on the stack."""
     import random
 
     from torch.testing._internal.common_utils import SEED, TEST_NUMPY
 
-    made, samples = [], iter(opinfo.sample_inputs("cpu", dtype, requires_grad=requires_grad, set_seed=False))
+    made, samples = [], iter(opinfo.sample_inputs_func(opinfo, "cpu", dtype, requires_grad))
     while True:
         torch.default_generator.manual_seed(SEED)
         random.seed(SEED)
