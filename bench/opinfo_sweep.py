@@ -60,12 +60,13 @@ def samples_of(opinfo, dtype: torch.dtype, requires_grad: bool) -> list:
 
     from torch.testing._internal.common_utils import SEED, TEST_NUMPY
 
+    if TEST_NUMPY:
+        import numpy
     made, samples = [], iter(opinfo.sample_inputs_func(opinfo, "cpu", dtype, requires_grad))
     while True:
         torch.default_generator.manual_seed(SEED)
         random.seed(SEED)
         if TEST_NUMPY:
-            import numpy
             numpy.random.seed(SEED)
         try:
             made.append(next(samples))

@@ -154,11 +154,12 @@ def _stop_recording(stream, guard, completed: bool, state: list | None = None) -
     return batches, ran
 
 
-def _define(g: Graph, stream, guard, batches: list, ran: bool) -> None:
-    """Define the program of a block that completed on the daemon, and make `g` replay it."""
+def _define(g: Graph, stream, guard, batches: list, ran: bool) -> bool:
+    """Define the program of a block that completed on the daemon, and make `g` replay it; False
+    (nothing defined) where the block recorded no remote ops."""
     batches = [b for b in batches if b[0]]  # frees alone need no replay
     if not batches:
-        raise GenieError("the genie.graph block recorded no remote ops")
+        return False
     # A replay runs under the numerics settings its ops were recorded under (as a CUDA graph
     # keeps the kernels chosen when it was captured), whatever is in force when it is replayed.
     settings = {repr(b[2]) for b in batches}
@@ -183,6 +184,7 @@ def _define(g: Graph, stream, guard, batches: list, ran: bool) -> None:
         g._unreplayed = (stream.link.endpoint, guard.first_new, program_id)
         unreplayed_captures.add(g._unreplayed)
         weakref.finalize(g, unreplayed_captures.discard, g._unreplayed)
+    return True
 
 
 @contextlib.contextmanager
@@ -197,7 +199,8 @@ def graph(g: Graph, device="remote_accelerator:0"):
             _stop_recording(*began[0], completed=False)
         raise
     recorded = _stop_recording(*began[0], completed=True)
-    _define(g, *began[0], *recorded)
+    if not _define(g, *began[0], *recorded):
+        raise GenieError("the genie.graph block recorded no remote ops")
 
 
 # ------------------------------------------------------------------ torch.accelerator.Graph
@@ -220,11 +223,10 @@ def _accelerator_graph(action: str, state: list | None, path: str):
     if action == "end":
         g, capture = state
         batches, ran = _stop_recording(*capture, completed=True, state=state)
-        if any(b[0] for b in batches):
-            _define(g, *capture, batches, ran)
-        else:  # as CUDA's: a warning, and replays that do nothing (raising here would replace the
+        if not _define(g, *capture, batches, ran):
+            # As CUDA's: a warning, and replays that do nothing (raising here would replace the
             # exception of a block that ended early, a Ctrl-C among them: torch's __exit__ ends
-            # the capture whatever happened)
+            # the capture whatever happened).
             state[0] = None
             warnings.warn("this torch.accelerator.Graph captured no remote_accelerator ops (on another "
                           "device or stream, or the block ended early): its replays do nothing", stacklevel=2)
