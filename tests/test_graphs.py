@@ -599,3 +599,92 @@ def test_an_exception_in_a_graph_hook_reaches_the_program_as_itself(dev):
         native_guard.set_graph_hook(graphs._accelerator_graph)
     g.replay()
     assert x.cpu().tolist() == [2.0] * 4
+
+
+def _in_another_thread(work, started, done, errors):
+    """Run `work` on a thread once `started` is set, then set `done`; what it raises goes to `errors`."""
+    import threading
+
+    def run():
+        try:
+            started.wait(10)
+            work()
+        except BaseException as e:  # noqa: B902 -- reported by the test
+            errors.append(e)
+        finally:
+            done.set()
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("kind", ["genie.graph", "torch.accelerator.Graph"])
+def test_a_recording_takes_only_its_own_threads_ops(dev, kind):
+    """Another thread's work on the device while a block records runs as usual, is not recorded
+    and is not run again by replays (as a CUDA capture in its thread-local mode). Before, its ops
+    went into the recording: replays repeated them, and its reads failed as reads in a block."""
+    import threading
+
+    if kind == "torch.accelerator.Graph" and not hasattr(torch.accelerator, "Graph"):
+        pytest.skip("torch.accelerator.Graph needs torch >= 2.13")
+    x, y = torch.zeros(4, device=dev), torch.zeros(4, device=dev)
+    big = torch.arange(300_000, dtype=torch.float32)  # large enough for the bulk lane
+    read = []
+
+    def other_work():
+        y.add_(1)
+        read.append(y[0].item())  # a read: refused inside a recording, not here
+        read.append(torch.equal((big.to(dev) * 2).cpu(), big * 2))
+        y.mul_(torch.tensor(3.0))  # an op with an inline payload
+
+    started, done, errors = threading.Event(), threading.Event(), []
+    t = _in_another_thread(other_work, started, done, errors)
+    g = genie.Graph() if kind == "genie.graph" else torch.accelerator.Graph()
+    with torch.no_grad(), (genie.graph(g) if kind == "genie.graph" else g):
+        x.add_(1)
+        started.set()
+        assert done.wait(20)
+        x.add_(1)
+    t.join(10)
+    assert not errors, errors
+    assert read == [1.0, True]
+    g.replay()
+    g.replay()
+    ran = 3 if kind == "genie.graph" else 2  # a torch.accelerator.Graph capture runs nothing
+    assert x.cpu().tolist() == [2.0 * ran] * 4
+    assert y.cpu().tolist() == [3.0] * 4  # once, when the thread ran it
+
+
+def test_a_recorded_backward_is_recorded_and_another_threads_is_not(dev):
+    """A block's backward runs on autograd's own thread for the device (PyTorch carries the
+    block's dispatch modes over to it), and is recorded; another thread's backward afterwards
+    runs on that same engine thread and is not."""
+    import threading
+
+    torch.manual_seed(0)
+    mine, theirs = torch.nn.Linear(4, 2).to(dev), torch.nn.Linear(4, 2).to(dev)
+    x = torch.randn(3, 4).to(dev)
+    their_grad = []
+
+    def other_work():
+        theirs(x).sum().backward()
+        their_grad.append(theirs.weight.grad.cpu())
+
+    started, done, errors = threading.Event(), threading.Event(), []
+    t = _in_another_thread(other_work, started, done, errors)
+    mine(x).sum().backward()  # .grads exist: a backward run again by a replay accumulates into them
+    theirs(x).sum().backward()
+    once = mine.weight.grad.cpu()
+    g = genie.Graph()
+    with genie.graph(g):
+        mine(x).sum().backward()
+        started.set()
+        assert done.wait(20)
+    t.join(10)
+    assert not errors, errors
+    g.replay()
+    g.replay()
+    torch.testing.assert_close(mine.weight.grad.cpu(), once * 4)
+    torch.testing.assert_close(theirs.weight.grad.cpu(), their_grad[0])  # not run again
+    torch.testing.assert_close(their_grad[0], 2 * x.cpu().sum(0).expand(2, 4))

@@ -221,3 +221,42 @@ def test_stream_context_and_capturing_flag(dev):
         assert ra.is_current_stream_capturing()
         torch.ones(2, device=dev).add_(1)
     assert not ra.is_current_stream_capturing()
+
+
+def test_inline_payloads_of_ops_on_another_stream_reach_their_own_ops(dev):
+    """Small CPU tensors given to ops travel inline in the ops' batch. An op on another stream
+    than the queued ones starts a new batch, and its payload must go with it: attached before the
+    switch, it left with the batch before, and the op read another payload (2.5 became 7, silently)."""
+    x = torch.ones(3, device=dev)
+    y = x + 1  # queued on the default stream
+    s = ra.Stream()
+    with ra.stream(s):
+        w = x * torch.tensor(2.5)
+        u = x * torch.tensor(7.0)
+        v = torch.ops.aten.add.Tensor(x, torch.tensor([1.0, 2.0, 3.0]))
+    z = x * torch.tensor(-1.0)  # and back on the default stream
+    s.synchronize()
+    assert y.cpu().tolist() == [2.0] * 3
+    assert w.cpu().tolist() == [2.5] * 3 and u.cpu().tolist() == [7.0] * 3
+    assert v.cpu().tolist() == [2.0, 3.0, 4.0] and z.cpu().tolist() == [-1.0] * 3
+
+
+def test_other_threads_see_no_capture(dev):
+    """Capturing is the recording thread's state, as CUDA's is_current_stream_capturing is per
+    stream (and a thread's current stream its own)."""
+    seen, inside, checked = [], threading.Event(), threading.Event()
+
+    def other():
+        inside.wait(10)
+        seen.append(ra.is_current_stream_capturing())
+        checked.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    with genie.graph(genie.Graph()):
+        torch.ones(2, device=dev).add_(1)
+        inside.set()
+        assert checked.wait(10)
+        assert ra.is_current_stream_capturing()
+    t.join(10)
+    assert seen == [False]

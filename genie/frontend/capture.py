@@ -393,7 +393,7 @@ def _capture_hot(func, args: tuple):
         # DeviceStream.append inlined for the case where the batch neither changes stream nor fills up.
         ids = thread_streams.ids
         ops = stream.ops
-        if ((ids.get(stream.global_index, 0) if ids else 0) == stream.batch_stream
+        if ((ids.get(stream.global_index, 0) if ids else 0) == stream.batch_stream and stream.recording is None
                 and len(ops) + 1 < stream.batch_ops and stream.inline_bytes < stream.batch_bytes):
             ops.append(entry)
             stream.ops_captured += 1

@@ -41,7 +41,7 @@ def encode(generator: torch.Generator, stream) -> protocol.msgpack.ExtType:
 def encode_fields(uid: int, version: int, seed: int, stream) -> protocol.msgpack.ExtType:
     """The wire form of the generator with these fields (generator_info's) for an op queued on
     `stream` (stream lock held): the daemon then holds its twin there until it is dropped."""
-    if stream.recording is not None:
+    if stream.records_here():
         raise GenieError("an op in a genie.graph cannot use a torch.Generator (its position would be "
                          "fixed at recording): draw from the default generator, seeded with torch.manual_seed")
     _homes[uid] = stream
@@ -67,6 +67,7 @@ def _drop_generators(stream) -> None:
         del _homes[uid]
     _dropped.extend(elsewhere)
     if here:
+        stream.own_batch()  # into this thread's batch (not one a genie.graph on another thread records)
         stream.ops.append([FREE_GENERATORS_OP, here, {}, None])
 
 

@@ -12,11 +12,14 @@ recorded in the block), and read results from the tensors it wrote. Inside the b
 may move data between host and daemon or read a value (`.cpu()`, `.item()`, ops whose output
 shape depends on data): those raise a GenieError, and so does an op in the block that writes
 into a tensor elsewhere (on the CPU, or on another device): it would run now and never in a
-replay. Replays queue like any op, in program order.
+replay. Replays queue like any op, in program order. A recording takes the ops of the thread
+that records and of its block's backward (on autograd's thread); other threads' work on the device
+meanwhile runs as usual, unrecorded (runtime.stream.DeviceStream.own_batch).
 """
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
 import weakref
 
@@ -27,7 +30,7 @@ from torch.utils._pytree import tree_leaves
 from genie.errors import GenieError
 from genie.runtime import get_runtime
 from genie.runtime.device_type import DEVICE_TYPE
-from genie.runtime.stream import unreplayed_captures
+from genie.runtime.stream import on_behalf, unreplayed_captures
 from genie.transport.interrupts import runs_whole
 from genie.transport.protocol import DEFINE_PROGRAM_OP as DEFINE_OP, REPLAY_OP
 
@@ -85,6 +88,7 @@ class _OnlyThisDevice(TorchDispatchMode):
         super().__init__()
         self.device = device
         self.stream = stream
+        self.thread = threading.get_ident()  # the recording one (see runtime.stream.on_behalf)
         self.first_new = first_new
         self.inputs: dict = {}  # handle id -> HandleRef
 
@@ -105,7 +109,13 @@ class _OnlyThisDevice(TorchDispatchMode):
                             f"{list(t.shape)}), which a recording of {self.device} does not capture: a replay "
                             "would not run it. torch.optim optimizers keep their step counts on the CPU unless "
                             "built with capturable=True: pass capturable=True (their state then lives on the device)")
-        return func(*args, **kwargs)
+        if threading.get_ident() == self.thread:
+            return func(*args, **kwargs)
+        before, on_behalf.stream = on_behalf.stream, self.stream  # the block's backward, on autograd's thread
+        try:
+            return func(*args, **kwargs)
+        finally:
+            on_behalf.stream = before
 
 
 def _begin(g: Graph, device, run: bool, began: list) -> None:
@@ -131,6 +141,7 @@ def _begin(g: Graph, device, run: bool, began: list) -> None:
 def _start_recording(stream, run: bool, began: list) -> None:
     stream.recording = []
     stream.record_only = not run
+    stream.recording_thread = threading.get_ident()
     guard = _OnlyThisDevice(stream.device, stream, first_new=stream.new_handle())
     guard.__enter__()
     began.append((stream, guard))
@@ -148,6 +159,7 @@ def _stop_recording(stream, guard, completed: bool, state: list | None = None) -
     finally:
         with stream.lock:
             batches, stream.recording = stream.recording, None
+            stream.recording_thread, stream.batch_recorded = None, False
             ran, stream.record_only = not stream.record_only, False
         if state is not None:
             state[1] = None

@@ -255,7 +255,7 @@ def is_current_stream_capturing() -> bool:
     """Whether ops on the current device are being recorded into a graph now (a
     torch.accelerator.Graph capture or a genie.graph block), as torch.cuda's answers for CUDA graphs."""
     rt = get_runtime()
-    return rt.started and rt.stream(rt.current_device).recording is not None
+    return rt.started and rt.stream(rt.current_device).records_here()
 
 
 def record_stream(tensor: torch.Tensor, s: torch.Stream) -> None:

@@ -51,6 +51,20 @@ class _CurrentStreams(threading.local):
 
 
 _current = _CurrentStreams()
+_get_ident = threading.get_ident
+
+
+class _OnBehalf(threading.local):
+    """The stream whose recording the op this thread is running belongs to, on a thread other than
+    the recording one: PyTorch's autograd engine runs a block's backward on its own thread for the
+    device, carrying the block's dispatch modes along, and the recording's mode sets this around
+    each op it sees there (frontend/graphs.py). Per op, not per thread: the engine's thread runs
+    other threads' backwards too."""
+
+    stream = None
+
+
+on_behalf = _OnBehalf()
 
 
 thread_streams = _current
@@ -142,12 +156,19 @@ class DeviceStream:
         # a stream's query needs no round trip once its work is known complete).
         self.last_op_on: dict[int, int] = {}
         self.completion_marks: dict[int, list] = {}
+        # A batch holds the ops of one daemon-side stream, and, while a block records, either the
+        # recording thread's ops or other threads' (see `own_batch`).
         self.batch_stream = 0  # daemon-side stream id of the ops in the current batch
+        self.batch_recorded = False  # the current batch is the recording thread's
         # (start, end) wall-clock times of recent batches on the daemon, for overlap checks.
         self.exec_log: collections.deque[tuple[float, float]] = collections.deque(maxlen=4096)
         # While a genie.graph records this stream: the [ops, frees] of each batch taken (see graphs).
         self.recording: list | None = None
         self.record_only = False  # while recording: the batches are kept, not sent (torch.accelerator.Graph)
+        # The thread that records: a recording takes only its ops (and those autograd's thread runs
+        # for it: see `on_behalf`), as a CUDA capture takes only its stream's; other threads' ops
+        # on the device run as usual meanwhile.
+        self.recording_thread: int | None = None
         # (transfer id, bytes, device or None) claimed by the op being queued; the bytes hold the tensor.
         self.pending_bulk: list = []
         # A CPU device. Its daemon keeps an adopted upload as received, reading it only for later
@@ -174,8 +195,31 @@ class DeviceStream:
     def new_handle(self) -> int:
         return next(self.link.handle_ids)
 
+    def records_here(self) -> bool:
+        """Whether this thread's ops on the stream are being recorded now."""
+        return self.recording is not None and (_get_ident() == self.recording_thread or on_behalf.stream is self)
+
+    def own_batch(self) -> None:
+        """Close the current batch if this thread's next op does not belong in it: it is for
+        another daemon-side stream, or for the recording when the batch is not (or the other way
+        round). Called before the op's arguments are encoded: an inline payload goes in the
+        batch of the op that reads it (a frame attached before the switch left with the batch
+        before, and the op read another frame: a wrong value, silently, for `x * torch.tensor(2.5)`
+        under another stream)."""
+        ids = _current.ids
+        sid = ids.get(self.global_index, 0) if ids else 0
+        recorded = self.records_here()
+        if sid == self.batch_stream and recorded is self.batch_recorded:
+            return
+        if self.ops:
+            pending, self.pending_bulk = self.pending_bulk, []  # they belong to the next op
+            with held_between_waits():  # taken and sent, or put back (see `put_back`)
+                self._post_unwaited(self._take(fetch=[], report=False))
+            self.pending_bulk = pending
+        self.batch_stream, self.batch_recorded = sid, recorded
+
     def _not_while_recording(self, what: str) -> None:
-        if self.recording is not None:
+        if self.records_here():
             from genie.errors import GenieError
 
             raise GenieError(f"{what} cannot be recorded in a genie.graph (a replay sends no data and reads "
@@ -184,6 +228,7 @@ class DeviceStream:
     def add_frame(self, buffer) -> int:
         """Attach an inline payload to the current batch; returns its frame index."""
         self._not_while_recording("a host-to-device copy")
+        self.own_batch()
         self.frames.append(buffer)
         self.inline_bytes += memoryview(buffer).nbytes
         return len(self.frames) - 1
@@ -199,6 +244,7 @@ class DeviceStream:
         """
         self._not_while_recording("a host-to-device copy")
         lane = self.link.bulk_lane
+        self.own_batch()
         nbytes = value.numel() * value.element_size()
         if lane is None or lane.closed or nbytes < self.link.bulk_min_bytes:
             return None
@@ -233,15 +279,8 @@ class DeviceStream:
         then their bytes, and a full batch goes out unasked, unless `send_now` is False (the caller
         posts the batch itself, then `_send_pending_bulk`)."""
         ids = _current.ids  # current_stream_id, inlined: this runs once per captured op
-        sid = ids.get(self.global_index, 0) if ids else 0
-        if sid != self.batch_stream:
-            # A batch runs on one daemon-side stream: switching streams closes the batch.
-            if self.ops:
-                pending, self.pending_bulk = self.pending_bulk, []  # they belong to `entry`
-                with held_between_waits():  # taken and sent, or put back (see `put_back`)
-                    self._post_unwaited(self._take(fetch=[], report=False))
-                self.pending_bulk = pending
-            self.batch_stream = sid
+        if (ids.get(self.global_index, 0) if ids else 0) != self.batch_stream or self.recording is not None:
+            self.own_batch()
         self.ops.append(entry)
         self.ops_captured += 1
         if self.pending_bulk:
@@ -282,7 +321,10 @@ class DeviceStream:
             # After every queued op (a replay of the program may be one), before a reported op (it stays last).
             at = len(self.ops) - 1 if report and self.ops else len(self.ops)
             self.ops[at:at] = drops
-        frees = self.deaths.take_all()
+        # While a block records, frees go with its batches only, as before other threads' ops were
+        # kept out of it: a free of a handle the block made must not reach a torch.accelerator.Graph's
+        # daemon before the replay that makes it (it would fail there, and the handle then leak).
+        frees = self.deaths.take_all() if self.recording is None or self.batch_recorded else []
         body = {"dev": self.local_index, "stream": self.batch_stream, "ops": self.ops, "frees": frees,
                 "fetch": fetch, "report": report}
         if self.ops:
@@ -296,7 +338,7 @@ class DeviceStream:
         if fetch and lane is not None and not lane.closed and (largest is None or largest >= self.link.bulk_min_bytes):
             body["bulk_min"] = self.link.bulk_min_bytes
         frames = self.frames
-        if self.recording is not None and (self.ops or frees):
+        if self.batch_recorded and self.recording is not None and (self.ops or frees):
             self.recording.append([self.ops, frees, body.get("num")])  # a program keeps its settings
             if self.record_only:
                 body["ops"], body["frees"] = [], []
@@ -505,8 +547,7 @@ class DeviceStream:
 
     def run_reported(self, entry: list) -> Any:
         """Queue `entry` last and run the batch now, returning its outputs described by the daemon."""
-        if self.recording is not None:
-            self._not_while_recording(f"{entry[0]} (its result is a value or has a data-dependent shape)")
+        self._not_while_recording(f"{entry[0]} (its result is a value or has a data-dependent shape)")
         with self.lock:
             # Not send_now: an entry that filled the batch went out with it, unreported (its
             # answer came back empty, and the op was captured and run a second time).
