@@ -21,6 +21,9 @@ fresh computation right, nothing waiting past GENIE_REQUEST_TIMEOUT (6 s here). 
                                                   # a genie.graph recorded, replayed and dropped,
                                                   # and a torch.accelerator.Graph captured, replayed,
                                                   # reset, captured again and dropped
+    GENIE_FUZZ_THREADS=1 python scripts/interrupt_fuzz.py   # with another thread using the device
+                                                  # all along (ops, reads, bulk downloads), which
+                                                  # must see its own values and never stall
 
 With no daemon configured it uses the embedded one. Ends with "done FIRST LAST bad N" and exits
 1 when N > 0. Found on 2026-11-29 (see bench/NOTES.md), and mended since: batches taken from the
@@ -113,6 +116,44 @@ def held(what, limit=0, wait_s=2.0):
             return now
         time.sleep(0.05)
 
+# GENIE_FUZZ_THREADS=1: a thread that uses the device throughout, as a program's worker thread
+# would (SIGINT only ever lands on the main thread, here while the two share the stream, its
+# lock and the lanes). It checks its own values; a try is bad if the thread failed or stalled.
+side = {"count": 0, "error": None}
+if os.environ.get("GENIE_FUZZ_THREADS") == "1":
+    side_y = torch.zeros(4, device=d)
+    side_big = torch.arange(300000, dtype=torch.float32)
+
+    def side_work():
+        try:
+            while True:
+                side_y.add_(1)
+                side["count"] += 1
+                if side["count"] % 8 == 0 and side_y[0].item() != side["count"]:
+                    raise AssertionError(f"read {side_y[0].item()}, expected {side['count']}")
+                if side["count"] % 64 == 0:  # a download large enough for the bulk lane
+                    if not torch.equal((side_big.to(d) + side["count"]).cpu(), side_big + side["count"]):
+                        raise AssertionError("a bulk download came back wrong")
+                time.sleep(0.0005)
+        except BaseException as e:
+            side["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+
+    threading.Thread(target=side_work, daemon=True, name="fuzz-side").start()
+
+
+def side_ok(wait_s=6.0) -> bool:
+    """The side thread (if any) has failed nothing and still makes progress."""
+    if "side_y" not in globals():
+        return True
+    before, deadline = side["count"], time.monotonic() + wait_s
+    while side["error"] is None and side["count"] == before and time.monotonic() < deadline:
+        time.sleep(0.001)
+    if side["error"] is not None or side["count"] == before:
+        print("side thread:", side["error"] or f"stalled at {before} for {wait_s} s", flush=True)
+        return False
+    return True
+
+
 kept = 0  # segment bytes never handed back so far (each try's counted once)
 kept_programs = 0  # likewise, recorded programs never dropped
 torch.manual_seed(0)
@@ -203,6 +244,9 @@ for at in range(lo, hi, step):
             if programs > kept_programs:
                 print("recorded programs still held after 2 s:", programs, flush=True)
                 check, kept_programs = False, programs
+        if check and not side_ok():
+            check = False
+            side["error"] = None  # reported once
         if not (ok and check):
             bad += 1
             print("BAD at", at, state.get("where"), "hit", hit, "got", got, "expected", expected, "check", check, flush=True)
