@@ -688,3 +688,38 @@ def test_a_recorded_backward_is_recorded_and_another_threads_is_not(dev):
     torch.testing.assert_close(mine.weight.grad.cpu(), once * 4)
     torch.testing.assert_close(theirs.weight.grad.cpu(), their_grad[0])  # not run again
     torch.testing.assert_close(their_grad[0], 2 * x.cpu().sum(0).expand(2, 4))
+
+
+def test_one_block_records_at_a_time_per_device(dev):
+    """A block inside a block is refused; so is a block on another thread while one records (it
+    says so), and once the first ends the other thread records as usual."""
+    import threading
+
+    x = torch.zeros(2, device=dev)
+    with genie.graph(genie.Graph()):
+        x.add_(1)
+        with pytest.raises(genie.GenieError, match="cannot be nested"):
+            with genie.graph(genie.Graph()):
+                pass
+        refused = []
+        t = threading.Thread(target=lambda: refused.append(_record_in_thread(x)))
+        t.start()
+        t.join(20)
+    assert len(refused) == 1 and "another thread is recording a block" in refused[0]
+    got = []
+    t = threading.Thread(target=lambda: got.append(_record_in_thread(x)))
+    t.start()
+    t.join(20)
+    assert got == ["recorded"]
+    assert x.cpu().tolist() == [3.0, 3.0]  # the first block, then the thread's twice (run, replay)
+
+
+def _record_in_thread(x) -> str:
+    try:
+        g = genie.Graph()
+        with genie.graph(g):
+            x.add_(1)
+        g.replay()
+        return "recorded"
+    except genie.GenieError as e:
+        return str(e)

@@ -129,6 +129,9 @@ def _begin(g: Graph, device, run: bool, began: list) -> None:
     stream = get_runtime().stream(device.index)
     with stream.lock:
         if stream.recording is not None:
+            if stream.recording_thread != threading.get_ident():
+                raise GenieError(f"another thread is recording a block on {device} (a genie.graph or a "
+                                 "torch.accelerator.Graph capture): a device records one block at a time")
             raise GenieError("genie.graph blocks cannot be nested on one device")
         stream.flush()  # ops from before the block are not part of it
         _start_recording(stream, run, began)
