@@ -144,7 +144,7 @@ def _begin(g: Graph, device, run: bool, began: list) -> None:
 def _start_recording(stream, run: bool, began: list) -> None:
     stream.recording = []
     stream.record_only = not run
-    stream.recording_thread = threading.get_ident()
+    stream.recording_thread, stream.recording_made = threading.get_ident(), set()
     guard = _OnlyThisDevice(stream.device, stream, first_new=stream.new_handle())
     guard.__enter__()
     began.append((stream, guard))
@@ -162,7 +162,7 @@ def _stop_recording(stream, guard, completed: bool, state: list | None = None) -
     finally:
         with stream.lock:
             batches, stream.recording = stream.recording, None
-            stream.recording_thread, stream.batch_recorded = None, False
+            stream.recording_thread, stream.batch_recorded, stream.recording_made = None, False, set()
             ran, stream.record_only = not stream.record_only, False
         if state is not None:
             state[1] = None
@@ -172,7 +172,13 @@ def _stop_recording(stream, guard, completed: bool, state: list | None = None) -
 def _define(g: Graph, stream, guard, batches: list, ran: bool) -> bool:
     """Define the program of a block that completed on the daemon, and make `g` replay it; False
     (nothing defined) where the block recorded no remote ops."""
-    batches = [b for b in batches if b[0]]  # frees alone need no replay
+    kept: list = []
+    for ops, frees, settings in batches:  # frees alone go with the ops before them
+        if ops:
+            kept.append([ops, list(frees), settings])
+        elif kept:
+            kept[-1][1] += frees
+    batches = kept
     if not batches:
         return False
     # A replay runs under the numerics settings its ops were recorded under (as a CUDA graph

@@ -169,6 +169,7 @@ class DeviceStream:
         # for it: see `on_behalf`), as a CUDA capture takes only its stream's; other threads' ops
         # on the device run as usual meanwhile.
         self.recording_thread: int | None = None
+        self.recording_made: set[int] = set()  # handles the recorded ops make (see `_record`)
         # (transfer id, bytes, device or None) claimed by the op being queued; the bytes hold the tensor.
         self.pending_bulk: list = []
         # A CPU device. Its daemon keeps an adopted upload as received, reading it only for later
@@ -321,10 +322,7 @@ class DeviceStream:
             # After every queued op (a replay of the program may be one), before a reported op (it stays last).
             at = len(self.ops) - 1 if report and self.ops else len(self.ops)
             self.ops[at:at] = drops
-        # While a block records, frees go with its batches only, as before other threads' ops were
-        # kept out of it: a free of a handle the block made must not reach a torch.accelerator.Graph's
-        # daemon before the replay that makes it (it would fail there, and the handle then leak).
-        frees = self.deaths.take_all() if self.recording is None or self.batch_recorded else []
+        frees = self.deaths.take_all()
         body = {"dev": self.local_index, "stream": self.batch_stream, "ops": self.ops, "frees": frees,
                 "fetch": fetch, "report": report}
         if self.ops:
@@ -338,12 +336,31 @@ class DeviceStream:
         if fetch and lane is not None and not lane.closed and (largest is None or largest >= self.link.bulk_min_bytes):
             body["bulk_min"] = self.link.bulk_min_bytes
         frames = self.frames
-        if self.batch_recorded and self.recording is not None and (self.ops or frees):
-            self.recording.append([self.ops, frees, body.get("num")])  # a program keeps its settings
-            if self.record_only:
-                body["ops"], body["frees"] = [], []
+        if self.recording is not None:
+            self._record(body, frees)
         self.ops, self.frames, self.inline_bytes = [], [], 0
         return body, frames
+
+    def _record(self, body: dict, frees: list) -> None:
+        """While a block records: keep the batch for its program if it is the recording's, with
+        the frees of handles the block made, whichever batch took them: a replay makes those
+        handles again, and the program frees them after each replay. Other frees go now, as the
+        handles exist; those the block made go now too unless the block ran nothing (a
+        torch.accelerator.Graph capture: they exist from its first replay). Before 2026-11-30 a
+        capture kept every free for its program, and a tensor that died during a capture never
+        replayed stayed on the daemon (1 MB per capture in a loop)."""
+        made = self.recording_made
+        if self.batch_recorded:
+            for op in self.ops:
+                _add_handles(op[3], made)
+        mine = [h for h in frees if h in made] if made and frees else []
+        if self.batch_recorded and self.ops or mine:
+            self.recording.append([self.ops if self.batch_recorded else [], mine, body.get("num")])
+        if self.record_only:
+            if self.batch_recorded:
+                body["ops"] = []
+            if mine:
+                body["frees"] = [h for h in frees if h not in made]
 
     def _post(self, batch: tuple[dict, list], wait: bool, direct: bool = False) -> concurrent.futures.Future:
         """Send a batch; `direct`: the caller is about to block on it, so it may go on its own thread
@@ -561,6 +578,15 @@ class DeviceStream:
         self.note_failure(reply)
         self._raise_async_error()
         return reply.body["report"]
+
+
+def _add_handles(outs, into: set) -> None:
+    """The handles an op entry's outputs spec names (an id, None, or a list of those)."""
+    if type(outs) is int:
+        into.add(outs)
+    elif type(outs) is list:
+        for out in outs:
+            _add_handles(out, into)
 
 
 # Handle ids made inside a torch.accelerator.Graph capture whose graph has not been replayed yet,
