@@ -54,11 +54,16 @@ def encode_fields(uid: int, version: int, seed: int, stream) -> protocol.msgpack
 def _drop_generators(stream) -> None:
     """Queue the drop of dropped generators that last drew on `stream` (queued after their last
     draw: another device's batches on the same daemon may still be unsent). The entry goes
-    straight into the open batch: posting it here would send payloads already attached for the
-    op being encoded without that op."""
+    straight into this thread's open batch: posting it here would send payloads already attached
+    for the op being encoded without that op (with those attached, the batch is already this
+    thread's, and `own_batch` posts nothing). Threads queuing ops on other devices run this at
+    the same time (each under its own stream's lock): `_dropped` is taken by atomic pops."""
     here, elsewhere = [], []
-    while _dropped:
-        uid = _dropped.pop()
+    while True:
+        try:
+            uid = _dropped.pop()
+        except IndexError:
+            break
         home = _homes.get(uid)
         if home is None:
             continue
