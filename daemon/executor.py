@@ -22,7 +22,8 @@ from genie.transport.protocol import (ADOPT_OP, ALIAS_STORAGE_OP, COPY_STORAGE_O
                                       EVENT_RECORD_OP, EVENT_WAIT_OP, FREE_GENERATORS_OP, KV_APPEND_OP, KV_CLOSE_OP,
                                       KV_GET_OP, PERSIST_OP, RECORD_STREAM_OP, RECV_OP, REPLAY_OP, RESIZE_STORAGE_OP,
                                       RNG_STATE_OP, SEED_OP, SEND_OP, SET_RNG_STATE_OP, SHARE_CUDA_OP, STORAGE_OF_OP,
-                                      BulkTensor, DeviceRef, Exec, GeneratorRef, HandleRef, InlineTensor, OpCall)
+                                      BulkTensor, DeviceRef, Exec, GeneratorRef, HandleRef, InlineTensor, OpCall,
+                                      found_in, handles_in)
 from genie.transport.hostmem import snapshot
 from genie.transport.tensors import (aligned_for_compute, bytes_as_tensor, check_shape, check_strides, dense,
                                      dense_bytes, dense_span, dtype_name, elements_spanned, frames_to_tensor, is_dense,
@@ -31,7 +32,7 @@ from genie.transport.tensors import (aligned_for_compute, bytes_as_tensor, check
 from . import attention
 from . import ops as op_table
 from . import device_faults, layouts, programs, rnn_cells, sync_batch_norm
-from .handles import ClientState, Poison, Poisoned, found_in, handles_in, held
+from .handles import ClientState, Poison, Poisoned, held
 from .memory_guard import is_allocation_failure
 from .ops import int_arg
 from .program_ops import ProgramOps

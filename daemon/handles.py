@@ -205,16 +205,3 @@ class ClientState:
             self.generators[key] = gen
         return gen
 
-
-def found_in(value, kind: type):
-    """Each `kind` in `value`: itself, or those in nested lists."""
-    if isinstance(value, kind):
-        yield value
-    elif isinstance(value, list):
-        for v in value:
-            yield from found_in(v, kind)
-
-
-def handles_in(outs):
-    """The handles an op call's `outs` names (an int, or nested lists of them)."""
-    return found_in(outs, int)

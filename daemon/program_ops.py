@@ -10,11 +10,11 @@ import torch
 
 from genie.transport import numerics, protocol
 from genie.transport.errors import ProtocolError
-from genie.transport.protocol import DEFINE_PROGRAM_OP, REPLAY_OP, OpCall
+from genie.transport.protocol import DEFINE_PROGRAM_OP, REPLAY_OP, OpCall, handles_in
 
 from . import ops as op_table
 from . import programs
-from .handles import ClientState, handles_in
+from .handles import ClientState
 from .ops import int_arg
 from .random_ops import drawing_from
 

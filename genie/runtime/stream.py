@@ -245,10 +245,10 @@ class DeviceStream:
         """
         self._not_while_recording("a host-to-device copy")
         lane = self.link.bulk_lane
-        self.own_batch()
         nbytes = value.numel() * value.element_size()
         if lane is None or lane.closed or nbytes < self.link.bulk_min_bytes:
-            return None
+            return None  # inlined: add_frame picks the batch
+        self.own_batch()  # before the claim: the transfer goes with this op's batch
         xfer = lane.next_id()
         # A daemon GPU that the UCX lane fills directly: the bytes land there, not in host memory.
         to_device = self.local_index if self.local_index in lane.peer_devices else None
@@ -352,7 +352,7 @@ class DeviceStream:
         made = self.recording_made
         if self.batch_recorded:
             for op in self.ops:
-                _add_handles(op[3], made)
+                made.update(protocol.handles_in(op[3]))
         mine = [h for h in frees if h in made] if made and frees else []
         if self.batch_recorded and self.ops or mine:
             self.recording.append([self.ops if self.batch_recorded else [], mine, body.get("num")])
@@ -578,15 +578,6 @@ class DeviceStream:
         self.note_failure(reply)
         self._raise_async_error()
         return reply.body["report"]
-
-
-def _add_handles(outs, into: set) -> None:
-    """The handles an op entry's outputs spec names (an id, None, or a list of those)."""
-    if type(outs) is int:
-        into.add(outs)
-    elif type(outs) is list:
-        for out in outs:
-            _add_handles(out, into)
 
 
 # Handle ids made inside a torch.accelerator.Graph capture whose graph has not been replayed yet,

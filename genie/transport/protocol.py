@@ -442,6 +442,21 @@ def _check_strides(strides: Any, outs: Any, depth: int = 0) -> None:
     raise ProtocolError(f"bad output strides {strides!r} for outs {outs!r}")
 
 
+def found_in(value, kind: type):
+    """Each `kind` in `value`: itself, or those in nested lists."""
+    if isinstance(value, kind):
+        yield value
+    elif isinstance(value, list):
+        for v in value:
+            yield from found_in(v, kind)
+
+
+def handles_in(outs):
+    """The handles an op call's `outs` names (an int, or nested lists of them): the client's
+    recordings and the daemon's executor both read them."""
+    return found_in(outs, int)
+
+
 def _check_outs(outs: Any, depth: int = 0) -> None:
     if outs is None or type(outs) is int:
         return
